@@ -1,0 +1,516 @@
+"""A sans-IO miniature of vLLM v1's engine core: block pool, prefix cache, continuous batching.
+
+Nothing here reads a clock, sleeps or touches a socket. The caller adds requests, calls
+`EngineModel.step(now)` and receives a `StepOutput` whose `duration` says how long the step takes;
+the outputs become visible at `now + duration`. The live simulated server sleeps that long in real
+time, the benchmark driver advances a virtual clock by it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from adapters.sim.profiles import EngineProfile, ScheduledChunk
+
+BlockHash = int
+
+# vLLM seeds the hash chain with H("vllm-none-hash") when PYTHONHASHSEED is unset.
+NONE_HASH: BlockHash = int.from_bytes(hashlib.sha256(b"vllm-none-hash").digest()[-8:], "big")
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] | None
+) -> BlockHash:
+    """Chained block hash: low 64 bits of SHA-256 over (parent, tokens, extra keys), as vLLM does."""
+    h = hashlib.sha256()
+    h.update((NONE_HASH if parent is None else parent).to_bytes(8, "big"))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return int.from_bytes(h.digest()[-8:], "big")
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in the engine."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped, named as vLLM's `finish_reason`."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class KVBlock:
+    """One physical KV block: a ref count and, once full and cached, its chained hash."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Consecutive blocks of one request entered the prefix cache."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """Blocks were evicted from the prefix cache."""
+
+    block_hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """The whole prefix cache was reset."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class BlockPool:
+    """Paged KV pool with ref counts, a prefix cache keyed by block hash and an LRU free queue."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Unreferenced blocks, least recently freed first: the front is evicted first.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self.events: list[KVEvent] = []
+
+    @property
+    def num_blocks(self) -> int:
+        """Total blocks in the pool."""
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks no request references (cached ones included: they are evictable)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests, as `vllm:kv_cache_usage_perc` reports it."""
+        return 1.0 - self.num_free / self.num_blocks
+
+    def lookup(self, block_hash: BlockHash) -> KVBlock | None:
+        """The cached block with this hash, if any."""
+        return self._cached.get(block_hash)
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on cached blocks a request reuses (they leave the free queue)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free[b.block_id]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take `n` blocks from the front of the free queue, evicting their cached contents."""
+        if n > len(self._free):
+            raise ValueError(f"cannot allocate {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            b = self.blocks[block_id]
+            if b.block_hash is not None:
+                del self._cached[b.block_hash]
+                self.events.append(BlockRemoved((b.block_hash,)))
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def free(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop a request's references; tail blocks are queued first so they are evicted first."""
+        for b in reversed(blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self._free[b.block_id] = None
+
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Register a full block under its hash; False when another block already holds it."""
+        if block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no request holds a block."""
+        if self.num_free != self.num_blocks:
+            return False
+        for b in self._cached.values():
+            b.block_hash = None
+        self._cached.clear()
+        self.events.append(AllBlocksCleared())
+        return True
+
+    def drain_events(self) -> list[KVEvent]:
+        """KV events produced since the last drain."""
+        events, self.events = self.events, []
+        return events
+
+
+@dataclass
+class SimRequest:
+    """A request inside the engine model; the server owns everything about its HTTP life."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    # Length at which the simulated model would emit EOS (sampled by the caller for realism).
+    natural_output_len: int = 16
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    priority: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    output_token_ids: list[int] = field(default_factory=list)
+    blocks: list[KVBlock] = field(default_factory=list)
+    # Leading blocks already registered in the prefix cache (or found there).
+    num_cached_blocks: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        """Token id at position `i` of prompt + output."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """Tokens one request produced in a step, and whether it finished."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+
+
+@dataclass
+class StepOutput:
+    """What a step produced; all of it becomes visible at `now + duration`."""
+
+    duration: float
+    outputs: list[TokenOutput]
+    finished: list[SimRequest]
+    kv_events: list[KVEvent]
+    num_scheduled_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters, mirroring vLLM's Prometheus counters."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    steps: int = 0
+    busy_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings a simulated `vllm serve` would take on its command line."""
+
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    eos_token_id: int
+    enable_prefix_caching: bool = True
+    priority_scheduling: bool = False
+
+
+TokenSampler = Callable[[SimRequest], int]
+
+
+class EngineModel:
+    """Continuous batching with chunked prefill over a paged, prefix-cached KV pool."""
+
+    def __init__(self, config: EngineConfig, profile: EngineProfile, sampler: TokenSampler) -> None:
+        self.config = config
+        self.profile = profile
+        self.sampler = sampler
+        self.pool = BlockPool(config.num_blocks)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.stats = EngineStats()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, req: SimRequest) -> None:
+        """Queue a request; the caller has validated lengths against `max_model_len`."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if req.num_prompt_tokens == 0:
+            raise ValueError("prompt must contain at least one token")
+        self.requests[req.request_id] = req
+        if self.config.priority_scheduling:
+            # Lower priority value first, then arrival: insert before the first later-ranked one.
+            key = (req.priority, req.arrival_time)
+            for i, other in enumerate(self.waiting):
+                if (other.priority, other.arrival_time) > key:
+                    self.waiting.insert(i, req)
+                    break
+            else:
+                self.waiting.append(req)
+        else:
+            self.waiting.append(req)
+
+    def abort_request(self, request_id: str, now: float) -> SimRequest | None:
+        """Stop a request (client went away) and release its blocks."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, FinishReason.ABORT, now)
+        return req
+
+    def has_work(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (new or preempted)."""
+        return len(self.waiting)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+
+    def _extra_keys(self, req: SimRequest, block_index: int) -> tuple[object, ...] | None:
+        keys: list[object] = []
+        if req.lora_name is not None:
+            keys.append(("lora", req.lora_name))
+        if block_index == 0 and req.cache_salt is not None:
+            keys.append(("cache_salt", req.cache_salt))
+        return tuple(keys) if keys else None
+
+    def _extend_block_hashes(self, req: SimRequest, upto_tokens: int) -> None:
+        """Hash every full block of the request's tokens up to `upto_tokens`."""
+        bs = self.config.block_size
+        while (len(req.block_hashes) + 1) * bs <= upto_tokens:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            tokens = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
+            req.block_hashes.append(hash_block(parent, tokens, self._extra_keys(req, i)))
+
+    def _cached_prefix(self, req: SimRequest) -> list[KVBlock]:
+        """Longest run of cached blocks; the last prompt token is always recomputed."""
+        if not self.config.enable_prefix_caching:
+            return []
+        self._extend_block_hashes(req, req.num_tokens)
+        max_blocks = (req.num_tokens - 1) // self.config.block_size
+        hits: list[KVBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def _cache_full_blocks(self, req: SimRequest) -> list[BlockStored]:
+        """Register blocks whose tokens are all computed; announce each new consecutive run."""
+        if not self.config.enable_prefix_caching:
+            return []
+        bs = self.config.block_size
+        full = req.num_computed_tokens // bs
+        self._extend_block_hashes(req, full * bs)
+        events: list[BlockStored] = []
+        run: list[int] = []
+
+        def flush() -> None:
+            if run:
+                parent = req.block_hashes[run[0] - 1] if run[0] > 0 else None
+                tokens = [req.token_at(j) for j in range(run[0] * bs, (run[-1] + 1) * bs)]
+                hashes = tuple(req.block_hashes[i] for i in run)
+                events.append(BlockStored(hashes, parent, tuple(tokens), bs, req.lora_name))
+                run.clear()
+
+        for i in range(req.num_cached_blocks, full):
+            if self.pool.cache(req.blocks[i], req.block_hashes[i]):
+                run.append(i)
+            else:
+                flush()
+        flush()
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (vLLM's /reset_prefix_cache); False while requests run."""
+        return self.pool.reset_prefix_cache()
+
+    # -- scheduling -----------------------------------------------------------------------------
+
+    def _blocks_needed(self, req: SimRequest, num_tokens: int) -> int:
+        bs = self.config.block_size
+        return max(0, -(-num_tokens // bs) - len(req.blocks))
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.num_cached_blocks = 0
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _schedule(self, now: float) -> list[tuple[SimRequest, int]]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted = False
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            need = self._blocks_needed(req, req.num_computed_tokens + n)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.blocks.extend(self.pool.allocate(need))
+            scheduled.append((req, n))
+            budget -= n
+        while (
+            self.waiting
+            and not preempted
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits: list[KVBlock] = []
+            if req.num_computed_tokens == 0:
+                hits = self._cached_prefix(req)
+            num_cached = len(hits) * self.config.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            # Reusing a cached block that sits in the free queue takes it out of the free count.
+            reusable_free = sum(1 for b in hits if b.ref_cnt == 0)
+            need = -(-(num_cached + n) // self.config.block_size) - len(hits)
+            if need > self.pool.num_free - reusable_free:
+                break
+            self.waiting.popleft()
+            self.pool.touch(hits)
+            req.blocks = list(hits)
+            req.blocks.extend(self.pool.allocate(need))
+            req.num_computed_tokens = num_cached
+            req.num_cached_blocks = len(hits)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+                self.stats.prefix_cache_queries += req.num_prompt_tokens
+                self.stats.prefix_cache_hits += num_cached
+                self.stats.prompt_tokens += req.num_prompt_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+        return scheduled
+
+    def step(self, now: float) -> StepOutput:
+        """Schedule and run one engine step starting at `now`."""
+        scheduled = self._schedule(now)
+        chunks = [ScheduledChunk(n, req.num_computed_tokens) for req, n in scheduled]
+        duration = self.profile.step_time(chunks)
+        done_at = now + duration
+        outputs: list[TokenOutput] = []
+        finished: list[SimRequest] = []
+        kv_events: list[KVEvent] = []
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+            stored = self._cache_full_blocks(req)
+            if req.num_computed_tokens < req.num_tokens:
+                kv_events.extend(self.pool.drain_events())
+                kv_events.extend(stored)
+                continue
+            token = self.sampler(req)
+            reason: FinishReason | None = None
+            n_out = len(req.output_token_ids) + 1
+            if n_out >= req.max_tokens or req.num_tokens + 1 >= self.config.max_model_len:
+                reason = FinishReason.LENGTH
+            elif not req.ignore_eos and n_out >= max(req.min_tokens, req.natural_output_len):
+                token = self.config.eos_token_id
+                reason = FinishReason.STOP
+            req.output_token_ids.append(token)
+            self.stats.generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = done_at
+            kv_events.extend(self.pool.drain_events())
+            kv_events.extend(stored)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason, done_at)
+                finished.append(req)
+            outputs.append(TokenOutput(req.request_id, (token,), reason))
+        kv_events.extend(self.pool.drain_events())
+        if scheduled:
+            self.stats.steps += 1
+            self.stats.busy_time += duration
+        return StepOutput(duration, outputs, finished, kv_events, sum(n for _, n in scheduled))
+
+    def _finish(self, req: SimRequest, reason: FinishReason, now: float) -> None:
+        self.pool.free(req.blocks)
+        req.blocks = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finished_time = now
+        del self.requests[req.request_id]

