@@ -1,0 +1,1 @@
+"""Engine adapters: real vLLM and the simulated engine that speaks its protocols."""

@@ -70,6 +70,8 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     lora_name: str | None
+    # One entry per block: the untagged extra hash keys vLLM publishes (LoRA name, cache salt).
+    extra_keys: tuple[tuple[object, ...] | None, ...]
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,8 @@ class SimRequest:
     cache_salt: str | None = None
     lora_name: str | None = None
     priority: int = 0
+    # Seeds the simulated sampler so the same prompt yields the same output, like greedy decoding.
+    sample_seed: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
@@ -335,6 +339,10 @@ class EngineModel:
             keys.append(("cache_salt", req.cache_salt))
         return tuple(keys) if keys else None
 
+    def _event_extra_keys(self, req: SimRequest, block_index: int) -> tuple[object, ...] | None:
+        keys = self._extra_keys(req, block_index)
+        return tuple(k[1] for k in keys) if keys else None  # type: ignore[index]
+
     def _extend_block_hashes(self, req: SimRequest, upto_tokens: int) -> None:
         """Hash every full block of the request's tokens up to `upto_tokens`."""
         bs = self.config.block_size
@@ -373,7 +381,8 @@ class EngineModel:
                 parent = req.block_hashes[run[0] - 1] if run[0] > 0 else None
                 tokens = [req.token_at(j) for j in range(run[0] * bs, (run[-1] + 1) * bs)]
                 hashes = tuple(req.block_hashes[i] for i in run)
-                events.append(BlockStored(hashes, parent, tuple(tokens), bs, req.lora_name))
+                extra = tuple(self._event_extra_keys(req, i) for i in run)
+                events.append(BlockStored(hashes, parent, tuple(tokens), bs, req.lora_name, extra))
                 run.clear()
 
         for i in range(req.num_cached_blocks, full):

@@ -1,0 +1,153 @@
+"""The `vllm:` Prometheus metrics of vLLM 0.32 (vllm/v1/metrics/loggers.py), fed by the sim."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from adapters.sim.model import EngineModel, FinishReason, SimRequest
+
+# Bucket bounds copied from vllm/v1/metrics/buckets.py so histograms line up with real engines.
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+LABELS = ["model_name", "engine"]
+
+
+class EngineMetrics:
+    """One registry holding the engine's metrics, labelled `model_name` and `engine="0"`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        lv = (model_name, "0")
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, LABELS, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, LABELS, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r)
+
+        self.running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        ).labels(*lv)
+        self.waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        ).labels(*lv)
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason.",
+            [*LABELS, "reason"],
+            registry=r,
+        )
+        self.waiting_capacity = by_reason.labels(*lv, "capacity")
+        self.waiting_deferred = by_reason.labels(*lv, "deferred")
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        ).labels(*lv)
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        ).labels(*lv)
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        ).labels(*lv)
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing.",
+        ).labels(*lv)
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing.",
+        ).labels(*lv)
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        ).labels(*lv)
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed."
+        ).labels(*lv)
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        ).labels(*lv)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*LABELS, "finished_reason"],
+            registry=r,
+        )
+        self.success = {reason: success.labels(*lv, reason.value) for reason in FinishReason}
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
+        ).labels(*lv)
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        ).labels(*lv)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self._seen = {"queries": 0, "hits": 0, "preempt": 0, "prompt": 0, "gen": 0}
+
+    def after_step(self, engine: EngineModel) -> None:
+        """Refresh gauges and advance counters from the engine model's monotonic stats."""
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.waiting_capacity.set(engine.num_waiting)
+        self.waiting_deferred.set(0)
+        self.kv_usage.set(engine.pool.usage)
+        s = engine.stats
+        for key, value, metric in (
+            ("queries", s.prefix_cache_queries, self.prefix_queries),
+            ("hits", s.prefix_cache_hits, self.prefix_hits),
+            ("preempt", s.num_preemptions, self.preemptions),
+            ("prompt", s.prompt_tokens, self.prompt_tokens),
+            ("gen", s.generation_tokens, self.generation_tokens),
+        ):
+            delta = value - self._seen[key]
+            if delta:
+                metric.inc(delta)
+                self._seen[key] = value
+
+    def request_finished(self, req: SimRequest) -> None:
+        """Observe a finished request's latencies, as vLLM's logger does at completion."""
+        assert req.finish_reason is not None and req.finished_time is not None
+        self.success[req.finish_reason].inc()
+        self.e2e.observe(req.finished_time - req.arrival_time)
+        if req.first_scheduled_time is not None:
+            self.queue_time.observe(req.first_scheduled_time - req.arrival_time)
+            if req.first_token_time is not None:
+                self.prefill_time.observe(req.first_token_time - req.first_scheduled_time)
+        if req.first_token_time is not None:
+            self.decode_time.observe(req.finished_time - req.first_token_time)

@@ -1,0 +1,568 @@
+"""An aiohttp server that speaks vLLM 0.32's HTTP, metrics and KV-event protocols over EngineModel.
+
+This is the I/O shell around the sans-IO engine model: it owns the clock (steps sleep their
+roofline duration, scaled by `time_scale`), tokenises with the same tokenizer a real engine would
+load, streams SSE exactly as vLLM does, publishes KV events over ZMQ and exposes `vllm:` metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+from aiohttp import web
+from prometheus_client import generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from adapters.sim.metrics import EngineMetrics
+from adapters.sim.model import EngineConfig, EngineModel, FinishReason, SimRequest, TokenOutput
+from adapters.sim.profiles import EngineProfile
+from adapters.sim.publisher import KVEventPublisher
+from kvindex.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32.0"
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """Everything `kvgate sim` is started with."""
+
+    model: str
+    profile: EngineProfile
+    block_size: int
+    num_blocks: int
+    seed: int = 0
+    time_scale: float = 1.0
+    tokenizer: str | None = None
+    kv_events_endpoint: str | None = None
+    kv_replay_endpoint: str | None = None
+    kv_topic: str = ""
+    enable_prompt_tokens_details: bool = True
+    priority_scheduling: bool = False
+    mean_output_tokens: int = 48
+
+
+class APIError(Exception):
+    """An error answered in vLLM's `{"error": {...}}` shape."""
+
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+
+    def response(self) -> web.Response:
+        """Render as vLLM's ErrorResponse."""
+        body = {"error": {"message": self.message, "type": self.err_type, "param": None,
+                          "code": self.status}}
+        return web.json_response(body, status=self.status)
+
+
+@dataclass
+class _Stream:
+    """Per-request channel from the engine loop to the HTTP handler."""
+
+    request: SimRequest
+    queue: asyncio.Queue[TokenOutput] = field(default_factory=asyncio.Queue)
+    last_token_at: float | None = None
+
+
+class SimEngine:
+    """Runs EngineModel in real time and answers vLLM's HTTP endpoints."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        self.tokenizer = Tokenizer.load(settings.tokenizer)
+        profile = settings.profile
+        self.config = EngineConfig(
+            block_size=settings.block_size,
+            num_blocks=settings.num_blocks,
+            max_num_batched_tokens=profile.max_num_batched_tokens,
+            max_num_seqs=profile.max_num_seqs,
+            max_model_len=profile.max_model_len,
+            eos_token_id=self.tokenizer.eos_token_id,
+            priority_scheduling=settings.priority_scheduling,
+        )
+        self._word_ids = self._readable_token_ids()
+        self.model = EngineModel(self.config, profile, self._sample)
+        self.metrics = EngineMetrics(settings.model)
+        self.publisher: KVEventPublisher | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._t0 = time.monotonic()
+        self.healthy = True
+
+    # -- engine loop ----------------------------------------------------------------------------
+
+    def _readable_token_ids(self) -> list[int]:
+        """Token ids that decode to a plain word, so simulated output reads as text."""
+        ids = []
+        for i in range(self.tokenizer.vocab_size):
+            if i in self.tokenizer.special_ids:
+                continue
+            text = self.tokenizer.decode([i])
+            if len(text) > 2 and text[0] == " " and text[1:].isascii() and text[1:].isalpha():
+                ids.append(i)
+        return ids or [i for i in range(self.tokenizer.vocab_size)
+                       if i not in self.tokenizer.special_ids]
+
+    def _sample(self, req: SimRequest) -> int:
+        h = xxhash.xxh64_intdigest(
+            f"{req.sample_seed}:{len(req.output_token_ids)}".encode(), seed=self.settings.seed
+        )
+        return self._word_ids[h % len(self._word_ids)]
+
+    def now(self) -> float:
+        """Engine time: seconds since start on the monotonic clock."""
+        return time.monotonic() - self._t0
+
+    async def start(self) -> None:
+        """Open the KV-event sockets and start the step loop."""
+        s = self.settings
+        if s.kv_events_endpoint:
+            self.publisher = KVEventPublisher(s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_topic)
+            self.publisher.start()
+        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop stepping and close sockets."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    async def _run(self) -> None:
+        while True:
+            if not self.model.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            out = self.model.step(self.now())
+            if out.duration > 0:
+                await asyncio.sleep(out.duration * self.settings.time_scale)
+            else:
+                await asyncio.sleep(0)
+            if self.publisher is not None:
+                await self.publisher.publish(out.kv_events)
+            t = self.now()
+            for o in out.outputs:
+                stream = self._streams.get(o.request_id)
+                if stream is None:
+                    continue
+                if stream.last_token_at is None:
+                    self.metrics.ttft.observe(t - stream.request.arrival_time)
+                else:
+                    self.metrics.itl.observe(t - stream.last_token_at)
+                stream.last_token_at = t
+                stream.queue.put_nowait(o)
+            for req in out.finished:
+                # Outputs are stamped at step end; the request's clock follows the real one.
+                req.finished_time = t
+                self.metrics.request_finished(req)
+            self.metrics.after_step(self.model)
+
+    # -- request plumbing -----------------------------------------------------------------------
+
+    def _submit(self, prompt_ids: list[int], body: dict[str, Any]) -> _Stream:
+        cfg = self.config
+        n_prompt = len(prompt_ids)
+        if n_prompt == 0:
+            raise APIError(400, "The prompt cannot be empty.")
+        if n_prompt >= cfg.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                f"your request has {n_prompt} input tokens. Please reduce the length of the "
+                "input messages.",
+            )
+        max_tokens = _opt_int(body, "max_completion_tokens")
+        if max_tokens is None:
+            max_tokens = _opt_int(body, "max_tokens")
+        room = cfg.max_model_len - n_prompt
+        if max_tokens is None:
+            max_tokens = room
+        elif max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.")
+        elif max_tokens > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                f"you requested {max_tokens} output tokens and your prompt contains {n_prompt} "
+                f"input tokens, for a total of {max_tokens + n_prompt} tokens.",
+            )
+        min_tokens = _opt_int(body, "min_tokens") or 0
+        if min_tokens < 0 or min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens must be in [0, max_tokens], got {min_tokens}.")
+        ignore_eos = bool(body.get("ignore_eos", False))
+        priority = _opt_int(body, "priority") or 0
+        if priority != 0 and not self.config.priority_scheduling:
+            raise APIError(400, "Priority scheduling is not enabled.")
+        cache_salt = body.get("cache_salt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise APIError(400, "cache_salt must be a string.")
+        digest = xxhash.xxh64_intdigest(
+            json.dumps([prompt_ids, body.get("seed"), cache_salt]).encode(), seed=self.settings.seed
+        )
+        rng = random.Random(digest)
+        natural = 1 + int(rng.expovariate(1.0 / self.settings.mean_output_tokens))
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        while rid in self._streams:
+            rid = uuid.uuid4().hex
+        req = SimRequest(
+            request_id=rid,
+            prompt_token_ids=prompt_ids,
+            max_tokens=max_tokens,
+            arrival_time=self.now(),
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            natural_output_len=natural,
+            cache_salt=cache_salt,
+            priority=priority,
+            sample_seed=digest,
+        )
+        stream = _Stream(req)
+        self._streams[rid] = stream
+        self.model.add_request(req)
+        self._wakeup.set()
+        return stream
+
+    def _release(self, stream: _Stream) -> None:
+        rid = stream.request.request_id
+        self._streams.pop(rid, None)
+        if stream.request.finish_reason is None:
+            self.model.abort_request(rid, self.now())
+
+    async def _tokens(self, stream: _Stream) -> AsyncIterator[TokenOutput]:
+        while True:
+            out = await stream.queue.get()
+            yield out
+            if out.finish_reason is not None:
+                return
+
+    def _usage(self, req: SimRequest) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": req.num_prompt_tokens,
+            "total_tokens": req.num_prompt_tokens + len(req.output_token_ids),
+            "completion_tokens": len(req.output_token_ids),
+            "prompt_tokens_details": None,
+        }
+        if self.settings.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": max(req.num_cached_tokens, 0)}
+        return usage
+
+    def _text(self, ids: list[int]) -> str:
+        eos = self.tokenizer.eos_token_id
+        return self.tokenizer.decode([i for i in ids if i != eos])
+
+    # -- HTTP handlers --------------------------------------------------------------------------
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"Request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "Request body must be a JSON object.")
+        model = body.get("model")
+        if model is not None and model != self.settings.model:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError")
+        return body
+
+    def _check_n(self, body: dict[str, Any]) -> None:
+        n = body.get("n", 1)
+        if n not in (1, None):
+            raise APIError(400, "The simulated engine supports n=1 only.")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        body = await self._json_body(request)
+        self._check_n(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "`messages` must be a non-empty list.")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise APIError(400, "`tools` must be a list.")
+        try:
+            prompt_ids = self.tokenizer.encode_chat(
+                messages, tools=tools, add_generation_prompt=body.get("add_generation_prompt", True)
+            )
+        except TokenizerError as e:
+            raise APIError(400, str(e)) from None
+        stream = self._submit(prompt_ids, body)
+        rid = f"chatcmpl-{stream.request.request_id}"
+        created = int(time.time())
+        model = self.settings.model
+        if body.get("stream"):
+            return await self._stream_chat(request, body, stream, rid, created)
+        try:
+            ids: list[int] = []
+            reason: FinishReason | None = None
+            async for out in self._tokens(stream):
+                ids.extend(out.new_token_ids)
+                reason = out.finish_reason
+        finally:
+            self._release(stream)
+        assert reason is not None
+        return web.json_response({
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": self._text(ids), "refusal": None,
+                            "annotations": None, "audio": None, "function_call": None,
+                            "tool_calls": [], "reasoning": None},
+                "logprobs": None, "finish_reason": reason.value, "stop_reason": None,
+                "token_ids": None,
+            }],
+            "service_tier": None, "system_fingerprint": None,
+            "usage": self._usage(stream.request),
+            "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None,
+        })
+
+    async def _stream_chat(
+        self, request: web.Request, body: dict[str, Any], stream: _Stream, rid: str, created: int
+    ) -> web.StreamResponse:
+        model = self.settings.model
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = await _sse_response(request)
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            payload: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
+                                       "created": created, "model": model, "choices": choices}
+            if usage is not None:
+                payload["usage"] = usage
+            return _sse(payload)
+
+        try:
+            await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}]))
+            ids: list[int] = []
+            sent = ""
+            async for out in self._tokens(stream):
+                ids.extend(out.new_token_ids)
+                text = self._text(ids)
+                delta, sent = text[len(sent):], text
+                choice: dict[str, Any] = {"index": 0, "delta": {"content": delta},
+                                          "logprobs": None, "finish_reason": None}
+                if out.finish_reason is not None:
+                    choice["finish_reason"] = out.finish_reason.value
+                    choice["stop_reason"] = None
+                await resp.write(chunk([choice]))
+            if include_usage:
+                await resp.write(chunk([], self._usage(stream.request)))
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            self._release(stream)
+        return resp
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions (text or token-id prompt)."""
+        body = await self._json_body(request)
+        self._check_n(body)
+        prompt_ids = self._completion_prompt(body.get("prompt"))
+        stream = self._submit(prompt_ids, body)
+        rid = f"cmpl-{stream.request.request_id}"
+        created = int(time.time())
+        model = self.settings.model
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            resp = await _sse_response(request)
+            try:
+                ids: list[int] = []
+                sent = ""
+                async for out in self._tokens(stream):
+                    ids.extend(out.new_token_ids)
+                    text = self._text(ids)
+                    delta, sent = text[len(sent):], text
+                    reason = out.finish_reason.value if out.finish_reason else None
+                    choice = {"index": 0, "text": delta, "logprobs": None,
+                              "finish_reason": reason, "stop_reason": None}
+                    await resp.write(_sse({"id": rid, "object": "text_completion",
+                                           "created": created, "model": model,
+                                           "choices": [choice]}))
+                if include_usage:
+                    await resp.write(_sse({"id": rid, "object": "text_completion",
+                                           "created": created, "model": model, "choices": [],
+                                           "usage": self._usage(stream.request)}))
+                await resp.write(b"data: [DONE]\n\n")
+            finally:
+                self._release(stream)
+            return resp
+        try:
+            out_ids: list[int] = []
+            final: FinishReason | None = None
+            async for out in self._tokens(stream):
+                out_ids.extend(out.new_token_ids)
+                final = out.finish_reason
+        finally:
+            self._release(stream)
+        assert final is not None
+        return web.json_response({
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": self._text(out_ids), "logprobs": None,
+                         "finish_reason": final.value, "stop_reason": None, "token_ids": None,
+                         "prompt_logprobs": None, "prompt_token_ids": None}],
+            "service_tier": None, "system_fingerprint": None,
+            "usage": self._usage(stream.request), "kv_transfer_params": None,
+        })
+
+    def _completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode_prompt(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.tokenizer.vocab_size]
+            if bad:
+                raise APIError(400, f"Token id {bad[0]} is out of vocabulary.")
+            return list(prompt)
+        if isinstance(prompt, list):
+            raise APIError(400, "The simulated engine supports one prompt per request.")
+        raise APIError(400, "`prompt` must be a string or a list of token ids.")
+
+    async def models(self, _: web.Request) -> web.Response:
+        """GET /v1/models."""
+        s = self.settings
+        card = {"id": s.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+                "root": s.model, "parent": None, "max_model_len": self.config.max_model_len,
+                "permission": [{"id": f"modelperm-{uuid.uuid4().hex}",
+                                "object": "model_permission", "created": int(time.time()),
+                                "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False,
+                                "allow_view": True, "allow_fine_tuning": False,
+                                "organization": "*", "group": None, "is_blocking": False}]}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, _: web.Request) -> web.Response:
+        """GET /health: 200 while the engine runs."""
+        if not self.healthy or self._loop_task is None or self._loop_task.done():
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def version(self, _: web.Request) -> web.Response:
+        """GET /version."""
+        return web.json_response({"version": VLLM_VERSION})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize: `{model, prompt}` or `{model, messages, tools}`."""
+        body = await self._json_body(request)
+        if "messages" in body:
+            try:
+                ids = self.tokenizer.encode_chat(
+                    body["messages"], tools=body.get("tools"),
+                    add_generation_prompt=body.get("add_generation_prompt", True),
+                )
+            except TokenizerError as e:
+                raise APIError(400, str(e)) from None
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise APIError(400, "`prompt` must be a string.")
+            if body.get("add_special_tokens", True):
+                ids = self.tokenizer.encode_prompt(prompt)
+            else:
+                ids = self.tokenizer.encode(prompt)
+        return web.json_response({"count": len(ids), "max_model_len": self.config.max_model_len,
+                                  "tokens": ids, "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize: `{model, tokens}`."""
+        body = await self._json_body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise APIError(400, "`tokens` must be a list of token ids.")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        """GET /metrics in Prometheus text format."""
+        self.metrics.after_step(self.model)
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
+        """POST /reset_prefix_cache (vLLM dev endpoint); 409 while requests hold blocks."""
+        if not self.model.reset_prefix_cache():
+            raise APIError(409, "Cannot reset the prefix cache while requests are running.",
+                           "ConflictError")
+        if self.publisher is not None:
+            await self.publisher.publish(self.model.pool.drain_events())
+        return web.Response(status=200)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        resp: web.StreamResponse = await handler(request)
+        return resp
+    except APIError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return APIError(e.status, e.reason or "error", type(e).__name__).response()
+        raise
+
+
+def _opt_int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(400, f"`{key}` must be an integer, got {value!r}.")
+    return value
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _sse_response(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+def build_app(engine: SimEngine, client_max_size: int = 64 * 1024 * 1024) -> web.Application:
+    """The aiohttp application for one simulated engine."""
+    app = web.Application(middlewares=[_errors], client_max_size=client_max_size)
+    app.router.add_post("/v1/chat/completions", engine.chat_completions)
+    app.router.add_post("/v1/completions", engine.completions)
+    app.router.add_get("/v1/models", engine.models)
+    app.router.add_get("/health", engine.health)
+    app.router.add_get("/version", engine.version)
+    app.router.add_post("/tokenize", engine.tokenize)
+    app.router.add_post("/detokenize", engine.detokenize)
+    app.router.add_get("/metrics", engine.metrics_endpoint)
+    app.router.add_post("/reset_prefix_cache", engine.reset_prefix_cache)
+
+    async def on_startup(_: web.Application) -> None:
+        await engine.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await engine.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def run(settings: SimSettings, host: str, port: int) -> None:
+    """Serve one simulated engine until interrupted."""
+    engine = SimEngine(settings)
+    log.info("simulated engine %s (%s) on http://%s:%d", settings.model, settings.profile.name,
+             host, port)
+    web.run_app(build_app(engine), host=host, port=port, print=None, access_log=None)

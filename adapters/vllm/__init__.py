@@ -1,0 +1,1 @@
+"""Everything specific to vLLM engines: metrics parsing, HTTP forwarding details, KV transports."""

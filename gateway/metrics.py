@@ -1,0 +1,54 @@
+"""The gateway's own Prometheus metrics (`kvgate_*`), in a registry per app."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    """Counters and histograms describing what the gateway did with each request."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvgate_requests", "Requests answered, by route and HTTP status.",
+            ["route", "status"], registry=r,
+        )
+        self.routed = Counter(
+            "kvgate_routed_requests", "Requests forwarded, by engine.", ["engine"], registry=r
+        )
+        self.retries = Counter(
+            "kvgate_retries", "Requests re-sent to another engine after a connection failure.",
+            ["engine"], registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvgate_upstream_errors", "Engine failures seen by the gateway, by kind.",
+            ["engine", "kind"], registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvgate_engine_in_flight", "Requests the gateway has outstanding at each engine.",
+            ["engine"], registry=r,
+        )
+        self.healthy = Gauge(
+            "kvgate_engine_healthy", "1 if the engine passes health checks.", ["engine"],
+            registry=r,
+        )
+        self.time_to_first_byte = Histogram(
+            "kvgate_time_to_first_byte_seconds",
+            "From request arrival to the first response byte from the engine.",
+            ["route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.duration = Histogram(
+            "kvgate_request_duration_seconds", "From request arrival to the last byte sent.",
+            ["route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.routing_time = Histogram(
+            "kvgate_routing_decision_seconds", "Time the policy took to choose an engine.",
+            buckets=(1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2), registry=r,
+        )

@@ -1,0 +1,124 @@
+"""The `kvgate` command line: `serve`, `sim` and `demo`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.app import run
+    from gateway.config import ConfigError, load_config, parse_config
+
+    overrides = {"host": args.host, "port": args.port, "policy": args.policy}
+    try:
+        if args.config:
+            config = load_config(args.config, **overrides)
+        elif args.engines:
+            engines = [{"url": u.strip()} for u in args.engines.split(",") if u.strip()]
+            data = {"engines": engines, **{k: v for k, v in overrides.items() if v is not None}}
+            config = parse_config(data, "--engines")
+        else:
+            print("kvgate serve: give --config FILE or --engines URL,...", file=sys.stderr)
+            return 2
+    except ConfigError as e:
+        print(f"kvgate serve: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    run(config)
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from adapters.sim.profiles import get_profile
+    from adapters.sim.server import SimSettings, run
+
+    try:
+        profile = get_profile(args.profile)
+    except ValueError as e:
+        print(f"kvgate sim: {e}", file=sys.stderr)
+        return 2
+    block_size = args.block_size or profile.block_size
+    if block_size <= 0:
+        print("kvgate sim: --block-size must be positive", file=sys.stderr)
+        return 2
+    num_blocks = args.kv_blocks or profile.num_blocks(block_size)
+    settings = SimSettings(
+        model=args.model or profile.model,
+        profile=profile,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        seed=args.seed,
+        time_scale=args.time_scale,
+        tokenizer=args.tokenizer,
+        kv_events_endpoint=args.kv_events,
+        kv_replay_endpoint=args.kv_replay,
+        kv_topic=args.kv_topic if args.kv_topic is not None else f"http://{args.host}:{args.port}",
+        priority_scheduling=args.priority_scheduling,
+    )
+    run(settings, args.host, args.port)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvgate.demo import run_demo
+
+    return run_demo(engines=args.engines, profile=args.profile, policy=args.policy,
+                    workers=args.workers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    p.add_argument("--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the gateway")
+    s.add_argument("--config", help="YAML config file (see configs/local-sim.yaml)")
+    s.add_argument("--engines", help="comma-separated engine URLs, instead of --config")
+    s.add_argument("--host", help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="listen port (default 8000)")
+    s.add_argument("--policy", help="routing policy name (default least-loaded)")
+    s.set_defaults(func=_serve)
+
+    m = sub.add_parser("sim", help="run one simulated vLLM engine")
+    m.add_argument("--host", default="127.0.0.1")
+    m.add_argument("--port", type=int, required=True)
+    m.add_argument("--profile", default="h100-llama3-8b")
+    m.add_argument("--model", help="served model name (default: the profile's model)")
+    m.add_argument("--block-size", type=int, help="KV block size in tokens (default: profile's)")
+    m.add_argument("--kv-blocks", type=int, help="KV blocks in the pool (default: from profile)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply simulated step times (0.1 = ten times faster than the GPU)")
+    m.add_argument("--tokenizer", help="HF tokenizer directory (default: the shipped tiny one)")
+    m.add_argument("--kv-events", help="ZMQ endpoint for KV events (bind if it has *, else connect)")
+    m.add_argument("--kv-replay", help="ZMQ endpoint for the replay ROUTER (always bound)")
+    m.add_argument("--kv-topic", help="topic of KV event messages (default: the engine's URL)")
+    m.add_argument("--priority-scheduling", action="store_true",
+                   help="accept `priority` like vLLM's --scheduling-policy priority")
+    m.set_defaults(func=_sim)
+
+    d = sub.add_parser("demo", help="start simulated engines + gateway and run a sample workflow")
+    d.add_argument("--engines", type=int, default=4)
+    d.add_argument("--profile", default="h100-llama3-8b")
+    d.add_argument("--policy", default="least-loaded")
+    d.add_argument("--workers", type=int, default=6, help="parallel researcher tasks")
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvgate` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

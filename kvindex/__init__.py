@@ -1,0 +1,1 @@
+"""Tokenisation, block keys and the global KV index."""
