@@ -133,10 +133,11 @@ class Proxy:
         try:
             name = self.state.policy.choose(route_req, views, self.state.now())
         except NoEngineAvailable as e:
-            if route_req.model not in pool.known_models():
+            healthy_models = pool.models()
+            if healthy_models and route_req.model not in pool.known_models():
                 raise ModelNotFound(
                     f"The model `{route_req.model}` does not exist. Available models: "
-                    f"{', '.join(pool.models()) or 'none (no healthy engine)'}",
+                    f"{', '.join(healthy_models)}",
                     param="model",
                 ) from None
             raise NoHealthyEngine(str(e)) from None
@@ -155,10 +156,10 @@ class Proxy:
             raise InvalidRequest("you must provide a model parameter", param="model")
         if not isinstance(model, str) or not model:
             raise InvalidRequest("`model` must be a non-empty string", param="model")
+        # The client's x-request-id is forwarded untouched; vLLM uses it as its request id.
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         route_req = RouteRequest(request_id=request_id, model=model)
         headers = _forward_headers(request.headers)
-        headers["x-request-id"] = request_id
         tried: set[str] = set()
         last_error = ""
         for _ in range(state.config.retries + 1):
@@ -201,7 +202,7 @@ class Proxy:
                 upstream = await state.session.post(
                     f"{target.url}{route}", data=raw, headers=headers, timeout=timeout
                 )
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientConnectionError) as e:
                 metrics.upstream_errors.labels(engine, "connect").inc()
                 state.pool.mark_failed(engine, repr(e))
                 raise _RetryableFailure(f"{engine}: {e!r}") from None
@@ -236,8 +237,8 @@ class Proxy:
             while True:
                 try:
                     chunk = await upstream.content.readany()
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                        asyncio.TimeoutError) as e:
+                except (TimeoutError, aiohttp.ClientPayloadError,
+                        aiohttp.ClientConnectionError) as e:
                     await self._engine_died(resp, engine, e, is_sse)
                     metrics.requests.labels(route, "502").inc()
                     return resp

@@ -128,7 +128,7 @@ class EnginePool:
                 async with self._session.get(f"{state.url}/v1/models", timeout=timeout) as r:
                     body = await r.json()
                     state.models = frozenset(m["id"] for m in body.get("data", []))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as e:
             ok = False
             log.debug("health check of %s failed: %r", state.name, e)
         if ok and not state.healthy:
@@ -144,7 +144,7 @@ class EnginePool:
             async with self._session.get(f"{state.url}/metrics", timeout=timeout) as r:
                 text = await r.text()
             load = parse_engine_load(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, MetricsParseError) as e:
+        except (TimeoutError, aiohttp.ClientError, MetricsParseError) as e:
             log.debug("scrape of %s failed: %r", state.name, e)
             return
         state.num_running = load.num_running

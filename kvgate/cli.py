@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply simulated step times (0.1 = ten times faster than the GPU)")
     m.add_argument("--tokenizer", help="HF tokenizer directory (default: the shipped tiny one)")
-    m.add_argument("--kv-events", help="ZMQ endpoint for KV events (bind if it has *, else connect)")
+    m.add_argument("--kv-events", help="ZMQ endpoint for KV events (binds if it has *)")
     m.add_argument("--kv-replay", help="ZMQ endpoint for the replay ROUTER (always bound)")
     m.add_argument("--kv-topic", help="topic of KV event messages (default: the engine's URL)")
     m.add_argument("--priority-scheduling", action="store_true",

@@ -81,10 +81,12 @@ def wait_healthy(child: Child, timeout: float = 60.0, path: str = "/health") -> 
             raise StartupError(
                 f"{child.name} exited with code {child.proc.returncode}:\n{child.log_tail()}"
             )
-        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
-            with urllib.request.urlopen(child.url + path, timeout=2) as r:
-                if r.status == 200:
-                    return
+        with (
+            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+            urllib.request.urlopen(child.url + path, timeout=2) as r,
+        ):
+            if r.status == 200:
+                return
         time.sleep(0.1)
     raise StartupError(f"{child.name} not healthy after {timeout:.0f}s:\n{child.log_tail()}")
 

@@ -65,7 +65,7 @@ WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class KVEventBatch(EventBatch):
     """A batch whose events decode into the tagged union."""
 
-    events: list[WireEvent]  # type: ignore[assignment]
+    events: list[WireEvent]
 
 
 class KVEventDecodeError(ValueError):

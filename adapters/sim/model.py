@@ -26,7 +26,7 @@ NONE_HASH: BlockHash = int.from_bytes(hashlib.sha256(b"vllm-none-hash").digest()
 def hash_block(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] | None
 ) -> BlockHash:
-    """Chained block hash: low 64 bits of SHA-256 over (parent, tokens, extra keys), as vLLM does."""
+    """Chained block hash: low 64 bits of SHA-256 over (parent, tokens, extra keys)."""
     h = hashlib.sha256()
     h.update((NONE_HASH if parent is None else parent).to_bytes(8, "big"))
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))

@@ -15,7 +15,7 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens one sequence computes in a step: `new_tokens` on top of `context_tokens` already in KV."""
+    """One sequence's work in a step: `new_tokens` on top of `context_tokens` already in KV."""
 
     new_tokens: int
     context_tokens: int
@@ -59,7 +59,7 @@ class EngineProfile:
         return max(1, int(self.kv_cache_bytes // (self.kv_bytes_per_token * block_size)))
 
     def step_time(self, chunks: Iterable[ScheduledChunk]) -> float:
-        """Seconds for one engine step computing `chunks` (prefill chunks and decode tokens alike)."""
+        """Seconds for one engine step computing `chunks` (prefill chunks and decode tokens)."""
         flops = 0.0
         kv_read = 0.0
         any_work = False

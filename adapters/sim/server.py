@@ -132,7 +132,9 @@ class SimEngine:
         """Open the KV-event sockets and start the step loop."""
         s = self.settings
         if s.kv_events_endpoint:
-            self.publisher = KVEventPublisher(s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_topic)
+            self.publisher = KVEventPublisher(
+                s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_topic
+            )
             self.publisher.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
@@ -178,6 +180,7 @@ class SimEngine:
     # -- request plumbing -----------------------------------------------------------------------
 
     def _submit(self, prompt_ids: list[int], body: dict[str, Any]) -> _Stream:
+        """Queue a request in the engine model; its id inside the engine is always unique."""
         cfg = self.config
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
@@ -219,9 +222,7 @@ class SimEngine:
         )
         rng = random.Random(digest)
         natural = 1 + int(rng.expovariate(1.0 / self.settings.mean_output_tokens))
-        rid = str(body.get("request_id") or uuid.uuid4().hex)
-        while rid in self._streams:
-            rid = uuid.uuid4().hex
+        rid = uuid.uuid4().hex
         req = SimRequest(
             request_id=rid,
             prompt_token_ids=prompt_ids,
@@ -304,7 +305,7 @@ class SimEngine:
         except TokenizerError as e:
             raise APIError(400, str(e)) from None
         stream = self._submit(prompt_ids, body)
-        rid = f"chatcmpl-{stream.request.request_id}"
+        rid = f"chatcmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self.settings.model
         if body.get("stream"):
@@ -375,7 +376,7 @@ class SimEngine:
         self._check_n(body)
         prompt_ids = self._completion_prompt(body.get("prompt"))
         stream = self._submit(prompt_ids, body)
-        rid = f"cmpl-{stream.request.request_id}"
+        rid = f"cmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self.settings.model
         if body.get("stream"):
@@ -514,6 +515,15 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if e.status >= 400:
             return APIError(e.status, e.reason or "error", type(e).__name__).response()
         raise
+
+
+def _base_request_id(request: web.Request, body: dict[str, Any]) -> str:
+    """vLLM's rule: the X-Request-Id header, else the body's `request_id`, else a random id."""
+    header = request.headers.get("X-Request-Id")
+    if header is not None:
+        return header
+    rid = body.get("request_id")
+    return str(rid) if rid is not None else uuid.uuid4().hex
 
 
 def _opt_int(body: dict[str, Any], key: str) -> int | None:

@@ -1,0 +1,254 @@
+"""Bad input and failing engines get clear OpenAI-shaped errors; nothing is lost silently."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.procs import Child, free_port, wait_healthy
+from tests.conftest import MODEL, ThreadedServer
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_openai_error(body: Any, *fragments: str) -> None:
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    for f in fragments:
+        assert f in body["error"]["message"]
+
+
+def test_malformed_json_is_a_400_naming_the_problem(gateway: Child) -> None:
+    status, body = post(f"{gateway.url}/v1/chat/completions", b'{"model": "x", "messages": [')
+    assert status == 400
+    assert_openai_error(body, "not valid JSON")
+
+
+def test_non_object_and_empty_bodies_are_400(gateway: Child) -> None:
+    status, body = post(f"{gateway.url}/v1/completions", b"[1, 2]")
+    assert status == 400
+    assert_openai_error(body, "JSON object")
+    status, body = post(f"{gateway.url}/v1/completions", b"")
+    assert status == 400
+    assert_openai_error(body, "empty")
+
+
+def test_missing_model_is_a_400_naming_the_field(gateway: Child) -> None:
+    status, body = post(f"{gateway.url}/v1/chat/completions",
+                        json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert status == 400
+    assert body["error"]["param"] == "model"
+    assert_openai_error(body, "model")
+
+
+def test_body_over_the_limit_is_a_413(
+    sims: list[Child], spawn_gateway: Callable[[dict[str, Any]], Child]
+) -> None:
+    gw = spawn_gateway({"engines": [{"url": sims[0].url}], "max_body_bytes": 2048})
+    wait_healthy(gw)
+    big = json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode()
+    status, body = post(f"{gw.url}/v1/completions", big)
+    assert status == 413
+    assert_openai_error(body, "2048 bytes")
+    # A body under the limit still works through the same gateway.
+    status, body = post(f"{gw.url}/v1/completions",
+                        json.dumps({"model": MODEL, "prompt": "ok", "max_tokens": 1}).encode())
+    assert status == 200
+
+
+def test_no_healthy_engine_is_a_503(spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = spawn_gateway({"engines": [{"url": dead}], "health_interval_s": 0.2})
+    with pytest.raises(Exception, match="not healthy"):
+        wait_healthy(gw, timeout=3)
+    status, body = post(f"{gw.url}/v1/completions",
+                        json.dumps({"model": MODEL, "prompt": "hi"}).encode())
+    assert status == 503
+    assert body["error"]["code"] == "no_healthy_engine"
+    assert_openai_error(body, "no engine is healthy")
+
+
+def test_engine_dying_mid_stream_ends_the_stream_with_an_error(
+    spawn_sim: Callable[..., Child], spawn_gateway: Callable[[dict[str, Any]], Child]
+) -> None:
+    # Steps 50x slower than an H100 (about 0.4 s per token): the kill lands mid-stream.
+    doomed = spawn_sim("--time-scale", "50")
+    survivor = spawn_sim()
+    gw = spawn_gateway({"engines": [{"url": doomed.url, "name": "doomed"},
+                                    {"url": survivor.url, "name": "survivor"}],
+                        "policy": "round-robin", "health_interval_s": 60})
+    wait_healthy(gw)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0, timeout=60)
+    stream = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=200, stream=True, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "Write a long story."}],
+    )
+    assert stream.headers["x-kvgate-engine"] == "doomed"
+    received = []
+    with pytest.raises(openai.APIError) as info:
+        for chunk in stream.parse():
+            received.append(chunk)
+            if len(received) == 2:
+                doomed.kill()
+    assert 2 <= len(received) < 200
+    assert "doomed" in str(info.value) and "mid-stream" in str(info.value)
+    # The pool keeps serving: the next request lands on the survivor.
+    resp = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Still there?"}])
+    assert resp.headers["x-kvgate-engine"] == "survivor"
+
+
+def test_engine_dead_before_answering_is_retried_on_another(
+    spawn_sim: Callable[..., Child], spawn_gateway: Callable[[dict[str, Any]], Child]
+) -> None:
+    a, b = spawn_sim(), spawn_sim()
+    gw = spawn_gateway({"engines": [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}],
+                        "policy": "round-robin", "health_interval_s": 60})
+    wait_healthy(gw)
+    a.kill()  # the gateway cannot know yet: health checks are a minute apart
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="k", max_retries=0, timeout=60)
+    served = []
+    for i in range(4):
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt=f"q{i}",
+                                                          max_tokens=1)
+        served.append(raw.headers["x-kvgate-engine"])
+    assert served == ["b"] * 4
+    with urllib.request.urlopen(f"{gw.url}/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    retries = sum(s.value for s in families["kvgate_retries"].samples
+                  if s.name == "kvgate_retries_total" and s.labels["engine"] == "a")
+    assert retries == 1
+
+
+class RecordingEngine:
+    """A minimal OpenAI-speaking upstream that records what the gateway forwarded."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[CIMultiDict[str], bytes]] = []
+        self.release = threading.Event()
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "rec", "object": "model"}]})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.requests.append((CIMultiDict(request.headers), raw))
+        body = json.loads(raw)
+        if "fail_with" in body:
+            return web.json_response({"error": {"message": "slow down", "type": "rate_limit",
+                                                "param": None, "code": 429}},
+                                     status=body["fail_with"], headers={"retry-after": "7"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"n": 1}\n\n')
+        # Hold the rest until the test has seen the first chunk through the gateway.
+        released = await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
+        await resp.write(b'data: {"n": 2, "released": %s}\n\n' % str(released).lower().encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+@pytest.fixture
+def recorded(
+    threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> tuple[RecordingEngine, Child]:
+    engine = RecordingEngine()
+    server = threaded_server(engine.app)
+    gw = spawn_gateway({"engines": [{"url": server.url}]})
+    wait_healthy(gw)
+    return engine, gw
+
+
+def test_unknown_fields_and_tracing_headers_pass_through(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    engine, gw = recorded
+    engine.release.set()
+    body = (b'{"model": "rec", "messages": [], "stream": true, "kv_transfer_params": '
+            b'{"do_remote_decode": true}, "priority": -3, "cache_salt": "t1", "x_custom": [1]}')
+    headers = {"Authorization": "Bearer sk-123",
+               "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+               "x-request-id": "req-42"}
+    req = urllib.request.Request(f"{gw.url}/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+    got_headers, got_body = engine.requests[-1]
+    assert got_body == body
+    for k, v in headers.items():
+        assert got_headers[k] == v
+
+
+def test_engine_error_status_and_body_are_relayed(recorded: tuple[RecordingEngine, Child]) -> None:
+    _, gw = recorded
+    req = urllib.request.Request(f"{gw.url}/v1/chat/completions", method="POST",
+                                 data=b'{"model": "rec", "fail_with": 429}',
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == 429
+    assert info.value.headers["retry-after"] == "7"
+    assert json.loads(info.value.read())["error"]["message"] == "slow down"
+
+
+def test_stream_chunks_are_forwarded_before_the_stream_ends(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    engine, gw = recorded
+    req = urllib.request.Request(f"{gw.url}/v1/chat/completions", method="POST",
+                                 data=b'{"model": "rec", "stream": true}',
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        first = r.readline()
+        # The engine holds its second chunk until we have seen the first: a buffering gateway
+        # would deliver nothing here and the engine would report released=false.
+        assert first == b'data: {"n": 1}\n'
+        engine.release.set()
+        rest = r.read()
+    assert b'"released": true' in rest
+
+
+def test_invalid_config_names_the_bad_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("engines:\n  - url: not-a-url\npolicy: fastest\nbogus: 1\n")
+    proc = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--config", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "engines.0.url" in proc.stderr
+    assert "policy" in proc.stderr and "fastest" in proc.stderr
+    assert "bogus" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,94 @@
+"""Routing policies choose sensibly; configs are validated with errors that name the bad key."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.vllm.metrics import MetricsParseError, parse_engine_load
+from gateway.config import ConfigError, parse_config
+from planner.policy import EngineView, NoEngineAvailable, RouteRequest, make_policy
+
+REQ = RouteRequest(request_id="r", model="m")
+
+
+def engine(name: str, running: int = 0, waiting: int = 0, in_flight: int = 0,
+           healthy: bool = True, models: tuple[str, ...] = ("m",)) -> EngineView:
+    return EngineView(name=name, healthy=healthy, models=frozenset(models), num_running=running,
+                      num_waiting=waiting, in_flight=in_flight)
+
+
+def test_least_loaded_picks_the_engine_with_fewest_requests() -> None:
+    policy = make_policy("least-loaded")
+    pool = [engine("a", running=4), engine("b", running=1, waiting=1), engine("c", running=3)]
+    assert policy.choose(REQ, pool, 0.0) == "b"
+
+
+def test_least_loaded_trusts_its_own_in_flight_count_over_a_stale_scrape() -> None:
+    policy = make_policy("least-loaded")
+    pool = [engine("a", in_flight=5), engine("b", running=2)]
+    assert policy.choose(REQ, pool, 0.0) == "b"
+
+
+def test_least_loaded_rotates_among_equally_loaded_engines() -> None:
+    policy = make_policy("least-loaded")
+    pool = [engine("a"), engine("b"), engine("c")]
+    assert [policy.choose(REQ, pool, 0.0) for _ in range(6)] == ["a", "b", "c"] * 2
+
+
+def test_round_robin_cycles_and_skips_unhealthy_engines() -> None:
+    policy = make_policy("round-robin")
+    pool = [engine("a"), engine("b", healthy=False), engine("c")]
+    assert [policy.choose(REQ, pool, 0.0) for _ in range(4)] == ["a", "c", "a", "c"]
+
+
+def test_no_engine_for_the_model_raises() -> None:
+    policy = make_policy("least-loaded")
+    with pytest.raises(NoEngineAvailable, match="serves this model"):
+        policy.choose(REQ, [engine("a", models=("other",))], 0.0)
+    with pytest.raises(NoEngineAvailable, match="no engine is healthy"):
+        policy.choose(REQ, [engine("a", healthy=False)], 0.0)
+
+
+def test_unknown_policy_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="least-loaded"):
+        make_policy("fastest")
+
+
+def test_config_errors_name_every_bad_key() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config({"engines": [{"url": "localhost"}], "policy": "x", "port": 99999}, "t.yaml")
+    text = str(info.value)
+    assert "t.yaml: engines.0.url" in text
+    assert "t.yaml: policy" in text
+    assert "t.yaml: port" in text
+
+
+def test_config_defaults_bind_to_loopback() -> None:
+    config = parse_config({"engines": [{"url": "http://127.0.0.1:9"}]})
+    assert config.host == "127.0.0.1"
+    assert config.engines[0].engine_name == "127.0.0.1:9"
+
+
+def test_config_rejects_duplicate_engine_names() -> None:
+    with pytest.raises(ConfigError, match="unique"):
+        parse_config({"engines": [{"url": "http://127.0.0.1:9", "name": "x"},
+                                  {"url": "http://127.0.0.1:10", "name": "x"}]})
+
+
+def test_engine_load_is_read_from_vllm_metrics_text() -> None:
+    text = (
+        '# TYPE vllm:num_requests_running gauge\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        '# TYPE vllm:num_requests_waiting gauge\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+        '# TYPE vllm:kv_cache_usage_perc gauge\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        '# TYPE vllm:prefix_cache_hits counter\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0\n'
+    )
+    load = parse_engine_load(text)
+    assert (load.num_running, load.num_waiting, load.kv_usage) == (5, 4, 0.25)
+    assert load.prefix_cache_hits == 64.0
+    with pytest.raises(MetricsParseError):
+        parse_engine_load("up 1\n")
