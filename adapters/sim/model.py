@@ -26,7 +26,11 @@ NONE_HASH: BlockHash = int.from_bytes(hashlib.sha256(b"vllm-none-hash").digest()
 def hash_block(
     parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] | None
 ) -> BlockHash:
-    """Chained block hash: low 64 bits of SHA-256 over (parent, tokens, extra keys)."""
+    """Chained block hash: low 64 bits of SHA-256 over (parent, tokens, extra keys).
+
+    Same structure as vLLM's hash, not the same digest (vLLM pickles the tuple); consumers key on
+    the `token_ids` carried in BlockStored, never on reproducing the engine's digest.
+    """
     h = hashlib.sha256()
     h.update((NONE_HASH if parent is None else parent).to_bytes(8, "big"))
     h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
@@ -96,7 +100,9 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Unreferenced blocks, least recently freed first: the front is evicted first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[BlockHash, KVBlock] = {}
+        # vLLM keeps every physical block under its hash: two requests that computed the same
+        # block at once both hold a cached copy, each announced and each removed on its own.
+        self._cached: dict[BlockHash, dict[int, KVBlock]] = {}
         self.events: list[KVEvent] = []
 
     @property
@@ -115,8 +121,9 @@ class BlockPool:
         return 1.0 - self.num_free / self.num_blocks
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
-        """The cached block with this hash, if any."""
-        return self._cached.get(block_hash)
+        """A cached block with this hash, if any."""
+        copies = self._cached.get(block_hash)
+        return next(iter(copies.values())) if copies else None
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on cached blocks a request reuses (they leave the free queue)."""
@@ -134,7 +141,10 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             b = self.blocks[block_id]
             if b.block_hash is not None:
-                del self._cached[b.block_hash]
+                copies = self._cached[b.block_hash]
+                del copies[b.block_id]
+                if not copies:
+                    del self._cached[b.block_hash]
                 self.events.append(BlockRemoved((b.block_hash,)))
                 b.block_hash = None
             b.ref_cnt = 1
@@ -148,20 +158,18 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self._free[b.block_id] = None
 
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
-        """Register a full block under its hash; False when another block already holds it."""
-        if block_hash in self._cached:
-            return False
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Register a full block under its hash (another copy may already be cached)."""
         block.block_hash = block_hash
-        self._cached[block_hash] = block
-        return True
+        self._cached.setdefault(block_hash, {})[block.block_id] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no request holds a block."""
         if self.num_free != self.num_blocks:
             return False
-        for b in self._cached.values():
-            b.block_hash = None
+        for copies in self._cached.values():
+            for b in copies.values():
+                b.block_hash = None
         self._cached.clear()
         self.events.append(AllBlocksCleared())
         return True
@@ -331,8 +339,8 @@ class EngineModel:
 
     # -- prefix cache ---------------------------------------------------------------------------
 
-    def _extra_keys(self, req: SimRequest, block_index: int) -> tuple[object, ...] | None:
-        keys: list[object] = []
+    def _extra_keys(self, req: SimRequest, block_index: int) -> tuple[tuple[str, str], ...] | None:
+        keys: list[tuple[str, str]] = []
         if req.lora_name is not None:
             keys.append(("lora", req.lora_name))
         if block_index == 0 and req.cache_salt is not None:
@@ -341,7 +349,7 @@ class EngineModel:
 
     def _event_extra_keys(self, req: SimRequest, block_index: int) -> tuple[object, ...] | None:
         keys = self._extra_keys(req, block_index)
-        return tuple(k[1] for k in keys) if keys else None  # type: ignore[index]
+        return tuple(k[1] for k in keys) if keys else None
 
     def _extend_block_hashes(self, req: SimRequest, upto_tokens: int) -> None:
         """Hash every full block of the request's tokens up to `upto_tokens`."""
@@ -366,33 +374,30 @@ class EngineModel:
             hits.append(b)
         return hits
 
-    def _cache_full_blocks(self, req: SimRequest) -> list[BlockStored]:
-        """Register blocks whose tokens are all computed; announce each new consecutive run."""
+    def _cache_full_blocks(self, req: SimRequest, num_tokens: int) -> None:
+        """Register the blocks that are full once `num_tokens` are computed, and announce them.
+
+        Like vLLM, this happens when the step is scheduled, so a request scheduled later in the
+        same step already reuses them; a block whose hash is cached elsewhere is still announced.
+        """
         if not self.config.enable_prefix_caching:
-            return []
+            return
         bs = self.config.block_size
-        full = req.num_computed_tokens // bs
+        first, full = req.num_cached_blocks, num_tokens // bs
+        if full <= first:
+            return
         self._extend_block_hashes(req, full * bs)
-        events: list[BlockStored] = []
-        run: list[int] = []
-
-        def flush() -> None:
-            if run:
-                parent = req.block_hashes[run[0] - 1] if run[0] > 0 else None
-                tokens = [req.token_at(j) for j in range(run[0] * bs, (run[-1] + 1) * bs)]
-                hashes = tuple(req.block_hashes[i] for i in run)
-                extra = tuple(self._event_extra_keys(req, i) for i in run)
-                events.append(BlockStored(hashes, parent, tuple(tokens), bs, req.lora_name, extra))
-                run.clear()
-
-        for i in range(req.num_cached_blocks, full):
-            if self.pool.cache(req.blocks[i], req.block_hashes[i]):
-                run.append(i)
-            else:
-                flush()
-        flush()
-        req.num_cached_blocks = max(req.num_cached_blocks, full)
-        return events
+        for i in range(first, full):
+            self.pool.cache(req.blocks[i], req.block_hashes[i])
+        req.num_cached_blocks = full
+        self.pool.events.append(BlockStored(
+            block_hashes=tuple(req.block_hashes[first:full]),
+            parent_block_hash=req.block_hashes[first - 1] if first > 0 else None,
+            token_ids=tuple(req.token_at(j) for j in range(first * bs, full * bs)),
+            block_size=bs,
+            lora_name=req.lora_name,
+            extra_keys=tuple(self._event_extra_keys(req, i) for i in range(first, full)),
+        ))
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (vLLM's /reset_prefix_cache); False while requests run."""
@@ -437,6 +442,7 @@ class EngineModel:
             if req.status != RequestStatus.RUNNING:
                 continue
             req.blocks.extend(self.pool.allocate(need))
+            self._cache_full_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
             scheduled.append((req, n))
             budget -= n
         while (
@@ -471,6 +477,7 @@ class EngineModel:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._cache_full_blocks(req, num_cached + n)
             scheduled.append((req, n))
             budget -= n
         return scheduled
@@ -478,18 +485,15 @@ class EngineModel:
     def step(self, now: float) -> StepOutput:
         """Schedule and run one engine step starting at `now`."""
         scheduled = self._schedule(now)
+        kv_events = self.pool.drain_events()
         chunks = [ScheduledChunk(n, req.num_computed_tokens) for req, n in scheduled]
         duration = self.profile.step_time(chunks)
         done_at = now + duration
         outputs: list[TokenOutput] = []
         finished: list[SimRequest] = []
-        kv_events: list[KVEvent] = []
         for req, n in scheduled:
             req.num_computed_tokens += n
-            stored = self._cache_full_blocks(req)
             if req.num_computed_tokens < req.num_tokens:
-                kv_events.extend(self.pool.drain_events())
-                kv_events.extend(stored)
                 continue
             token = self.sampler(req)
             reason: FinishReason | None = None
@@ -503,14 +507,11 @@ class EngineModel:
             self.stats.generation_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = done_at
-            kv_events.extend(self.pool.drain_events())
-            kv_events.extend(stored)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason, done_at)
                 finished.append(req)
             outputs.append(TokenOutput(req.request_id, (token,), reason))
-        kv_events.extend(self.pool.drain_events())
         if scheduled:
             self.stats.steps += 1
             self.stats.busy_time += duration
