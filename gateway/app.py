@@ -353,13 +353,14 @@ def run(config: GatewayConfig) -> None:
     try:
         import uvloop
     except ImportError:
-        loop_factory = None
+        loop = asyncio.new_event_loop()
     else:
-        loop_factory = uvloop.new_event_loop
+        loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
     app = build_app(config)
     log.info("kvgate gateway on http://%s:%d, policy %s, %d engines", config.host, config.port,
              config.policy, len(config.engines))
-    if loop_factory is not None:
-        asyncio.set_event_loop(loop_factory())
+    # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream
+    # connection, so the engine aborts the request instead of generating for nobody.
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
-                loop=asyncio.get_event_loop())
+                loop=loop, handler_cancellation=True)

@@ -252,3 +252,36 @@ def test_invalid_config_names_the_bad_key(tmp_path: Path) -> None:
     assert "policy" in proc.stderr and "fastest" in proc.stderr
     assert "bogus" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_client_hanging_up_aborts_the_request_at_the_engine(
+    spawn_sim: Callable[..., Child], spawn_gateway: Callable[[dict[str, Any]], Child]
+) -> None:
+    slow = spawn_sim("--time-scale", "50")
+    gw = spawn_gateway({"engines": [{"url": slow.url}]})
+    wait_healthy(gw)
+    body = json.dumps({"model": MODEL, "prompt": "tell me everything", "max_tokens": 500,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"{gw.url}/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(TimeoutError):
+        urllib.request.urlopen(req, timeout=1.0)
+
+    def engine_counts() -> tuple[float, float]:
+        with urllib.request.urlopen(f"{slow.url}/metrics") as r:
+            text = r.read().decode()
+        aborted = running = 0.0
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                reason = s.labels.get("finished_reason")
+                if s.name == "vllm:request_success_total" and reason == "abort":
+                    aborted = s.value
+                if s.name == "vllm:num_requests_running":
+                    running = s.value
+        return aborted, running
+
+    for _ in range(100):
+        if engine_counts() == (1.0, 0.0):
+            break
+        threading.Event().wait(0.1)
+    assert engine_counts() == (1.0, 0.0)

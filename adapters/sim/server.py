@@ -245,7 +245,10 @@ class SimEngine:
         rid = stream.request.request_id
         self._streams.pop(rid, None)
         if stream.request.finish_reason is None:
-            self.model.abort_request(rid, self.now())
+            aborted = self.model.abort_request(rid, self.now())
+            if aborted is not None:
+                self.metrics.request_finished(aborted)
+                self.metrics.after_step(self.model)
 
     async def _tokens(self, stream: _Stream) -> AsyncIterator[TokenOutput]:
         while True:
@@ -575,4 +578,5 @@ def run(settings: SimSettings, host: str, port: int) -> None:
     engine = SimEngine(settings)
     log.info("simulated engine %s (%s) on http://%s:%d", settings.model, settings.profile.name,
              host, port)
-    web.run_app(build_app(engine), host=host, port=port, print=None, access_log=None)
+    web.run_app(build_app(engine), host=host, port=port, print=None, access_log=None,
+                handler_cancellation=True)
