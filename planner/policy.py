@@ -7,9 +7,11 @@ and one registry line.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from kvindex.index import BlockKey, EngineMatch
 
 
 @dataclass(frozen=True)
@@ -20,9 +22,19 @@ class EngineView:
     healthy: bool
     models: frozenset[str]
     num_running: int = 0
+    """Scraped `vllm:num_requests_running` (may lag by a scrape interval)."""
     num_waiting: int = 0
+    """Scraped `vllm:num_requests_waiting`."""
     kv_usage: float = 0.0
+    """Scraped `vllm:kv_cache_usage_perc`, 0-1."""
     in_flight: int = 0
+    """Requests the gateway has sent to the engine and not seen finish."""
+    prefilling: int = 0
+    """Of `in_flight`, those that have not produced their first token yet."""
+    queued_prefill_tokens: int = 0
+    """Uncached prompt tokens of the `prefilling` requests (the gateway's own estimate)."""
+    active_blocks: int = 0
+    """KV blocks (index block size) held by the gateway's in-flight requests at the engine."""
 
     @property
     def load(self) -> int:
@@ -37,6 +49,23 @@ class RouteRequest:
     request_id: str
     model: str
     session_id: str | None = None
+    prompt_tokens: int = 0
+    """Prompt length in tokens (0 when the gateway could not tokenise it)."""
+    block_keys: tuple[BlockKey, ...] = ()
+    """The prompt's chained block keys at the index block size."""
+    block_size: int = 16
+    """Tokens per index block."""
+    matches: Mapping[str, EngineMatch] = field(default_factory=dict)
+    """Per engine, how much of `block_keys` the KV index says it holds."""
+    prompt_text: str = ""
+    """The prompt as text (rendered chat template), for character-level baselines."""
+    max_tokens: int | None = None
+    """The request's output limit, if it set one."""
+
+    def cached_tokens(self, engine: str) -> int:
+        """Prompt tokens the engine is expected to serve from cache."""
+        m = self.matches.get(engine)
+        return min(m.blocks * self.block_size, self.prompt_tokens) if m else 0
 
 
 class NoEngineAvailable(Exception):
@@ -49,13 +78,33 @@ class NoEngineAvailable(Exception):
 
 
 class RoutingPolicy(Protocol):
-    """Chooses one engine for a request."""
+    """Chooses one engine for a request; told when its choices start and finish."""
 
     name: str
 
     def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
         """Return the chosen engine's name; raise NoEngineAvailable if none can serve."""
         ...
+
+    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+        """The request was sent to `engine` (policies that learn from their routing use this)."""
+        ...
+
+    def on_finish(self, request_id: str, engine: str, now: float) -> None:
+        """The request finished (or failed) at `engine`."""
+        ...
+
+
+class StatelessPolicy:
+    """Base for policies that keep no per-request state."""
+
+    name = "stateless"
+
+    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+        """Nothing to remember."""
+
+    def on_finish(self, request_id: str, engine: str, now: float) -> None:
+        """Nothing to forget."""
 
 
 def candidates(request: RouteRequest, engines: Sequence[EngineView]) -> list[EngineView]:
@@ -71,7 +120,7 @@ def candidates(request: RouteRequest, engines: Sequence[EngineView]) -> list[Eng
     return serving
 
 
-class RoundRobin:
+class RoundRobin(StatelessPolicy):
     """Cycle through the eligible engines."""
 
     name = "round-robin"
@@ -87,7 +136,7 @@ class RoundRobin:
         return pick.name
 
 
-class LeastLoaded:
+class LeastLoaded(StatelessPolicy):
     """Fewest requests at the engine (scraped running + waiting, or the gateway's in-flight)."""
 
     name = "least-loaded"

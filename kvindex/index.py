@@ -1,0 +1,342 @@
+"""The global KV index: which engine holds which prefix block, and longest-prefix matching.
+
+Keys are the index's own chained block keys (kvindex.keys), never engine hashes. An engine holds
+a key *confirmed* (announced by its KV events, per storage tier, reference-counted because vLLM
+announces every physical copy) or *speculatively* (the gateway just routed that prefix there; a
+short TTL until events confirm it). Every backend implements `KVIndexBackend`; the in-memory one
+is also usable synchronously by the sans-IO planner and the virtual-time benchmark.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+BlockKey = int
+
+# Storage tiers as vLLM names them in `medium`, and how much a hit in each is worth.
+TIER_WEIGHTS: dict[str, float] = {"GPU": 1.0, "CPU": 0.8}
+DEFAULT_TIER = "GPU"
+
+
+def tier_weight(tier: str) -> float:
+    """Weight of a hit in `tier`; unknown tiers (disk, remote) count like CPU."""
+    return TIER_WEIGHTS.get(tier.upper(), TIER_WEIGHTS["CPU"])
+
+
+@dataclass(frozen=True)
+class EngineMatch:
+    """How much of a request's prefix one engine holds."""
+
+    engine: str
+    blocks: int
+    """Longest run of leading blocks the engine holds (confirmed or speculative)."""
+    confirmed_blocks: int
+    """Longest run of leading blocks confirmed by the engine's own KV events."""
+    weighted_blocks: float
+    """`blocks`, each weighted by the best tier it sits in (speculative counts as GPU)."""
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """Size of the index, for metrics and benchmarks."""
+
+    keys: int
+    entries: int
+    speculative_entries: int
+    engines: int
+
+
+class KVIndexBackend(Protocol):
+    """Operations every index backend provides (in-memory, Redis)."""
+
+    async def add(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
+        """The engine stored one more copy of each key in `tier`."""
+        ...
+
+    async def remove(
+        self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER
+    ) -> None:
+        """The engine dropped one copy of each key from `tier`."""
+        ...
+
+    async def clear_engine(self, engine: str) -> None:
+        """Forget everything about the engine (restart, reset, or it left the pool)."""
+        ...
+
+    async def add_speculative(
+        self, engine: str, keys: Sequence[BlockKey], now: float, ttl_s: float
+    ) -> None:
+        """The gateway routed this prefix to the engine; trust it until `now + ttl_s`."""
+        ...
+
+    async def match(
+        self, keys: Sequence[BlockKey], now: float, engines: Iterable[str] | None = None
+    ) -> dict[str, EngineMatch]:
+        """Longest consecutive prefix of `keys` per engine (engines holding 0 blocks omitted)."""
+        ...
+
+    async def engine_keys(self, engine: str) -> dict[BlockKey, dict[str, int]]:
+        """Every confirmed key of an engine with its copy count per tier (tests, debugging)."""
+        ...
+
+    async def stats(self) -> IndexStats:
+        """Current size."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+def _bits(mask: int) -> Iterable[int]:
+    """Indices of the set bits of `mask`, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class InMemoryIndex:
+    """Dict-of-bitmask index: one int per key whose bit i says engine i holds it (per tier).
+
+    Copy counts above one are kept aside (they are rare: two requests computing the same block
+    at once), so the common entry costs one dict slot and a shared small int.
+    """
+
+    def __init__(self) -> None:
+        self._engine_bit: dict[str, int] = {}
+        self._free_bits: list[int] = []
+        self._tiers: dict[str, dict[BlockKey, int]] = {}
+        self._extra_copies: dict[tuple[str, BlockKey, int], int] = {}
+        # Speculative entries per engine bit, in expiry order (constant TTL per call).
+        self._spec: dict[int, OrderedDict[BlockKey, float]] = {}
+
+    # -- engine ids -----------------------------------------------------------------------------
+
+    def _bit(self, engine: str) -> int:
+        bit = self._engine_bit.get(engine)
+        if bit is None:
+            bit = self._free_bits.pop() if self._free_bits else len(self._engine_bit)
+            self._engine_bit[engine] = bit
+        return bit
+
+    @property
+    def engines(self) -> list[str]:
+        """Engines the index has ever heard of and not cleared."""
+        return list(self._engine_bit)
+
+    # -- synchronous core (used by the planner and the benchmark) --------------------------------
+
+    def add_sync(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
+        """See KVIndexBackend.add."""
+        bit = self._bit(engine)
+        mask = 1 << bit
+        table = self._tiers.setdefault(tier.upper(), {})
+        spec = self._spec.get(bit)
+        for k in keys:
+            held = table.get(k, 0)
+            if held & mask:
+                ck = (tier.upper(), k, bit)
+                self._extra_copies[ck] = self._extra_copies.get(ck, 0) + 1
+            else:
+                table[k] = held | mask
+            if spec is not None:
+                spec.pop(k, None)
+
+    def remove_sync(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
+        """See KVIndexBackend.remove; removing an unknown key is a no-op."""
+        bit = self._engine_bit.get(engine)
+        if bit is None:
+            return
+        mask = 1 << bit
+        table = self._tiers.get(tier.upper())
+        spec = self._spec.get(bit)
+        for k in keys:
+            if spec is not None:
+                spec.pop(k, None)
+            if table is None:
+                continue
+            ck = (tier.upper(), k, bit)
+            extra = self._extra_copies.get(ck)
+            if extra:
+                if extra == 1:
+                    del self._extra_copies[ck]
+                else:
+                    self._extra_copies[ck] = extra - 1
+                continue
+            held = table.get(k, 0)
+            if held & mask:
+                held &= ~mask
+                if held:
+                    table[k] = held
+                else:
+                    del table[k]
+
+    def clear_engine_sync(self, engine: str) -> None:
+        """See KVIndexBackend.clear_engine; the engine's bit is recycled."""
+        bit = self._engine_bit.pop(engine, None)
+        if bit is None:
+            return
+        mask = 1 << bit
+        for table in self._tiers.values():
+            for k in [k for k, held in table.items() if held & mask]:
+                held = table[k] & ~mask
+                if held:
+                    table[k] = held
+                else:
+                    del table[k]
+        for ck in [ck for ck in self._extra_copies if ck[2] == bit]:
+            del self._extra_copies[ck]
+        self._spec.pop(bit, None)
+        self._free_bits.append(bit)
+
+    def add_speculative_sync(
+        self, engine: str, keys: Sequence[BlockKey], now: float, ttl_s: float
+    ) -> None:
+        """See KVIndexBackend.add_speculative; keys already confirmed are skipped."""
+        bit = self._bit(engine)
+        mask = 1 << bit
+        gpu = self._tiers.get(DEFAULT_TIER, {})
+        spec = self._spec.setdefault(bit, OrderedDict())
+        expires = now + ttl_s
+        for k in keys:
+            if gpu.get(k, 0) & mask:
+                continue
+            spec.pop(k, None)
+            spec[k] = expires
+
+    def _expire(self, now: float) -> None:
+        for spec in self._spec.values():
+            while spec:
+                k, expires = next(iter(spec.items()))
+                if expires > now:
+                    break
+                del spec[k]
+
+    def match_sync(
+        self, keys: Sequence[BlockKey], now: float, engines: Iterable[str] | None = None
+    ) -> dict[str, EngineMatch]:
+        """See KVIndexBackend.match.
+
+        Walks the keys once with a bitmask of engines still matching, so the cost is one dict
+        lookup per block (plus one per extra tier) until the last engine drops out.
+        """
+        self._expire(now)
+        wanted = self._engine_bit if engines is None else {
+            e: self._engine_bit[e] for e in engines if e in self._engine_bit
+        }
+        if not wanted or not keys:
+            return {}
+        alive = 0
+        for bit in wanted.values():
+            alive |= 1 << bit
+        confirmed = alive
+        gpu = self._tiers.get(DEFAULT_TIER, {})
+        lower = [(t, tier_weight(n)) for n, t in self._tiers.items() if n != DEFAULT_TIER]
+        specs = [(bit, s) for bit, s in self._spec.items() if s and (alive >> bit) & 1]
+        length: dict[int, int] = {}
+        confirmed_len: dict[int, int] = {}
+        penalty: dict[int, float] = {}
+        i = 0
+        for i, k in enumerate(keys):
+            present = gpu.get(k, 0) & alive
+            for table, w in lower:
+                extra = table.get(k, 0) & alive & ~present
+                if extra:
+                    present |= extra
+                    for bit in _bits(extra):
+                        penalty[bit] = penalty.get(bit, 0.0) + (1.0 - w)
+            confirmed_now = present & confirmed
+            for bit, spec in specs:
+                if (alive >> bit) & 1 and not (present >> bit) & 1 and k in spec:
+                    present |= 1 << bit
+            for bit in _bits(alive & ~present):
+                length[bit] = i
+            for bit in _bits(confirmed & ~confirmed_now):
+                confirmed_len[bit] = i
+            alive, confirmed = present, confirmed_now
+            if not alive:
+                break
+        else:
+            i = len(keys)
+        for bit in _bits(alive):
+            length[bit] = i
+        for bit in _bits(confirmed):
+            confirmed_len[bit] = i
+        out: dict[str, EngineMatch] = {}
+        for engine, bit in wanted.items():
+            blocks = length.get(bit, 0)
+            if blocks:
+                out[engine] = EngineMatch(
+                    engine=engine,
+                    blocks=blocks,
+                    confirmed_blocks=confirmed_len.get(bit, 0),
+                    weighted_blocks=blocks - penalty.get(bit, 0.0),
+                )
+        return out
+
+    def engine_keys_sync(self, engine: str) -> dict[BlockKey, dict[str, int]]:
+        """See KVIndexBackend.engine_keys."""
+        bit = self._engine_bit.get(engine)
+        if bit is None:
+            return {}
+        mask = 1 << bit
+        out: dict[BlockKey, dict[str, int]] = {}
+        for tier, table in self._tiers.items():
+            for k, held in table.items():
+                if held & mask:
+                    out.setdefault(k, {})[tier] = 1 + self._extra_copies.get((tier, k, bit), 0)
+        return out
+
+    def stats_sync(self) -> IndexStats:
+        """See KVIndexBackend.stats."""
+        keys: set[BlockKey] = set()
+        entries = 0
+        for table in self._tiers.values():
+            keys.update(table)
+            entries += sum(held.bit_count() for held in table.values())
+        spec = sum(len(s) for s in self._spec.values())
+        return IndexStats(keys=len(keys), entries=entries, speculative_entries=spec,
+                          engines=len(self._engine_bit))
+
+    # -- KVIndexBackend -------------------------------------------------------------------------
+
+    async def add(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
+        """See KVIndexBackend.add."""
+        self.add_sync(engine, keys, tier)
+
+    async def remove(
+        self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER
+    ) -> None:
+        """See KVIndexBackend.remove."""
+        self.remove_sync(engine, keys, tier)
+
+    async def clear_engine(self, engine: str) -> None:
+        """See KVIndexBackend.clear_engine."""
+        self.clear_engine_sync(engine)
+
+    async def add_speculative(
+        self, engine: str, keys: Sequence[BlockKey], now: float, ttl_s: float
+    ) -> None:
+        """See KVIndexBackend.add_speculative."""
+        self.add_speculative_sync(engine, keys, now, ttl_s)
+
+    async def match(
+        self, keys: Sequence[BlockKey], now: float, engines: Iterable[str] | None = None
+    ) -> dict[str, EngineMatch]:
+        """See KVIndexBackend.match."""
+        return self.match_sync(keys, now, engines)
+
+    async def engine_keys(self, engine: str) -> dict[BlockKey, dict[str, int]]:
+        """See KVIndexBackend.engine_keys."""
+        return self.engine_keys_sync(engine)
+
+    async def stats(self) -> IndexStats:
+        """See KVIndexBackend.stats."""
+        return self.stats_sync()
+
+    async def close(self) -> None:
+        """Nothing to release."""
