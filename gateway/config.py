@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from planner.policy import POLICIES
+from adapters.sim.profiles import DEFAULT_PROFILE, PROFILES
+from planner.policy import policy_names
 
 
 class ConfigError(ValueError):
@@ -23,6 +24,14 @@ class EngineEntry(BaseModel):
 
     url: str
     name: str | None = None
+    profile: str = DEFAULT_PROFILE
+    """Roofline profile the cost model uses for this engine."""
+    kv_events: str | None = None
+    """Connect mode: the engine's bound PUB endpoint (e.g. tcp://10.0.0.5:5557)."""
+    kv_replay: str | None = None
+    """The engine's replay ROUTER endpoint, used to recover missed events."""
+    kv_topic: str | None = None
+    """Topic of the engine's KV events (default: its URL, which `kvgate sim` uses by default)."""
 
     @field_validator("url")
     @classmethod
@@ -32,10 +41,49 @@ class EngineEntry(BaseModel):
             raise ValueError(f"engine url must look like http://HOST:PORT, got {v!r}")
         return v.rstrip("/")
 
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, v: str) -> str:
+        if v not in PROFILES:
+            raise ValueError(f"unknown profile {v!r}; known: {', '.join(sorted(PROFILES))}")
+        return v
+
+    @field_validator("kv_events", "kv_replay")
+    @classmethod
+    def _zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"ZMQ endpoint must start with tcp:// or ipc://, got {v!r}")
+        return v
+
     @property
     def engine_name(self) -> str:
         """The name used in logs, metrics and the `x-kvgate-engine` header."""
         return self.name or urlparse(self.url).netloc
+
+    @property
+    def topic(self) -> str:
+        """The KV-event topic that identifies this engine."""
+        return self.kv_topic if self.kv_topic is not None else self.url
+
+
+class IndexSettings(BaseModel):
+    """The global KV index."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str | None = None
+    namespace: str = "kvgate"
+    block_size: int = Field(default=16, gt=0)
+    """Tokens per index block (may differ from engines' block sizes)."""
+    speculative_ttl_s: float = Field(default=2.0, ge=0)
+    """How long a routed-but-unconfirmed prefix counts as held by the engine it was sent to."""
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> IndexSettings:
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("backend 'redis' needs redis_url (e.g. redis://127.0.0.1:6379/0)")
+        return self
 
 
 class GatewayConfig(BaseModel):
@@ -53,12 +101,27 @@ class GatewayConfig(BaseModel):
     connect_timeout_s: float = Field(default=5.0, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
     retries: int = Field(default=2, ge=0)
+    kv_events_bind: str | None = None
+    """Bind mode: one SUB socket engines connect to, e.g. tcp://127.0.0.1:5557."""
+    index: IndexSettings = Field(default_factory=IndexSettings)
+    tokenizer: str | None = None
+    """HF tokenizer directory the engines load (default: the shipped tiny tokenizer)."""
+    admin_key: str | None = None
+    """Key for /admin endpoints (Authorization: Bearer KEY); without one they are disabled."""
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        if v not in POLICIES:
-            raise ValueError(f"unknown policy {v!r}; known: {', '.join(sorted(POLICIES))}")
+        known = policy_names()
+        if v not in known:
+            raise ValueError(f"unknown policy {v!r}; known: {', '.join(known)}")
+        return v
+
+    @field_validator("kv_events_bind")
+    @classmethod
+    def _bind_endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"ZMQ endpoint must start with tcp:// or ipc://, got {v!r}")
         return v
 
     @model_validator(mode="after")
@@ -98,5 +161,18 @@ def load_config(path: str | Path, **overrides: Any) -> GatewayConfig:
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     if isinstance(data, dict):
-        data.update({k: v for k, v in overrides.items() if v is not None})
+        apply_overrides(data, overrides)
     return parse_config(data, str(p))
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set command-line values into a config mapping; `a.b` keys reach nested sections."""
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if "." in key:
+            head, tail = key.split(".", 1)
+            data.setdefault(head, {})[tail] = value
+        else:
+            data[key] = value
+    return data

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -48,7 +52,38 @@ class GatewayMetrics:
             "kvgate_request_duration_seconds", "From request arrival to the last byte sent.",
             ["route"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.routed_prompt_tokens = Counter(
+            "kvgate_routed_prompt_tokens", "Prompt tokens of requests routed, by engine.",
+            ["engine"], registry=r,
+        )
+        self.routed_cached_tokens = Counter(
+            "kvgate_routed_cached_tokens",
+            "Prompt tokens the KV index expected the chosen engine to hold, by engine.",
+            ["engine"], registry=r,
+        )
+        self.lookup_time = Histogram(
+            "kvgate_prefix_lookup_seconds",
+            "Tokenising and keying a prompt plus the index match, per request.",
+            buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1), registry=r,
+        )
         self.routing_time = Histogram(
             "kvgate_routing_decision_seconds", "Time the policy took to choose an engine.",
             buckets=(1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2), registry=r,
         )
+
+
+class IngestCollector(Collector):
+    """Exports KV-event ingestion counters and index size, read at scrape time."""
+
+    def __init__(self, read: Callable[[], tuple[dict[str, int], dict[str, int]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        """One counter per ingestion statistic, one gauge per index size figure."""
+        counters, gauges = self._read()
+        for name, value in counters.items():
+            yield CounterMetricFamily(f"kvgate_kv_events_{name}", f"KV-event ingestion: {name}.",
+                                      value=value)
+        for name, value in gauges.items():
+            yield GaugeMetricFamily(f"kvgate_index_{name}", f"KV index size: {name}.",
+                                    value=value)

@@ -29,6 +29,9 @@ class EngineState:
     num_waiting: int = 0
     kv_usage: float = 0.0
     in_flight: int = 0
+    prefilling: int = 0
+    queued_prefill_tokens: int = 0
+    active_blocks: int = 0
     last_scrape: float = 0.0
     consecutive_failures: int = 0
     errors: list[str] = field(default_factory=list)
@@ -43,6 +46,9 @@ class EngineState:
             num_waiting=self.num_waiting,
             kv_usage=self.kv_usage,
             in_flight=self.in_flight,
+            prefilling=self.prefilling,
+            queued_prefill_tokens=self.queued_prefill_tokens,
+            active_blocks=self.active_blocks,
         )
 
 
@@ -74,9 +80,29 @@ class EnginePool:
         """Models any engine has ever reported, healthy or not."""
         return {m for e in self.engines.values() for m in e.models}
 
+    def add(self, entry: EngineEntry) -> None:
+        """Start tracking a new engine (unhealthy until its first health check passes)."""
+        if entry.engine_name in self.engines:
+            raise ValueError(f"engine {entry.engine_name!r} is already in the pool")
+        self.engines[entry.engine_name] = EngineState(entry.engine_name, entry.url)
+
+    def remove(self, name: str) -> bool:
+        """Stop tracking an engine; False if it was not in the pool."""
+        return self.engines.pop(name, None) is not None
+
+    async def refresh(self, name: str) -> None:
+        """Check one engine's health and load now."""
+        state = self.engines.get(name)
+        if state is not None:
+            await self._check(state)
+            if state.healthy:
+                await self._scrape(state)
+
     def mark_failed(self, name: str, reason: str) -> None:
         """Take an engine out of rotation after a connection failure, until a health check."""
-        state = self.engines[name]
+        state = self.engines.get(name)
+        if state is None:
+            return
         if state.healthy:
             log.warning("engine %s marked unhealthy: %s", name, reason)
         state.healthy = False
@@ -114,10 +140,10 @@ class EnginePool:
                 log.exception("engine pool refresh failed")
 
     async def _check_all(self) -> None:
-        await asyncio.gather(*(self._check(e) for e in self.engines.values()))
+        await asyncio.gather(*(self._check(e) for e in list(self.engines.values())))
 
     async def _scrape_all(self) -> None:
-        await asyncio.gather(*(self._scrape(e) for e in self.engines.values() if e.healthy))
+        await asyncio.gather(*(self._scrape(e) for e in list(self.engines.values()) if e.healthy))
 
     async def _check(self, state: EngineState) -> None:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self._health_interval * 2))

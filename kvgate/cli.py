@@ -13,16 +13,19 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway.app import run
-    from gateway.config import ConfigError, load_config, parse_config
+    from gateway.config import ConfigError, apply_overrides, load_config, parse_config
 
-    overrides = {"host": args.host, "port": args.port, "policy": args.policy}
+    overrides = {"host": args.host, "port": args.port, "policy": args.policy,
+                 "kv_events_bind": args.kv_events_bind, "admin_key": args.admin_key,
+                 "tokenizer": args.tokenizer}
+    if args.redis:
+        overrides.update({"index.backend": "redis", "index.redis_url": args.redis})
     try:
         if args.config:
             config = load_config(args.config, **overrides)
         elif args.engines:
             engines = [{"url": u.strip()} for u in args.engines.split(",") if u.strip()]
-            data = {"engines": engines, **{k: v for k, v in overrides.items() if v is not None}}
-            config = parse_config(data, "--engines")
+            config = parse_config(apply_overrides({"engines": engines}, overrides), "--engines")
         else:
             print("kvgate serve: give --config FILE or --engines URL,...", file=sys.stderr)
             return 2
@@ -83,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="listen port (default 8000)")
     s.add_argument("--policy", help="routing policy name (default least-loaded)")
+    s.add_argument("--kv-events-bind",
+                   help="bind one ZMQ SUB socket here for engines' KV events (tcp://127.0.0.1:P)")
+    s.add_argument("--redis", help="share the KV index through Redis at this URL")
+    s.add_argument("--admin-key", default=os.environ.get("KVGATE_ADMIN_KEY"),
+                   help="key for /admin endpoints (default: $KVGATE_ADMIN_KEY)")
+    s.add_argument("--tokenizer", help="HF tokenizer directory the engines use")
     s.set_defaults(func=_serve)
 
     m = sub.add_parser("sim", help="run one simulated vLLM engine")

@@ -209,6 +209,8 @@ class InMemoryIndex:
             spec[k] = expires
 
     def _expire(self, now: float) -> None:
+        # Entries are ordered by insertion; with equal TTLs that is expiry order, so this drops
+        # the bulk cheaply. An entry inserted later with a shorter TTL is checked in match.
         for spec in self._spec.values():
             while spec:
                 k, expires = next(iter(spec.items()))
@@ -251,7 +253,7 @@ class InMemoryIndex:
                         penalty[bit] = penalty.get(bit, 0.0) + (1.0 - w)
             confirmed_now = present & confirmed
             for bit, spec in specs:
-                if (alive >> bit) & 1 and not (present >> bit) & 1 and k in spec:
+                if (alive >> bit) & 1 and not (present >> bit) & 1 and spec.get(k, 0.0) > now:
                     present |= 1 << bit
             for bit in _bits(alive & ~present):
                 length[bit] = i

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from adapters.sim.profiles import DEFAULT_PROFILE, EngineProfile, get_profile
 from kvindex.index import BlockKey, EngineMatch
 
 
@@ -90,6 +91,10 @@ class RoutingPolicy(Protocol):
         """The request was sent to `engine` (policies that learn from their routing use this)."""
         ...
 
+    def on_first_token(self, request_id: str, engine: str, now: float) -> None:
+        """The engine started answering the request (its prefill is done)."""
+        ...
+
     def on_finish(self, request_id: str, engine: str, now: float) -> None:
         """The request finished (or failed) at `engine`."""
         ...
@@ -102,6 +107,9 @@ class StatelessPolicy:
 
     def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
         """Nothing to remember."""
+
+    def on_first_token(self, request_id: str, engine: str, now: float) -> None:
+        """Nothing to learn."""
 
     def on_finish(self, request_id: str, engine: str, now: float) -> None:
         """Nothing to forget."""
@@ -120,51 +128,60 @@ def candidates(request: RouteRequest, engines: Sequence[EngineView]) -> list[Eng
     return serving
 
 
-class RoundRobin(StatelessPolicy):
-    """Cycle through the eligible engines."""
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy is built with: the pool's engine profiles and the index's block size."""
 
-    name = "round-robin"
+    profiles: dict[str, EngineProfile] = field(default_factory=dict)
+    """Roofline profile per engine name (engines absent use `default_profile`); engines that
+    join at run time are added here, and policies holding this dict see them."""
+    default_profile: EngineProfile = field(default_factory=lambda: get_profile(DEFAULT_PROFILE))
+    block_size: int = 16
+    seed: int = 0
 
-    def __init__(self) -> None:
-        self._next = 0
-
-    def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
-        """Next eligible engine in turn."""
-        eligible = candidates(request, engines)
-        pick = eligible[self._next % len(eligible)]
-        self._next += 1
-        return pick.name
-
-
-class LeastLoaded(StatelessPolicy):
-    """Fewest requests at the engine (scraped running + waiting, or the gateway's in-flight)."""
-
-    name = "least-loaded"
-
-    def __init__(self) -> None:
-        self._turn = 0
-
-    def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
-        """Least load, then least KV usage; ties rotate so equal engines share the work."""
-        eligible = candidates(request, engines)
-        best = min((e.load, e.kv_usage) for e in eligible)
-        tied = [e for e in eligible if (e.load, e.kv_usage) == best]
-        pick = tied[self._turn % len(tied)]
-        self._turn += 1
-        return pick.name
+    def profile(self, engine: str) -> EngineProfile:
+        """The engine's profile."""
+        return self.profiles.get(engine, self.default_profile)
 
 
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    RoundRobin.name: RoundRobin,
-    LeastLoaded.name: LeastLoaded,
-}
+PolicyFactory = Callable[[PolicyContext], RoutingPolicy]
+_REGISTRY: dict[str, PolicyFactory] = {}
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def register(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
+    """Class decorator: make a policy available by `name` in config and on the command line."""
+
+    def wrap(factory: PolicyFactory) -> PolicyFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"policy {name!r} registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def _load_policies() -> None:
+    import importlib
+    import pkgutil
+
+    import planner.policies as package
+
+    for module in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{package.__name__}.{module.name}")
+
+
+def policy_names() -> list[str]:
+    """Every registered policy name, sorted."""
+    _load_policies()
+    return sorted(_REGISTRY)
+
+
+def make_policy(name: str, context: PolicyContext | None = None) -> RoutingPolicy:
     """Instantiate a policy by its registered name; the error lists the known names."""
+    _load_policies()
     try:
-        factory = POLICIES[name]
+        factory = _REGISTRY[name]
     except KeyError:
-        known = ", ".join(sorted(POLICIES))
+        known = ", ".join(sorted(_REGISTRY))
         raise ValueError(f"unknown routing policy {name!r}; known policies: {known}") from None
-    return factory()
+    return factory(context or PolicyContext())

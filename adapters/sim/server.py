@@ -352,11 +352,14 @@ class SimEngine:
             return _sse(payload)
 
         try:
-            await resp.write(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]))
             ids: list[int] = []
             sent = ""
             async for out in self._tokens(stream):
+                if not ids:
+                    # vLLM sends the role chunk with the first output, i.e. after prefill.
+                    await resp.write(chunk([{"index": 0,
+                                             "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]))
                 ids.extend(out.new_token_ids)
                 text = self._text(ids)
                 delta, sent = text[len(sent):], text

@@ -1,0 +1,1 @@
+"""The live service: aiohttp app, proxy, engine pool, KV-event ingestion, admin API."""

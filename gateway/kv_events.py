@@ -1,0 +1,185 @@
+"""ZMQ side of KV-event ingestion: sockets, continuous polling, replays, applying index ops.
+
+Bind mode: one SUB socket bound at `kv_events_bind`; engines connect to it (vLLM does when its
+endpoint has no wildcard) and are told apart by message topic. Connect mode: one SUB socket
+connected to every engine endpoint given in config (engines bind, several gateways subscribe).
+Either way the socket is polled continuously from start-up: a bound SUB that is not being read
+never sends its subscription to a newly connected PUB, which then drops everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvindex.events import decode_seq
+from kvindex.index import KVIndexBackend
+from kvindex.ingest import AddKeys, EventIngestor, IndexOp, RemoveKeys, RequestReplay
+
+log = logging.getLogger(__name__)
+
+REPLAY_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """Where one engine's events come from and how to recognise them."""
+
+    engine: str
+    topic: str
+    endpoint: str | None = None
+    """Connect-mode PUB endpoint of the engine (None in bind mode)."""
+    replay_endpoint: str | None = None
+
+
+class KVEventListener:
+    """Feeds every engine's KV events through an EventIngestor into an index backend."""
+
+    def __init__(
+        self,
+        index: KVIndexBackend,
+        ingestor: EventIngestor,
+        sources: Sequence[EventSource],
+        bind: str | None = None,
+    ) -> None:
+        self.index = index
+        self.ingestor = ingestor
+        self.bind = bind
+        self._ctx = zmq.asyncio.Context()
+        self._sources = {s.engine: s for s in sources}
+        self._by_topic = {s.topic.encode(): s.engine for s in sources}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sub: zmq.asyncio.Socket | None = None
+        self.unknown_topics: dict[bytes, int] = {}
+        self.malformed = 0
+        self.applied_batches = 0
+        self.replays = 0
+
+    def _lock(self, engine: str) -> asyncio.Lock:
+        return self._locks.setdefault(engine, asyncio.Lock())
+
+    async def start(self) -> None:
+        """Open the SUB socket and start reading it at once."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, 0)
+        if self.bind:
+            sub.bind(self.bind)
+        for s in self._sources.values():
+            if s.endpoint:
+                sub.connect(s.endpoint)
+        self._sub = sub
+        self._tasks.append(asyncio.get_running_loop().create_task(self._receive()))
+
+    async def stop(self) -> None:
+        """Stop reading and close sockets."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._sub is not None:
+            self._sub.close(linger=0)
+        self._ctx.term()
+
+    def add_source(self, source: EventSource) -> None:
+        """An engine joined: recognise its topic (and connect to it in connect mode)."""
+        self._sources[source.engine] = source
+        self._by_topic[source.topic.encode()] = source.engine
+        if source.endpoint and self._sub is not None:
+            self._sub.connect(source.endpoint)
+        if source.replay_endpoint:
+            self.ingestor.replay_available.add(source.engine)
+
+    async def remove_source(self, engine: str) -> None:
+        """An engine left: stop listening to it and purge its index entries."""
+        source = self._sources.pop(engine, None)
+        if source is None:
+            return
+        self._by_topic.pop(source.topic.encode(), None)
+        if source.endpoint and self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disconnect(source.endpoint)
+        self.ingestor.replay_available.discard(engine)
+        async with self._lock(engine):
+            await self.apply(self.ingestor.forget(engine))
+
+    async def _receive(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            try:
+                await self._handle(frames)
+            except Exception:  # one bad message must never stop ingestion
+                log.exception("failed to ingest a KV event message")
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.malformed += 1
+            return
+        topic, seq_frame, payload = frames
+        engine = self._by_topic.get(topic)
+        if engine is None:
+            count = self.unknown_topics.get(topic, 0)
+            if count == 0:
+                log.warning("KV events with unknown topic %r ignored", topic)
+            self.unknown_topics[topic] = count + 1
+            return
+        async with self._lock(engine):
+            result = self.ingestor.on_message(engine, decode_seq(seq_frame), payload)
+            await self.apply(result.ops)
+            self.applied_batches += 1
+        if result.replay is not None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._replay(result.replay)))
+
+    async def _replay(self, request: RequestReplay) -> None:
+        source = self._sources.get(request.engine)
+        self.replays += 1
+        engine = request.engine
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            if source is None or not source.replay_endpoint:
+                return
+            dealer.connect(source.replay_endpoint)
+            await dealer.send_multipart([b"", request.from_seq.to_bytes(8, "big")])
+            while True:
+                if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
+                    log.warning("replay from %s timed out", engine)
+                    return
+                frames = await dealer.recv_multipart()
+                # [b"", topic, seq, payload]; releases before mid-2025 omit the topic frame.
+                body = frames[1:]
+                if len(body) == 2:
+                    body = [b"", *body]
+                if len(body) != 3:
+                    self.malformed += 1
+                    continue
+                seq = decode_seq(body[1])
+                if seq < 0:
+                    return
+                async with self._lock(engine):
+                    await self.apply(self.ingestor.on_replayed(engine, seq, body[2]))
+        except Exception:
+            log.exception("replay from %s failed", engine)
+        finally:
+            dealer.close(linger=0)
+            async with self._lock(engine):
+                await self.apply(self.ingestor.replay_done(engine))
+
+    async def apply(self, ops: Sequence[IndexOp]) -> None:
+        """Perform index operations in order."""
+        for op in ops:
+            if isinstance(op, AddKeys):
+                await self.index.add(op.engine, op.keys, op.tier)
+            elif isinstance(op, RemoveKeys):
+                await self.index.remove(op.engine, op.keys, op.tier)
+            else:
+                log.info("clearing index entries of %s: %s", op.engine, op.reason)
+                await self.index.clear_engine(op.engine)

@@ -1,0 +1,362 @@
+"""The OpenAI-compatible proxy: key the prompt, ask the index, let the policy place, forward.
+
+Bodies are forwarded byte for byte (unknown fields survive) and responses are streamed back chunk
+by chunk as the engine produces them. A request whose engine fails before answering is re-sent to
+another engine; one whose engine dies mid-stream ends with an OpenAI-shaped error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.errors import (
+    BodyTooLarge,
+    EngineFailed,
+    EngineTimeout,
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NoHealthyEngine,
+)
+from gateway.state import GatewayState
+from kvindex.keys import KeyExtras, PromptKeys
+from kvindex.tokenizer import TokenizerError
+from planner.policy import NoEngineAvailable, RouteRequest
+
+log = logging.getLogger(__name__)
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and ones aiohttp recomputes are never forwarded.
+_HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
+        "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Accept-Encoding",
+        "Content-Encoding",
+    )
+)  # fmt: skip
+
+ENGINE_HEADER = "x-kvgate-engine"
+SESSION_HEADER = "x-session-id"
+
+
+def forward_headers(headers: Any) -> CIMultiDict[str]:
+    """End-to-end headers only."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        if k.lower() not in _HOP_BY_HOP:
+            out.add(k, v)
+    return out
+
+
+async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]]:
+    """The raw body and its parsed JSON object; 413/400 with a clear message otherwise."""
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(
+            f"request body is {request.content_length} bytes; the limit is {limit} bytes"
+        )
+    chunks = []
+    size = 0
+    async for chunk in request.content.iter_chunked(64 * 1024):
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise InvalidRequest("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return raw, body
+
+
+def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> PromptKeys | None:
+    """Tokenise and key the prompt exactly as the engine will; None if it cannot be keyed.
+
+    A prompt the gateway cannot key is still forwarded: the engine is the authority on validity.
+    """
+    salt = body.get("cache_salt")
+    extras = KeyExtras(cache_salt=salt if isinstance(salt, str) else None)
+    try:
+        if route == "/v1/chat/completions":
+            messages = body.get("messages")
+            tools = body.get("tools")
+            if not isinstance(messages, list) or not messages:
+                return None
+            return state.keyer.chat(
+                messages, tools=tools if isinstance(tools, list) else None, extras=extras,
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            )
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+        ):
+            return state.keyer.completion(prompt, extras)
+    except (TokenizerError, ValueError, TypeError, KeyError) as e:
+        log.debug("prompt could not be keyed: %s", e)
+    return None
+
+
+@dataclass
+class _Dispatch:
+    """The gateway's accounting for one request at one engine."""
+
+    engine: str
+    uncached_tokens: int
+    blocks: int
+    prefilling: bool = True
+
+
+class Proxy:
+    """Forwards OpenAI calls to the engine the policy picks."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    def _choose(self, route_req: RouteRequest, exclude: set[str]) -> str:
+        state = self.state
+        pool = state.pool
+        assert pool is not None
+        views = [v for v in pool.views() if v.name not in exclude]
+        t0 = time.perf_counter()
+        try:
+            return state.policy.choose(route_req, views, state.now())
+        except NoEngineAvailable as e:
+            healthy_models = pool.models()
+            if healthy_models and route_req.model not in pool.known_models():
+                raise ModelNotFound(
+                    f"The model `{route_req.model}` does not exist. Available models: "
+                    f"{', '.join(healthy_models)}",
+                    param="model",
+                ) from None
+            raise NoHealthyEngine(str(e)) from None
+        finally:
+            state.metrics.routing_time.observe(time.perf_counter() - t0)
+
+    async def route_request(
+        self, request: web.Request, route: str, body: dict[str, Any]
+    ) -> RouteRequest:
+        """Everything the policy may know about this request, index matches included."""
+        state = self.state
+        model = body.get("model")
+        if model is None:
+            raise InvalidRequest("you must provide a model parameter", param="model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("`model` must be a non-empty string", param="model")
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        session = request.headers.get(SESSION_HEADER) or body.get("user")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        t0 = time.perf_counter()
+        keys = prompt_keys(state, route, body)
+        matches = {}
+        if keys is not None and keys.keys:
+            matches = await state.index.match(keys.keys, state.now())
+        state.metrics.lookup_time.observe(time.perf_counter() - t0)
+        return RouteRequest(
+            request_id=request_id,
+            model=model,
+            session_id=session if isinstance(session, str) else None,
+            prompt_tokens=keys.num_tokens if keys else 0,
+            block_keys=keys.keys if keys else (),
+            block_size=state.config.index.block_size,
+            matches=matches,
+            prompt_text=keys.text if keys else "",
+            max_tokens=max_tokens if type(max_tokens) is int else None,
+        )
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Validate, route and forward one OpenAI request."""
+        state = self.state
+        route = request.path
+        arrived = time.monotonic()
+        raw, body = await read_json(request, state.config.max_body_bytes)
+        route_req = await self.route_request(request, route, body)
+        # The client's x-request-id is forwarded untouched; vLLM uses it as its request id.
+        headers = forward_headers(request.headers)
+        tried: set[str] = set()
+        last_error = ""
+        for _ in range(state.config.retries + 1):
+            engine = self._choose(route_req, tried)
+            tried.add(engine)
+            try:
+                return await self._forward(request, route, route_req, engine, raw, headers,
+                                           arrived)
+            except _RetryableFailure as e:
+                last_error = str(e)
+                state.metrics.retries.labels(engine).inc()
+                log.warning("request %s: engine %s failed before answering (%s); retrying",
+                            route_req.request_id, engine, e)
+        raise NoHealthyEngine(
+            f"every engine tried failed before answering ({', '.join(sorted(tried))}); "
+            f"last error: {last_error}"
+        )
+
+    # -- accounting -----------------------------------------------------------------------------
+
+    async def _dispatched(self, route_req: RouteRequest, engine: str) -> _Dispatch:
+        state = self.state
+        assert state.pool is not None
+        now = state.now()
+        cached = route_req.cached_tokens(engine)
+        d = _Dispatch(engine, max(0, route_req.prompt_tokens - cached), len(route_req.block_keys))
+        target = state.pool.engines[engine]
+        target.in_flight += 1
+        target.prefilling += 1
+        target.queued_prefill_tokens += d.uncached_tokens
+        target.active_blocks += d.blocks
+        m = state.metrics
+        m.in_flight.labels(engine).inc()
+        m.routed.labels(engine).inc()
+        m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
+        m.routed_cached_tokens.labels(engine).inc(cached)
+        state.policy.on_dispatch(route_req, engine, now)
+        if route_req.block_keys and state.config.index.speculative_ttl_s > 0:
+            await state.index.add_speculative(engine, route_req.block_keys, now,
+                                              state.config.index.speculative_ttl_s)
+        return d
+
+    def _first_token(self, route_req: RouteRequest, d: _Dispatch, observed: bool) -> None:
+        if not d.prefilling:
+            return
+        d.prefilling = False
+        state = self.state
+        assert state.pool is not None
+        target = state.pool.engines.get(d.engine)
+        if target is not None:
+            target.prefilling -= 1
+            target.queued_prefill_tokens -= d.uncached_tokens
+        if observed:
+            state.policy.on_first_token(route_req.request_id, d.engine, state.now())
+
+    def _finished(self, route_req: RouteRequest, d: _Dispatch) -> None:
+        state = self.state
+        assert state.pool is not None
+        self._first_token(route_req, d, observed=False)
+        target = state.pool.engines.get(d.engine)
+        if target is not None:
+            target.in_flight -= 1
+            target.active_blocks -= d.blocks
+        state.metrics.in_flight.labels(d.engine).dec()
+        state.policy.on_finish(route_req.request_id, d.engine, state.now())
+
+    # -- forwarding -----------------------------------------------------------------------------
+
+    async def _forward(
+        self,
+        request: web.Request,
+        route: str,
+        route_req: RouteRequest,
+        engine: str,
+        raw: bytes,
+        headers: CIMultiDict[str],
+        arrived: float,
+    ) -> web.StreamResponse:
+        state = self.state
+        assert state.pool is not None and state.session is not None
+        url = state.pool.engines[engine].url
+        metrics = state.metrics
+        d = await self._dispatched(route_req, engine)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=state.config.connect_timeout_s,
+            sock_read=state.config.request_timeout_s,
+        )
+        try:
+            try:
+                upstream = await state.session.post(
+                    f"{url}{route}", data=raw, headers=headers, timeout=timeout
+                )
+            except (TimeoutError, aiohttp.ClientConnectionError) as e:
+                metrics.upstream_errors.labels(engine, "connect").inc()
+                state.pool.mark_failed(engine, repr(e))
+                raise _RetryableFailure(f"{engine}: {e!r}") from None
+            try:
+                return await self._relay(request, route, route_req, d, upstream, arrived)
+            finally:
+                # Closing (not releasing) an unfinished response drops the connection, so the
+                # engine sees the disconnect and aborts the request.
+                upstream.close()
+        finally:
+            self._finished(route_req, d)
+            metrics.duration.labels(route).observe(time.monotonic() - arrived)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        route: str,
+        route_req: RouteRequest,
+        d: _Dispatch,
+        upstream: aiohttp.ClientResponse,
+        arrived: float,
+    ) -> web.StreamResponse:
+        metrics = self.state.metrics
+        engine = d.engine
+        metrics.time_to_first_byte.labels(route).observe(time.monotonic() - arrived)
+        out_headers = forward_headers(upstream.headers)
+        out_headers[ENGINE_HEADER] = engine
+        resp = web.StreamResponse(status=upstream.status, headers=out_headers)
+        is_sse = upstream.content_type == "text/event-stream"
+        if not is_sse:
+            # A JSON response arrives whole: the engine is done with the prompt by now.
+            self._first_token(route_req, d, observed=False)
+        try:
+            await resp.prepare(request)
+            while True:
+                try:
+                    chunk = await upstream.content.readany()
+                except (TimeoutError, aiohttp.ClientPayloadError,
+                        aiohttp.ClientConnectionError) as e:
+                    await self._engine_died(resp, engine, e, is_sse)
+                    metrics.requests.labels(route, "502").inc()
+                    return resp
+                if not chunk:
+                    break
+                # vLLM streams its first chunk once the prompt is prefilled.
+                self._first_token(route_req, d, observed=upstream.status == 200)
+                await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("client went away during a response from %s", engine)
+            metrics.requests.labels(route, "499").inc()
+            return resp
+        metrics.requests.labels(route, str(upstream.status)).inc()
+        return resp
+
+    async def _engine_died(
+        self, resp: web.StreamResponse, engine: str, error: BaseException, is_sse: bool
+    ) -> None:
+        """The engine failed after the response started: tell the client as clearly as we can."""
+        state = self.state
+        assert state.pool is not None
+        kind = "timeout" if isinstance(error, TimeoutError) else "mid-stream"
+        state.metrics.upstream_errors.labels(engine, kind).inc()
+        state.pool.mark_failed(engine, repr(error))
+        log.warning("engine %s failed mid-response: %r", engine, error)
+        if not is_sse:
+            # A JSON body cannot carry an error after it started; a truncated body is the signal.
+            resp.force_close()
+            return
+        err: GatewayError = (
+            EngineTimeout(f"engine {engine} timed out mid-response")
+            if kind == "timeout"
+            else EngineFailed(f"engine {engine} failed mid-stream: {error!r}")
+        )
+        await resp.write(err.sse_event())
+        await resp.write_eof()
+
+
+class _RetryableFailure(Exception):
+    """The engine failed before a single response byte reached the client."""

@@ -1,0 +1,112 @@
+"""Everything the gateway's handlers share, created at start-up from the config."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aiohttp
+
+from adapters.sim.profiles import get_profile
+from gateway.config import EngineEntry, GatewayConfig
+from gateway.kv_events import EventSource, KVEventListener
+from gateway.metrics import GatewayMetrics
+from gateway.pool import EnginePool
+from kvindex.index import InMemoryIndex, KVIndexBackend
+from kvindex.ingest import EventIngestor
+from kvindex.keys import PromptKeyer
+from kvindex.tokenizer import Tokenizer
+from planner.policy import PolicyContext, RoutingPolicy, make_policy
+
+log = logging.getLogger(__name__)
+
+
+def event_source(entry: EngineEntry) -> EventSource:
+    """How the listener recognises (and, in connect mode, reaches) an engine's events."""
+    return EventSource(entry.engine_name, entry.topic, entry.kv_events, entry.kv_replay)
+
+
+def make_index(config: GatewayConfig) -> KVIndexBackend:
+    """The configured index backend."""
+    settings = config.index
+    if settings.backend == "redis":
+        from kvindex.redis_index import RedisIndex
+
+        assert settings.redis_url is not None
+        return RedisIndex.from_url(settings.redis_url, namespace=settings.namespace)
+    return InMemoryIndex()
+
+
+class GatewayState:
+    """Config, engine pool, KV index and its ingestion, prompt keyer, policy, metrics, session."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.policy_context = PolicyContext(
+            profiles={e.engine_name: get_profile(e.profile) for e in config.engines},
+            block_size=config.index.block_size,
+        )
+        self.policy: RoutingPolicy = make_policy(config.policy, self.policy_context)
+        self.metrics = GatewayMetrics()
+        self.tokenizer = Tokenizer.load(config.tokenizer)
+        self.keyer = PromptKeyer(self.tokenizer, config.index.block_size)
+        self.index: KVIndexBackend = make_index(config)
+        self.ingestor = EventIngestor(
+            config.index.block_size,
+            replay_available={e.engine_name for e in config.engines if e.kv_replay},
+        )
+        self.listener: KVEventListener | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.pool: EnginePool | None = None
+        self.started = time.monotonic()
+
+    @property
+    def listens_for_events(self) -> bool:
+        """True when KV events come in (bind mode or any engine in connect mode)."""
+        return bool(self.config.kv_events_bind) or any(e.kv_events for e in self.config.engines)
+
+    async def start(self) -> None:
+        """Start listening for KV events first (so nothing is missed), then watch the engines."""
+        c = self.config
+        self.listener = KVEventListener(
+            self.index, self.ingestor, [event_source(e) for e in c.engines], c.kv_events_bind
+        )
+        await self.listener.start()
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s),
+        )
+        self.pool = EnginePool(c.engines, self.session, c.scrape_interval_s, c.health_interval_s)
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        """Stop background work and close connections."""
+        if self.pool is not None:
+            await self.pool.stop()
+        if self.listener is not None:
+            await self.listener.stop()
+        if self.session is not None:
+            await self.session.close()
+        await self.index.close()
+
+    def now(self) -> float:
+        """The clock handed to the planner and the index (seconds since start)."""
+        return time.monotonic() - self.started
+
+    async def add_engine(self, entry: EngineEntry) -> None:
+        """An engine joins the pool at run time."""
+        assert self.pool is not None and self.listener is not None
+        self.pool.add(entry)
+        self.policy_context.profiles[entry.engine_name] = get_profile(entry.profile)
+        self.listener.add_source(event_source(entry))
+        await self.pool.refresh(entry.engine_name)
+
+    async def remove_engine(self, name: str) -> bool:
+        """An engine leaves the pool: stop routing to it and purge its index entries."""
+        assert self.pool is not None and self.listener is not None
+        if not self.pool.remove(name):
+            return False
+        await self.listener.remove_source(name)
+        await self.index.clear_engine(name)
+        return True

@@ -1,0 +1,344 @@
+"""Turn engines' KV-event streams into index operations (sans-IO).
+
+Per engine this keeps the sequence number and a map from the engine's block hashes to the
+index's own keys, computed from the `token_ids` each BlockStored carries, chained from the
+parent's keys. It never needs to reproduce vLLM's digest, and the engine's block size may be any
+size: index keys are cut from the token stream at the index block size, carrying a partial tail
+from block to block when the index block is larger.
+
+It detects sequence gaps (asks for a replay, buffers live batches meanwhile), engine restarts
+(sequence goes backwards: the engine's entries are dropped) and unknown parents (orphans, which
+are counted and skipped). The caller performs the returned operations on a `KVIndexBackend` and
+the replays on the engine's replay socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvindex.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventDecodeError,
+    decode_batch,
+)
+from kvindex.index import DEFAULT_TIER, BlockKey, InMemoryIndex
+from kvindex.keys import KeyExtras, chain_keys
+
+EngineHash = int | bytes
+
+
+@dataclass(frozen=True)
+class AddKeys:
+    """The engine now holds one more copy of each key."""
+
+    engine: str
+    keys: tuple[BlockKey, ...]
+    tier: str
+
+
+@dataclass(frozen=True)
+class RemoveKeys:
+    """The engine dropped one copy of each key."""
+
+    engine: str
+    keys: tuple[BlockKey, ...]
+    tier: str
+
+
+@dataclass(frozen=True)
+class ClearEngine:
+    """Forget everything the index holds for the engine."""
+
+    engine: str
+    reason: str
+
+
+IndexOp = AddKeys | RemoveKeys | ClearEngine
+
+
+@dataclass(frozen=True)
+class RequestReplay:
+    """Ask the engine's replay endpoint for every batch from `from_seq` on."""
+
+    engine: str
+    from_seq: int
+
+
+@dataclass
+class IngestResult:
+    """What the caller must do after feeding one message."""
+
+    ops: list[IndexOp] = field(default_factory=list)
+    replay: RequestReplay | None = None
+
+
+@dataclass(slots=True)
+class _Chain:
+    """Where an engine block leaves the index chain (the uncommon, non-compact form)."""
+
+    keys: tuple[BlockKey, ...]
+    tail: BlockKey | None
+    pending: tuple[int, ...]
+    blocks: int
+    salt: str | None
+    copies: int
+    tier: str
+
+
+# The common case (index block == engine block or divides it, GPU tier, one copy) is stored as
+# just the block's last index key, which is also where its children continue the chain.
+_BlockState = int | _Chain
+
+
+@dataclass
+class IngestStats:
+    """Counters for metrics and tests."""
+
+    batches: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    orphans: int = 0
+    unknown_removals: int = 0
+    gaps: int = 0
+    restarts: int = 0
+    resyncs: int = 0
+    decode_errors: int = 0
+
+
+@dataclass
+class _EngineState:
+    last_seq: int | None = None
+    blocks: dict[EngineHash, _BlockState] = field(default_factory=dict)
+    replaying: bool = False
+    replay_target: int = 0
+    # Live batches that arrived while a replay was running, by sequence number.
+    held: dict[int, KVEventBatch] = field(default_factory=dict)
+
+
+class EventIngestor:
+    """Maps every engine's KV events to index operations at one index block size."""
+
+    def __init__(self, index_block_size: int, replay_available: set[str] | None = None) -> None:
+        if index_block_size <= 0:
+            raise ValueError("index block size must be positive")
+        self.block_size = index_block_size
+        self.replay_available = set(replay_available or ())
+        self.stats = IngestStats()
+        self._engines: dict[str, _EngineState] = {}
+
+    def engine_blocks(self, engine: str) -> int:
+        """Engine block hashes currently mapped for `engine`."""
+        state = self._engines.get(engine)
+        return len(state.blocks) if state else 0
+
+    def last_seq(self, engine: str) -> int | None:
+        """Last sequence number applied for `engine`."""
+        state = self._engines.get(engine)
+        return state.last_seq if state else None
+
+    def forget(self, engine: str, reason: str = "engine left the pool") -> list[IndexOp]:
+        """The engine left the pool: drop its state and its index entries."""
+        self._engines.pop(engine, None)
+        return [ClearEngine(engine, reason)]
+
+    # -- live stream ----------------------------------------------------------------------------
+
+    def on_message(self, engine: str, seq: int, payload: bytes) -> IngestResult:
+        """One live `[topic, seq, payload]` message from `engine`."""
+        result = IngestResult()
+        batch = self._decode(payload)
+        if batch is None:
+            return result
+        state = self._engines.setdefault(engine, _EngineState())
+        if state.replaying:
+            state.held[seq] = batch
+            return result
+        last = state.last_seq
+        if last is not None and seq <= last:
+            self.stats.restarts += 1
+            self._reset(state, engine, "engine restarted (sequence went backwards)", result)
+            last = None
+        if last is None and seq > 0 and engine in self.replay_available:
+            # We joined late: fetch what the engine still buffers so its cache is known.
+            return self._start_replay(state, engine, 0, seq, batch, result)
+        if last is not None and seq > last + 1:
+            self.stats.gaps += 1
+            if engine in self.replay_available:
+                return self._start_replay(state, engine, last + 1, seq, batch, result)
+            self._reset(state, engine, f"sequence gap {last}->{seq} and no replay endpoint",
+                        result)
+        self._apply(state, engine, seq, batch, result.ops)
+        return result
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def _start_replay(
+        self, state: _EngineState, engine: str, from_seq: int, seq: int,
+        batch: KVEventBatch, result: IngestResult,
+    ) -> IngestResult:
+        state.replaying = True
+        state.replay_target = from_seq
+        state.held[seq] = batch
+        result.replay = RequestReplay(engine, from_seq)
+        return result
+
+    def on_replayed(self, engine: str, seq: int, payload: bytes) -> list[IndexOp]:
+        """One batch answered by the replay endpoint (in order, before `replay_done`)."""
+        ops: list[IndexOp] = []
+        state = self._engines.get(engine)
+        if state is None or not state.replaying:
+            return ops
+        batch = self._decode(payload)
+        if batch is None:
+            return ops
+        expected = state.replay_target if state.last_seq is None else state.last_seq + 1
+        if seq < expected:
+            return ops
+        if seq > expected and state.last_seq is not None:
+            # The replay buffer no longer reaches back far enough: what we held is unreliable.
+            self._reset(state, engine, f"replay started at {seq}, needed {expected}",
+                        IngestResult(ops))
+        self._apply(state, engine, seq, batch, ops)
+        return ops
+
+    def replay_done(self, engine: str) -> list[IndexOp]:
+        """The replay ended (end marker, timeout or error): apply the batches held meanwhile."""
+        ops: list[IndexOp] = []
+        state = self._engines.get(engine)
+        if state is None or not state.replaying:
+            return ops
+        state.replaying = False
+        held, state.held = state.held, {}
+        for seq in sorted(held):
+            last = state.last_seq
+            if last is not None and seq <= last:
+                continue
+            if last is not None and seq > last + 1:
+                self._reset(state, engine, f"events {last}..{seq} lost", IngestResult(ops))
+            self._apply(state, engine, seq, held[seq], ops)
+        return ops
+
+    # -- applying -------------------------------------------------------------------------------
+
+    def _decode(self, payload: bytes) -> KVEventBatch | None:
+        try:
+            return decode_batch(payload)
+        except KVEventDecodeError:
+            self.stats.decode_errors += 1
+            return None
+
+    def _reset(self, state: _EngineState, engine: str, reason: str, result: IngestResult) -> None:
+        self.stats.resyncs += 1
+        state.blocks.clear()
+        state.last_seq = None
+        result.ops.append(ClearEngine(engine, reason))
+
+    def _apply(
+        self, state: _EngineState, engine: str, seq: int, batch: KVEventBatch, ops: list[IndexOp]
+    ) -> None:
+        self.stats.batches += 1
+        state.last_seq = seq
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(state, engine, event, ops)
+            elif isinstance(event, BlockRemoved):
+                self._removed(state, engine, event, ops)
+            elif isinstance(event, AllBlocksCleared):
+                state.blocks.clear()
+                ops.append(ClearEngine(engine, "engine reset its prefix cache"))
+
+    def _stored(
+        self, state: _EngineState, engine: str, ev: BlockStored, ops: list[IndexOp]
+    ) -> None:
+        n = len(ev.block_hashes)
+        bs = ev.block_size
+        if n == 0 or bs <= 0 or len(ev.token_ids) != n * bs:
+            self.stats.decode_errors += 1
+            return
+        tier = (ev.medium or DEFAULT_TIER).upper()
+        parent = ev.parent_block_hash
+        if parent is None:
+            first_extra = ev.extra_keys[0] if ev.extra_keys else None
+            salt = KeyExtras.from_event(ev.lora_name, first_extra).cache_salt
+            tail: BlockKey | None = None
+            pending: tuple[int, ...] = ()
+            blocks = 0
+        else:
+            prev = state.blocks.get(parent)
+            if prev is None:
+                self.stats.orphans += n
+                return
+            if isinstance(prev, int):
+                tail, pending, blocks, salt = prev, (), 1, None
+            else:
+                tail, pending, blocks, salt = prev.tail, prev.pending, prev.blocks, prev.salt
+        B = self.block_size
+        added: list[BlockKey] = []
+        for j, h in enumerate(ev.block_hashes):
+            tokens = pending + tuple(ev.token_ids[j * bs:(j + 1) * bs])
+            full = len(tokens) // B
+            extras = KeyExtras(lora_name=ev.lora_name, cache_salt=salt)
+            keys = chain_keys(tokens[:full * B], B, extras, parent=tail, first_block_index=blocks)
+            if keys:
+                tail = keys[-1]
+            pending = tokens[full * B:]
+            blocks += full
+            added.extend(keys)
+            self.stats.blocks_stored += 1
+            existing = state.blocks.get(h)
+            if existing is not None:
+                chain = _as_chain(existing)
+                chain.copies += 1
+                state.blocks[h] = chain
+            elif len(keys) == 1 and not pending and ev.lora_name is None and tier == DEFAULT_TIER:
+                state.blocks[h] = keys[0]
+            else:
+                state.blocks[h] = _Chain(tuple(keys), tail, pending, blocks,
+                                         salt if blocks == 0 else None, 1, tier)
+            if blocks > 0:
+                salt = None
+        if added:
+            ops.append(AddKeys(engine, tuple(added), tier))
+
+    def _removed(
+        self, state: _EngineState, engine: str, ev: BlockRemoved, ops: list[IndexOp]
+    ) -> None:
+        tier = (ev.medium or DEFAULT_TIER).upper()
+        removed: list[BlockKey] = []
+        for h in ev.block_hashes:
+            existing = state.blocks.get(h)
+            if existing is None:
+                self.stats.unknown_removals += 1
+                continue
+            self.stats.blocks_removed += 1
+            if isinstance(existing, int):
+                removed.append(existing)
+                del state.blocks[h]
+                continue
+            removed.extend(existing.keys)
+            existing.copies -= 1
+            if existing.copies <= 0:
+                del state.blocks[h]
+        if removed:
+            ops.append(RemoveKeys(engine, tuple(removed), tier))
+
+
+def _as_chain(state: _BlockState) -> _Chain:
+    if isinstance(state, _Chain):
+        return state
+    return _Chain((state,), state, (), 1, None, 1, DEFAULT_TIER)
+
+
+def apply_ops_sync(index: InMemoryIndex, ops: Sequence[IndexOp]) -> None:
+    """Apply operations to an in-memory index synchronously (benchmarks, virtual time)."""
+    for op in ops:
+        if isinstance(op, AddKeys):
+            index.add_sync(op.engine, op.keys, op.tier)
+        elif isinstance(op, RemoveKeys):
+            index.remove_sync(op.engine, op.keys, op.tier)
+        else:
+            index.clear_engine_sync(op.engine)

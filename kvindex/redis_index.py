@@ -1,0 +1,403 @@
+"""A `KVIndexBackend` in Redis, so several gateway processes share one KV index.
+
+Data model (every name starts with the namespace `ns`, default "kvgate"; keys are decimal ints,
+tiers upper-case, engines any string — none of them is ever parsed back out of a Redis *key*):
+
+  {ns}:b:{key}      HASH   field "{TIER}|{engine}" -> copies held (>= 1; field deleted at 0,
+                           the hash disappears with its last field). One HGETALL per block
+                           answers "who holds it, in which tier" for every tier at once.
+  {ns}:e:{engine}   SET    members "{TIER}|{key}": the engine's confirmed entries, so
+                           `clear_engine` and `engine_keys` need no SCAN.
+  {ns}:s:{key}      HASH   field engine -> speculative expiry (epoch ms, Redis server clock);
+                           PEXPIRE'd to its latest field as a memory safety net.
+  {ns}:se:{engine}  ZSET   member key, score expiry: the engine's speculative entries (for
+                           `clear_engine` and `stats`); pruned of expired members on each
+                           `add_speculative`, PEXPIRE'd like the per-key hashes.
+  {ns}:engines      SET    engines added (confirmed or speculatively) and not cleared.
+  {ns}:stats        HASH   "keys" (block hashes) and "entries" (fields in them), kept by the
+                           scripts so `stats` is O(engines).
+
+Every write is a Lua script, so each call (each chunk of `CHUNK` keys for long key lists) is
+atomic: concurrent writers from several processes never leave a negative count, a set member
+without its hash field or the other way round. `clear_engine` runs in chunks too (SPOP), so a
+match running meanwhile may see an engine half-cleared. `match` is one script call (one round
+trip) for the whole prompt; it stops reading as soon as no engine still holds the prefix.
+
+Speculative expiry uses the Redis server's clock (`TIME` inside the scripts), never the caller's
+`now`: gateway processes share neither a monotonic clock nor, exactly, a wall clock, but they
+all share the server. `ttl_s` is honoured as a duration; the `now` arguments of
+`add_speculative` and `match` are accepted for protocol compatibility and ignored.
+
+The scripts build key names from the namespace, so this needs a standalone (or Sentinel) Redis,
+not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from kvindex.index import DEFAULT_TIER, BlockKey, EngineMatch, IndexStats, tier_weight
+
+CHUNK = 1000
+"""Keys per script call in add/remove/add_speculative/clear_engine (bounds Redis blocking)."""
+
+_SEP = "|"
+
+# ARGV: ns, engine, tier, key...  (tier already upper-case)
+_ADD = """
+local ns, engine, tier = ARGV[1], ARGV[2], ARGV[3]
+local field = tier .. '|' .. engine
+local eset = ns .. ':e:' .. engine
+local sz = ns .. ':se:' .. engine
+local new_keys, new_entries = 0, 0
+redis.call('SADD', ns .. ':engines', engine)
+for i = 4, #ARGV do
+  local k = ARGV[i]
+  local b = ns .. ':b:' .. k
+  if redis.call('HINCRBY', b, field, 1) == 1 then
+    new_entries = new_entries + 1
+    if redis.call('HLEN', b) == 1 then new_keys = new_keys + 1 end
+    redis.call('SADD', eset, tier .. '|' .. k)
+  end
+  if redis.call('HDEL', ns .. ':s:' .. k, engine) == 1 then redis.call('ZREM', sz, k) end
+end
+if new_entries > 0 then
+  redis.call('HINCRBY', ns .. ':stats', 'entries', new_entries)
+  if new_keys > 0 then redis.call('HINCRBY', ns .. ':stats', 'keys', new_keys) end
+end
+return new_entries
+"""
+
+# ARGV: ns, engine, tier, key...
+_REMOVE = """
+local ns, engine, tier = ARGV[1], ARGV[2], ARGV[3]
+local field = tier .. '|' .. engine
+local eset = ns .. ':e:' .. engine
+local sz = ns .. ':se:' .. engine
+local gone_keys, gone_entries = 0, 0
+for i = 4, #ARGV do
+  local k = ARGV[i]
+  local b = ns .. ':b:' .. k
+  local n = tonumber(redis.call('HGET', b, field))
+  if n then
+    if n > 1 then
+      redis.call('HINCRBY', b, field, -1)
+    else
+      redis.call('HDEL', b, field)
+      redis.call('SREM', eset, tier .. '|' .. k)
+      gone_entries = gone_entries + 1
+      if redis.call('EXISTS', b) == 0 then gone_keys = gone_keys + 1 end
+    end
+  end
+  if redis.call('HDEL', ns .. ':s:' .. k, engine) == 1 then redis.call('ZREM', sz, k) end
+end
+if gone_entries > 0 then
+  redis.call('HINCRBY', ns .. ':stats', 'entries', -gone_entries)
+  if gone_keys > 0 then redis.call('HINCRBY', ns .. ':stats', 'keys', -gone_keys) end
+end
+return gone_entries
+"""
+
+# ARGV: ns, engine, ttl_ms, key...  Keys the engine holds confirmed in GPU are skipped.
+_ADD_SPEC = """
+local ns, engine, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expires = now + ttl
+local gpu = 'GPU|' .. engine
+local sz = ns .. ':se:' .. engine
+redis.call('SADD', ns .. ':engines', engine)
+redis.call('ZREMRANGEBYSCORE', sz, '-inf', string.format('%.0f', now))
+for i = 4, #ARGV do
+  local k = ARGV[i]
+  local s = ns .. ':s:' .. k
+  if ttl <= 0 then
+    redis.call('HDEL', s, engine)
+    redis.call('ZREM', sz, k)
+  elseif redis.call('HEXISTS', ns .. ':b:' .. k, gpu) == 0 then
+    redis.call('HSET', s, engine, string.format('%.0f', expires))
+    local left = redis.call('PTTL', s)
+    if left < ttl then redis.call('PEXPIRE', s, ttl) end
+    redis.call('ZADD', sz, expires, k)
+  end
+end
+if ttl > 0 and redis.call('EXISTS', sz) == 1 then
+  local left = redis.call('PTTL', sz)
+  if left < ttl then redis.call('PEXPIRE', sz, ttl) end
+end
+return 0
+"""
+
+# ARGV: ns, engine, chunk.  Pops up to `chunk` confirmed entries of the engine and deletes them;
+# once none is left, also drops its speculative entries and forgets it. Returns entries left.
+_CLEAR = """
+local ns, engine, chunk = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local eset = ns .. ':e:' .. engine
+local members = redis.call('SPOP', eset, chunk)
+local gone_keys, gone_entries = 0, 0
+for _, m in ipairs(members) do
+  local sep = string.find(m, '|', 1, true)
+  local tier, k = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
+  local b = ns .. ':b:' .. k
+  if redis.call('HDEL', b, tier .. '|' .. engine) == 1 then
+    gone_entries = gone_entries + 1
+    if redis.call('EXISTS', b) == 0 then gone_keys = gone_keys + 1 end
+  end
+end
+if gone_entries > 0 then
+  redis.call('HINCRBY', ns .. ':stats', 'entries', -gone_entries)
+  if gone_keys > 0 then redis.call('HINCRBY', ns .. ':stats', 'keys', -gone_keys) end
+end
+local left = redis.call('SCARD', eset)
+if left == 0 then
+  local sz = ns .. ':se:' .. engine
+  for _, k in ipairs(redis.call('ZRANGE', sz, 0, -1)) do
+    redis.call('HDEL', ns .. ':s:' .. k, engine)
+  end
+  redis.call('DEL', sz)
+  redis.call('SREM', ns .. ':engines', engine)
+end
+return left
+"""
+
+# ARGV: ns, n_filter, engine x n_filter, key...  (n_filter = -1: every engine)
+# Returns one row per leading key while some wanted engine still holds the whole prefix:
+# {confirmed "{TIER}|{engine}" fields, engines with a live speculative entry}, restricted to
+# the engines that held every earlier key.
+_MATCH = """
+local ns, nf = ARGV[1], tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local alive = nil
+if nf >= 0 then
+  alive = {}
+  for i = 3, 2 + nf do alive[ARGV[i]] = true end
+end
+local first = 3 + math.max(nf, 0)
+local out = {}
+for i = first, #ARGV do
+  local k = ARGV[i]
+  local present, any = {}, false
+  local conf, spec = {}, {}
+  local h = redis.call('HGETALL', ns .. ':b:' .. k)
+  for j = 1, #h, 2 do
+    local f = h[j]
+    local e = string.sub(f, string.find(f, '|', 1, true) + 1)
+    if alive == nil or alive[e] then
+      present[e] = true
+      any = true
+      conf[#conf + 1] = f
+    end
+  end
+  local s = redis.call('HGETALL', ns .. ':s:' .. k)
+  for j = 1, #s, 2 do
+    local e = s[j]
+    if (alive == nil or alive[e]) and tonumber(s[j + 1]) > now then
+      present[e] = true
+      any = true
+      spec[#spec + 1] = e
+    end
+  end
+  if not any then break end
+  out[#out + 1] = {conf, spec}
+  alive = present
+end
+return out
+"""
+
+# ARGV: ns, engine.  Returns a flat list: "{TIER}|{key}", copies, ...
+_ENGINE_KEYS = """
+local ns, engine = ARGV[1], ARGV[2]
+local out = {}
+for _, m in ipairs(redis.call('SMEMBERS', ns .. ':e:' .. engine)) do
+  local sep = string.find(m, '|', 1, true)
+  local tier, k = string.sub(m, 1, sep - 1), string.sub(m, sep + 1)
+  local n = redis.call('HGET', ns .. ':b:' .. k, tier .. '|' .. engine)
+  if n then
+    out[#out + 1] = m
+    out[#out + 1] = n
+  end
+end
+return out
+"""
+
+# ARGV: ns.  Returns keys, entries, live speculative entries, engines.
+_STATS = """
+local ns = ARGV[1]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local keys = tonumber(redis.call('HGET', ns .. ':stats', 'keys')) or 0
+local entries = tonumber(redis.call('HGET', ns .. ':stats', 'entries')) or 0
+local engines = redis.call('SMEMBERS', ns .. ':engines')
+local spec = 0
+local after = string.format('(%.0f', now)
+for _, e in ipairs(engines) do
+  spec = spec + redis.call('ZCOUNT', ns .. ':se:' .. e, after, '+inf')
+end
+return {keys, entries, spec, #engines}
+"""
+
+
+def _str(value: Any) -> str:
+    """A reply element as str, whether the client decodes responses or not."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value)
+
+
+def _tier(tier: str) -> str:
+    name = tier.upper()
+    if not name or _SEP in name:
+        raise ValueError(f"invalid storage tier {tier!r}")
+    return name
+
+
+def _chunks(keys: Sequence[BlockKey]) -> list[list[str]]:
+    """Keys as decimal strings, CHUNK at a time (one empty chunk for no keys)."""
+    text = [str(int(k)) for k in keys]
+    return [text[i:i + CHUNK] for i in range(0, len(text), CHUNK)] or [[]]
+
+
+class RedisIndex:
+    """The KV index in Redis; see the module docstring for the data model and semantics."""
+
+    def __init__(
+        self, client: aioredis.Redis, namespace: str = "kvgate", *, owns_client: bool = False
+    ) -> None:
+        if not namespace:
+            raise ValueError("namespace must not be empty")
+        self._r = client
+        self._ns = namespace
+        self._owns_client = owns_client
+        self._add = client.register_script(_ADD)
+        self._remove = client.register_script(_REMOVE)
+        self._add_spec = client.register_script(_ADD_SPEC)
+        self._clear = client.register_script(_CLEAR)
+        self._match = client.register_script(_MATCH)
+        self._engine_keys = client.register_script(_ENGINE_KEYS)
+        self._stats = client.register_script(_STATS)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "kvgate") -> RedisIndex:
+        """An index on its own connection pool, closed by `close`."""
+        client = aioredis.Redis.from_url(url, decode_responses=True)
+        return cls(client, namespace, owns_client=True)
+
+    @property
+    def namespace(self) -> str:
+        """Prefix of every Redis key this index uses."""
+        return self._ns
+
+    # -- KVIndexBackend -------------------------------------------------------------------------
+
+    async def add(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
+        """See KVIndexBackend.add; atomic per chunk of CHUNK keys."""
+        name = _tier(tier)
+        for chunk in _chunks(keys):
+            await self._add(args=[self._ns, engine, name, *chunk])
+
+    async def remove(
+        self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER
+    ) -> None:
+        """See KVIndexBackend.remove; removing an unknown key is a no-op."""
+        name = _tier(tier)
+        for chunk in _chunks(keys):
+            await self._remove(args=[self._ns, engine, name, *chunk])
+
+    async def clear_engine(self, engine: str) -> None:
+        """See KVIndexBackend.clear_engine; runs in chunks, so it is not atomic as a whole."""
+        while int(await self._clear(args=[self._ns, engine, CHUNK])) > 0:
+            pass
+
+    async def add_speculative(
+        self, engine: str, keys: Sequence[BlockKey], now: float, ttl_s: float
+    ) -> None:
+        """See KVIndexBackend.add_speculative; expiry runs on the Redis server clock (`now`
+        is ignored), keys the engine holds confirmed in GPU are skipped."""
+        ttl_ms = round(ttl_s * 1000)
+        for chunk in _chunks(keys):
+            await self._add_spec(args=[self._ns, engine, ttl_ms, *chunk])
+
+    async def match(
+        self, keys: Sequence[BlockKey], now: float, engines: Iterable[str] | None = None
+    ) -> dict[str, EngineMatch]:
+        """See KVIndexBackend.match; one script call, `now` is ignored (server clock)."""
+        wanted = None if engines is None else list(dict.fromkeys(engines))
+        if not keys or wanted == []:
+            return {}
+        head: list[str | int] = [self._ns, -1]
+        if wanted is not None:
+            head = [self._ns, len(wanted), *wanted]
+        rows = await self._match(args=[*head, *(str(int(k)) for k in keys)])
+        return _longest_prefixes(rows)
+
+    async def engine_keys(self, engine: str) -> dict[BlockKey, dict[str, int]]:
+        """See KVIndexBackend.engine_keys."""
+        flat = await self._engine_keys(args=[self._ns, engine])
+        out: dict[BlockKey, dict[str, int]] = {}
+        for i in range(0, len(flat), 2):
+            tier, _, key = _str(flat[i]).partition(_SEP)
+            out.setdefault(int(key), {})[tier] = int(flat[i + 1])
+        return out
+
+    async def stats(self) -> IndexStats:
+        """See KVIndexBackend.stats; speculative entries are those not yet expired."""
+        keys, entries, spec, engines = await self._stats(args=[self._ns])
+        return IndexStats(keys=int(keys), entries=int(entries), speculative_entries=int(spec),
+                          engines=int(engines))
+
+    async def close(self) -> None:
+        """Close the connection pool if this index created it (`from_url`)."""
+        if self._owns_client:
+            await self._r.aclose()
+
+
+def _longest_prefixes(rows: Sequence[Any]) -> dict[str, EngineMatch]:
+    """EngineMatch per engine from the match script's rows, exactly as InMemoryIndex computes it.
+
+    A block counts with the weight of the best confirmed tier holding it, or as GPU (1.0) when
+    only speculative; speculative blocks extend `blocks` but not `confirmed_blocks`.
+    """
+    length: dict[str, int] = {}
+    confirmed_len: dict[str, int] = {}
+    penalty: dict[str, float] = {}
+    alive: set[str] | None = None
+    confirmed: set[str] | None = None
+    for i, row in enumerate(rows):
+        best: dict[str, float] = {}
+        for field in row[0]:
+            tier, _, engine = _str(field).partition(_SEP)
+            w = tier_weight(tier)
+            if w > best.get(engine, -1.0):
+                best[engine] = w
+        present = set(best)
+        present.update(_str(e) for e in row[1])
+        if alive is None or confirmed is None:
+            alive, confirmed = set(present), set(best)
+        for engine in alive - present:
+            length[engine] = i
+        for engine in confirmed - best.keys():
+            confirmed_len.setdefault(engine, i)
+        for engine, w in best.items():
+            if w < 1.0:
+                penalty[engine] = penalty.get(engine, 0.0) + (1.0 - w)
+        alive = present
+        confirmed = confirmed & best.keys()
+    n = len(rows)
+    for engine in alive or ():
+        length[engine] = n
+    for engine in confirmed or ():
+        confirmed_len.setdefault(engine, n)
+    return {
+        engine: EngineMatch(
+            engine=engine,
+            blocks=blocks,
+            confirmed_blocks=confirmed_len.get(engine, 0),
+            weighted_blocks=blocks - penalty.get(engine, 0.0),
+        )
+        for engine, blocks in sorted(length.items())
+        if blocks
+    }

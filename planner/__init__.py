@@ -1,0 +1,1 @@
+"""The sans-IO brain: routing policies, cost model, workflow planning."""

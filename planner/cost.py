@@ -1,0 +1,174 @@
+"""Cost model for placing one request: compute-first vs data-first, as one estimate per engine.
+
+For every engine: time the request would wait behind prefill work already queued there, time to
+prefill the part of its prompt the engine does not hold, optionally time to pull missing blocks
+from the best holder when that beats recomputing them (Mooncake's Algorithm 1, generalised), and
+time to decode its output at the engine's current batch size. Engine speed comes from its roofline
+profile and is corrected online by the ratio of observed to predicted TTFT and ITL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from adapters.sim.profiles import EngineProfile, ScheduledChunk
+from planner.policy import EngineView, RouteRequest
+
+
+@dataclass(frozen=True)
+class TransferLink:
+    """How KV moves between engines (NIXL over RDMA/NVLink, or nothing)."""
+
+    bandwidth_bytes_s: float = 0.0
+    """0 disables transfers: every miss is recomputed."""
+    setup_s: float = 0.002
+
+
+@dataclass(frozen=True)
+class PlacementCost:
+    """One engine's estimate for one request (seconds)."""
+
+    engine: str
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    decode_s: float
+    cached_tokens: int
+    transfer_from: str | None = None
+    transfer_tokens: int = 0
+    cache_ignored: bool = False
+    """Hot-spot protection discarded this engine's cache advantage."""
+
+    @property
+    def ttft_s(self) -> float:
+        """Predicted time to first token."""
+        return self.queue_s + self.transfer_s + self.prefill_s
+
+    @property
+    def total_s(self) -> float:
+        """Predicted completion time of the request."""
+        return self.ttft_s + self.decode_s
+
+
+@dataclass
+class SpeedCorrection:
+    """Observed/predicted ratios per engine, smoothed (1.0 until observations arrive)."""
+
+    alpha: float = 0.2
+    lo: float = 0.25
+    hi: float = 4.0
+    prefill: dict[str, float] = field(default_factory=dict)
+    decode: dict[str, float] = field(default_factory=dict)
+
+    def _update(self, table: dict[str, float], engine: str, observed: float, predicted: float
+                ) -> None:
+        if predicted <= 0 or observed <= 0:
+            return
+        ratio = min(self.hi, max(self.lo, observed / predicted))
+        old = table.get(engine, 1.0)
+        table[engine] = (1 - self.alpha) * old + self.alpha * ratio
+
+    def observe_ttft(self, engine: str, observed: float, predicted: float) -> None:
+        """Fold in one request's observed time to first token."""
+        self._update(self.prefill, engine, observed, predicted)
+
+    def observe_itl(self, engine: str, observed: float, predicted: float) -> None:
+        """Fold in one request's observed mean inter-token latency."""
+        self._update(self.decode, engine, observed, predicted)
+
+
+@dataclass(frozen=True)
+class CostSettings:
+    """Knobs of the cost model."""
+
+    default_output_tokens: int = 128
+    hot_spot_factor: float = 1.5
+    """An engine whose load exceeds this multiple of the pool mean (plus `hot_spot_slack`)..."""
+    hot_spot_slack: int = 2
+    """...cannot win on its cache: its cached tokens are priced as if recomputed."""
+    link: TransferLink = TransferLink()
+    transfer_min_tokens: int = 256
+    """Pulling fewer missing tokens than this is never worth a transfer's setup."""
+
+
+class CostModel:
+    """Estimates `PlacementCost` for every engine and picks the cheapest."""
+
+    def __init__(
+        self,
+        profiles: Mapping[str, EngineProfile],
+        default_profile: EngineProfile,
+        settings: CostSettings | None = None,
+    ) -> None:
+        self.profiles = profiles
+        self.default_profile = default_profile
+        self.settings = settings or CostSettings()
+        self.correction = SpeedCorrection()
+
+    def profile(self, engine: str) -> EngineProfile:
+        """The engine's roofline profile."""
+        return self.profiles.get(engine, self.default_profile)
+
+    def prefill_seconds(self, engine: str, new_tokens: int, context_tokens: int) -> float:
+        """Prefill time on an otherwise idle engine, corrected by observations."""
+        if new_tokens <= 0:
+            return 0.0
+        base = self.profile(engine).prefill_time(new_tokens, context_tokens)
+        return base * self.correction.prefill.get(engine, 1.0)
+
+    def decode_step_seconds(self, engine: str, batch: int, context_tokens: int) -> float:
+        """One decode step with `batch` sequences of `context_tokens` each."""
+        chunks = [ScheduledChunk(1, context_tokens)] * max(1, batch)
+        step = self.profile(engine).step_time(chunks)
+        return step * self.correction.decode.get(engine, 1.0)
+
+    def estimate(
+        self, request: RouteRequest, engines: Sequence[EngineView]
+    ) -> list[PlacementCost]:
+        """One cost per engine in `engines` (already filtered to eligible ones)."""
+        s = self.settings
+        if not engines:
+            return []
+        mean_load = sum(e.load for e in engines) / len(engines)
+        hot_limit = mean_load * s.hot_spot_factor + s.hot_spot_slack
+        output = request.max_tokens or s.default_output_tokens
+        prompt = request.prompt_tokens
+        holders = sorted(
+            ((request.cached_tokens(e.name), e.name) for e in engines), reverse=True
+        )
+        out = []
+        for e in engines:
+            cached = request.cached_tokens(e.name)
+            ignored = False
+            if cached and e.load > hot_limit:
+                cached, ignored = 0, True
+            queue = self.prefill_seconds(e.name, e.queued_prefill_tokens, 0)
+            prefill = self.prefill_seconds(e.name, prompt - cached, cached)
+            transfer, source, moved = 0.0, None, 0
+            best_cached, best_holder = holders[0] if holders else (0, "")
+            if (s.link.bandwidth_bytes_s > 0 and best_holder != e.name
+                    and best_cached - cached >= s.transfer_min_tokens):
+                moved = best_cached - cached
+                kv_bytes = moved * self.profile(e.name).kv_bytes_per_token
+                t = s.link.setup_s + kv_bytes / s.link.bandwidth_bytes_s
+                with_transfer = t + self.prefill_seconds(e.name, prompt - best_cached, best_cached)
+                if with_transfer < prefill:
+                    transfer, prefill, source = t, with_transfer - t, best_holder
+                else:
+                    moved = 0
+            batch = max(e.num_running, e.in_flight) + 1
+            decode = output * self.decode_step_seconds(e.name, batch, prompt + output // 2)
+            out.append(PlacementCost(
+                engine=e.name, queue_s=queue, prefill_s=prefill, transfer_s=transfer,
+                decode_s=decode, cached_tokens=cached, transfer_from=source,
+                transfer_tokens=moved, cache_ignored=ignored,
+            ))
+        return out
+
+    def best(self, request: RouteRequest, engines: Sequence[EngineView]) -> PlacementCost:
+        """The cheapest placement; ties go to the less loaded engine, then pool order."""
+        costs = self.estimate(request, engines)
+        load = {e.name: e.load for e in engines}
+        order = {e.name: i for i, e in enumerate(engines)}
+        return min(costs, key=lambda c: (round(c.total_s, 9), load[c.engine], order[c.engine]))

