@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,11 +57,14 @@ class KVEventListener:
         self._by_topic = {s.topic.encode(): s.engine for s in sources}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._replays: set[asyncio.Task[None]] = set()
         self._sub: zmq.asyncio.Socket | None = None
         self.unknown_topics: dict[bytes, int] = {}
         self.malformed = 0
         self.applied_batches = 0
         self.replays = 0
+        # Wall-clock time each engine's entries were last cleared.
+        self._cleared_at: dict[str, float] = {}
 
     def _lock(self, engine: str) -> asyncio.Lock:
         return self._locks.setdefault(engine, asyncio.Lock())
@@ -80,9 +84,9 @@ class KVEventListener:
 
     async def stop(self) -> None:
         """Stop reading and close sockets."""
-        for t in self._tasks:
+        for t in [*self._tasks, *self._replays]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._replays]:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         if self._sub is not None:
@@ -111,6 +115,17 @@ class KVEventListener:
         async with self._lock(engine):
             await self.apply(self.ingestor.forget(engine))
 
+    async def reset_engine(self, engine: str, reason: str, started_at: float | None) -> None:
+        """Forget the engine's blocks and sequence (it restarted); keep listening to it.
+
+        Skipped when the events already revealed this restart (the sequence went backwards)
+        after the new process started: the index then holds only the new process's blocks.
+        """
+        async with self._lock(engine):
+            if started_at is not None and self._cleared_at.get(engine, 0.0) >= started_at:
+                return
+            await self.apply(self.ingestor.forget(engine, reason))
+
     async def _receive(self) -> None:
         assert self._sub is not None
         while True:
@@ -137,7 +152,9 @@ class KVEventListener:
             await self.apply(result.ops)
             self.applied_batches += 1
         if result.replay is not None:
-            self._tasks.append(asyncio.get_running_loop().create_task(self._replay(result.replay)))
+            task = asyncio.get_running_loop().create_task(self._replay(result.replay))
+            self._replays.add(task)
+            task.add_done_callback(self._replays.discard)
 
     async def _replay(self, request: RequestReplay) -> None:
         source = self._sources.get(request.engine)
@@ -182,4 +199,5 @@ class KVEventListener:
                 await self.index.remove(op.engine, op.keys, op.tier)
             else:
                 log.info("clearing index entries of %s: %s", op.engine, op.reason)
+                self._cleared_at[op.engine] = time.time()
                 await self.index.clear_engine(op.engine)

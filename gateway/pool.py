@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -33,10 +34,12 @@ class EngineState:
     queued_prefill_tokens: int = 0
     active_blocks: int = 0
     last_scrape: float = 0.0
+    start_time: float | None = None
+    prefix_queries: float = 0.0
     consecutive_failures: int = 0
     errors: list[str] = field(default_factory=list)
 
-    def view(self) -> EngineView:
+    def view(self, block_size: int = 0) -> EngineView:
         """Immutable snapshot for the planner."""
         return EngineView(
             name=self.name,
@@ -49,6 +52,7 @@ class EngineState:
             prefilling=self.prefilling,
             queued_prefill_tokens=self.queued_prefill_tokens,
             active_blocks=self.active_blocks,
+            block_size=block_size,
         )
 
 
@@ -67,10 +71,14 @@ class EnginePool:
         self._scrape_interval = scrape_interval_s
         self._health_interval = health_interval_s
         self._tasks: list[asyncio.Task[None]] = []
+        self.on_restart: Callable[[str, float | None], Awaitable[None]] | None = None
+        self.block_size_of: Callable[[str], int] = lambda _: 0
+        """The engine's KV block size, as learnt from its events."""
+        """Called when a scrape shows the engine process restarted (its cache is gone)."""
 
     def views(self) -> list[EngineView]:
         """Snapshots of every engine, in config order."""
-        return [e.view() for e in self.engines.values()]
+        return [e.view(self.block_size_of(e.name)) for e in self.engines.values()]
 
     def models(self) -> list[str]:
         """Models served by at least one healthy engine, sorted."""
@@ -173,7 +181,17 @@ class EnginePool:
         except (TimeoutError, aiohttp.ClientError, MetricsParseError) as e:
             log.debug("scrape of %s failed: %r", state.name, e)
             return
+        restarted = (
+            load.process_start_time is not None
+            and state.start_time is not None
+            and load.process_start_time != state.start_time
+        ) or load.prefix_cache_queries < state.prefix_queries
+        state.start_time = load.process_start_time
+        state.prefix_queries = load.prefix_cache_queries
         state.num_running = load.num_running
         state.num_waiting = load.num_waiting
         state.kv_usage = load.kv_usage
         state.last_scrape = time.monotonic()
+        if restarted and self.on_restart is not None:
+            log.warning("engine %s restarted: its prefix cache is empty again", state.name)
+            await self.on_restart(state.name, load.process_start_time)

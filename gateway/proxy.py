@@ -211,7 +211,7 @@ class Proxy:
         state = self.state
         assert state.pool is not None
         now = state.now()
-        cached = route_req.cached_tokens(engine)
+        cached = route_req.cached_tokens(engine, state.ingestor.engine_block_size(engine))
         d = _Dispatch(engine, max(0, route_req.prompt_tokens - cached), len(route_req.block_keys))
         target = state.pool.engines[engine]
         target.in_flight += 1

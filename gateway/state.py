@@ -78,6 +78,8 @@ class GatewayState:
             timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s),
         )
         self.pool = EnginePool(c.engines, self.session, c.scrape_interval_s, c.health_interval_s)
+        self.pool.on_restart = self.engine_restarted
+        self.pool.block_size_of = self.ingestor.engine_block_size
         await self.pool.start()
 
     async def stop(self) -> None:
@@ -93,6 +95,13 @@ class GatewayState:
     def now(self) -> float:
         """The clock handed to the planner and the index (seconds since start)."""
         return time.monotonic() - self.started
+
+    async def engine_restarted(self, name: str, started_at: float | None) -> None:
+        """The engine process restarted: whatever the index held for it is gone."""
+        assert self.listener is not None
+        await self.listener.reset_engine(
+            name, "engine process restarted (seen on /metrics)", started_at
+        )
 
     async def add_engine(self, entry: EngineEntry) -> None:
         """An engine joins the pool at run time."""

@@ -112,6 +112,7 @@ class IngestStats:
 @dataclass
 class _EngineState:
     last_seq: int | None = None
+    block_size: int = 0
     blocks: dict[EngineHash, _BlockState] = field(default_factory=dict)
     replaying: bool = False
     replay_target: int = 0
@@ -134,6 +135,11 @@ class EventIngestor:
         """Engine block hashes currently mapped for `engine`."""
         state = self._engines.get(engine)
         return len(state.blocks) if state else 0
+
+    def engine_block_size(self, engine: str) -> int:
+        """The engine's KV block size as its events report it (0 before any BlockStored)."""
+        state = self._engines.get(engine)
+        return state.block_size if state else 0
 
     def last_seq(self, engine: str) -> int | None:
         """Last sequence number applied for `engine`."""
@@ -260,6 +266,7 @@ class EventIngestor:
             self.stats.decode_errors += 1
             return
         tier = (ev.medium or DEFAULT_TIER).upper()
+        state.block_size = bs
         parent = ev.parent_block_hash
         if parent is None:
             first_extra = ev.extra_keys[0] if ev.extra_keys else None

@@ -135,11 +135,12 @@ class CostModel:
         output = request.max_tokens or s.default_output_tokens
         prompt = request.prompt_tokens
         holders = sorted(
-            ((request.cached_tokens(e.name), e.name) for e in engines), reverse=True
+            ((request.cached_tokens(e.name, e.block_size), e.name) for e in engines),
+            reverse=True,
         )
         out = []
         for e in engines:
-            cached = request.cached_tokens(e.name)
+            cached = request.cached_tokens(e.name, e.block_size)
             ignored = False
             if cached and e.load > hot_limit:
                 cached, ignored = 0, True

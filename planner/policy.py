@@ -36,6 +36,8 @@ class EngineView:
     """Uncached prompt tokens of the `prefilling` requests (the gateway's own estimate)."""
     active_blocks: int = 0
     """KV blocks (index block size) held by the gateway's in-flight requests at the engine."""
+    block_size: int = 0
+    """The engine's own KV block size as its events report it (0 while unknown)."""
 
     @property
     def load(self) -> int:
@@ -63,10 +65,18 @@ class RouteRequest:
     max_tokens: int | None = None
     """The request's output limit, if it set one."""
 
-    def cached_tokens(self, engine: str) -> int:
-        """Prompt tokens the engine is expected to serve from cache."""
+    def cached_tokens(self, engine: str, engine_block_size: int = 0) -> int:
+        """Prompt tokens the engine is expected to serve from its cache.
+
+        Like vLLM: whole engine blocks only, and the last prompt token is always computed.
+        """
         m = self.matches.get(engine)
-        return min(m.blocks * self.block_size, self.prompt_tokens) if m else 0
+        if m is None or self.prompt_tokens <= 0:
+            return 0
+        cached = min(m.blocks * self.block_size, self.prompt_tokens - 1)
+        if engine_block_size > 0:
+            cached -= cached % engine_block_size
+        return cached
 
 
 class NoEngineAvailable(Exception):

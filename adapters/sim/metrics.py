@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from adapters.sim.model import EngineModel, FinishReason, SimRequest
 
@@ -29,6 +29,9 @@ class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # vLLM serves prometheus_client's default registry, which carries process_* metrics;
+        # process_start_time_seconds is how a scraper tells that an engine restarted.
+        ProcessCollector(registry=r)
         lv = (model_name, "0")
 
         def gauge(name: str, doc: str) -> Gauge:

@@ -298,6 +298,13 @@ class EngineModel:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.num_prompt_tokens == 0:
             raise ValueError("prompt must contain at least one token")
+        capacity = self.config.num_blocks * self.config.block_size
+        if req.num_prompt_tokens + req.max_tokens > capacity:
+            # vLLM sizes max_model_len so one request always fits; a larger one would stall.
+            raise ValueError(
+                f"prompt ({req.num_prompt_tokens}) + max_tokens ({req.max_tokens}) exceeds the "
+                f"KV cache capacity of {capacity} tokens"
+            )
         self.requests[req.request_id] = req
         if self.config.priority_scheduling:
             # Lower priority value first, then arrival: insert before the first later-ranked one.

@@ -62,6 +62,7 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
+        drop_seqs: frozenset[int] = frozenset(),
     ) -> None:
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -78,6 +79,8 @@ class KVEventPublisher:
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._replay_task: asyncio.Task[None] | None = None
+        # Batches kept for replay but never sent live: a lossy link, for fault-injection tests.
+        self._drop = drop_seqs
 
     def start(self) -> None:
         """Begin serving replay requests (needs a running event loop)."""
@@ -94,7 +97,8 @@ class KVEventPublisher:
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
-        await self._pub.send_multipart((self._topic, encode_seq(seq), payload))
+        if seq not in self._drop:
+            await self._pub.send_multipart((self._topic, encode_seq(seq), payload))
 
     @property
     def next_seq(self) -> int:

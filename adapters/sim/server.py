@@ -51,6 +51,7 @@ class SimSettings:
     enable_prompt_tokens_details: bool = True
     priority_scheduling: bool = False
     mean_output_tokens: int = 48
+    kv_drop_seqs: frozenset[int] = frozenset()
 
 
 class APIError(Exception):
@@ -90,7 +91,8 @@ class SimEngine:
             num_blocks=settings.num_blocks,
             max_num_batched_tokens=profile.max_num_batched_tokens,
             max_num_seqs=profile.max_num_seqs,
-            max_model_len=profile.max_model_len,
+            # Like vLLM, never admit a context longer than the KV cache can hold.
+            max_model_len=min(profile.max_model_len, settings.num_blocks * settings.block_size),
             eos_token_id=self.tokenizer.eos_token_id,
             priority_scheduling=settings.priority_scheduling,
         )
@@ -133,7 +135,7 @@ class SimEngine:
         s = self.settings
         if s.kv_events_endpoint:
             self.publisher = KVEventPublisher(
-                s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_topic
+                s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_topic, drop_seqs=s.kv_drop_seqs
             )
             self.publisher.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run())

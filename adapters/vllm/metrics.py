@@ -16,6 +16,8 @@ class EngineLoad:
     kv_usage: float
     prefix_cache_queries: float
     prefix_cache_hits: float
+    process_start_time: float | None
+    """`process_start_time_seconds`: changes when the engine process restarts."""
 
 
 class MetricsParseError(ValueError):
@@ -31,6 +33,8 @@ def parse_engine_load(text: str) -> EngineLoad:
             for sample in family.samples:
                 if sample.name == "vllm:kv_cache_usage_perc":
                     usage.append(sample.value)
+                elif sample.name == "process_start_time_seconds":
+                    values[sample.name] = sample.value
                 elif sample.name in (
                     "vllm:num_requests_running",
                     "vllm:num_requests_waiting",
@@ -48,4 +52,5 @@ def parse_engine_load(text: str) -> EngineLoad:
         kv_usage=max(usage) if usage else 0.0,
         prefix_cache_queries=values.get("vllm:prefix_cache_queries_total", 0.0),
         prefix_cache_hits=values.get("vllm:prefix_cache_hits_total", 0.0),
+        process_start_time=values.get("process_start_time_seconds"),
     )

