@@ -319,6 +319,12 @@ class BackendsAgree(RuleBasedStateMachine):
         self._both("add", engine, keys, tier)
         return engine, keys, tier
 
+    @rule(target=added, entry=added)
+    def add_again(self, entry: tuple[str, list[int], str]) -> tuple[str, list[int], str]:
+        """Another physical copy of the same blocks (vLLM announces each one)."""
+        self._both("add", *entry)
+        return entry
+
     @rule(entry=added)
     def remove_added(self, entry: tuple[str, list[int], str]) -> None:
         self._both("remove", *entry)

@@ -1,0 +1,296 @@
+"""The gateway's KV index follows real simulated engines' KV events over real ZMQ.
+
+Each cluster here is real processes on 127.0.0.1: `kvgate sim` engines publishing KV events and
+a `kvgate serve` gateway ingesting them (bind mode unless stated), with the in-memory index or a
+private redis-server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvgate.procs import Child, free_port, spawn, wait_healthy
+from tests.conftest import MODEL
+from tests.redis_server import RedisServer
+
+ADMIN = "test-admin-key"
+SYSTEM = ("You are the research agent number {n}. Use the tools to find evidence, cite every "
+          "claim, state uncertainty and never invent sources. ") * 6
+
+
+def http(method: str, url: str, body: Any = None, admin: bool = False,
+         headers: dict[str, str] | None = None) -> tuple[int, Any, dict[str, str]]:
+    data = json.dumps(body).encode() if body is not None else None
+    h = {"Content-Type": "application/json", **(headers or {})}
+    if admin:
+        h["Authorization"] = f"Bearer {ADMIN}"
+    req = urllib.request.Request(url, data=data, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null"), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null"), dict(e.headers)
+
+
+def chat(n: int, question: str = "What is known?") -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "system", "content": SYSTEM.format(n=n)},
+        {"role": "user", "content": question}]}
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@dataclass
+class Cluster:
+    """Simulated engines + one or more gateways, all on free 127.0.0.1 ports."""
+
+    tmp: Path
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sims: dict[str, Child] = field(default_factory=dict)
+    gateways: list[Child] = field(default_factory=list)
+    events_port: int = 0
+
+    def engine_name(self, name: str) -> str:
+        return f"127.0.0.1:{self.engines[name]['port']}"
+
+    def add_engine(self, name: str, replay: bool = True, drop: str = "") -> None:
+        port = free_port()
+        self.engines[name] = {"port": port, "replay": free_port() if replay else None,
+                              "drop": drop}
+
+    def config_engines(self) -> list[dict[str, Any]]:
+        out = []
+        for e in self.engines.values():
+            entry: dict[str, Any] = {"url": f"http://127.0.0.1:{e['port']}"}
+            if e["replay"]:
+                entry["kv_replay"] = f"tcp://127.0.0.1:{e['replay']}"
+            out.append(entry)
+        return out
+
+    def start_gateway(self, ingest: bool = True, redis_url: str | None = None) -> Child:
+        port = free_port()
+        config: dict[str, Any] = {
+            "host": "127.0.0.1", "port": port, "policy": "kvgate", "admin_key": ADMIN,
+            "engines": self.config_engines(), "health_interval_s": 0.2,
+            "scrape_interval_s": 0.2,
+        }
+        if ingest:
+            self.events_port = self.events_port or free_port()
+            config["kv_events_bind"] = f"tcp://127.0.0.1:{self.events_port}"
+        if redis_url:
+            config["index"] = {"backend": "redis", "redis_url": redis_url,
+                               "namespace": f"t{port}"}
+            if self.gateways:
+                config["index"]["namespace"] = self.namespace
+        self.namespace = config.get("index", {}).get("namespace", "")
+        path = self.tmp / f"gateway-{port}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        gw = spawn(f"gateway-{port}", ["serve", "--config", str(path)],
+                   f"http://127.0.0.1:{port}", self.tmp)
+        self.gateways.append(gw)
+        return gw
+
+    def start_sim(self, name: str) -> Child:
+        e = self.engines[name]
+        args = ["sim", "--host", "127.0.0.1", "--port", str(e["port"]), "--model", MODEL,
+                "--kv-events", f"tcp://127.0.0.1:{self.events_port}"]
+        if e["replay"]:
+            args += ["--kv-replay", f"tcp://127.0.0.1:{e['replay']}"]
+        if e["drop"]:
+            args += ["--kv-drop-seqs", e["drop"]]
+        child = spawn(f"{name}-{len(self.sims)}", args, f"http://127.0.0.1:{e['port']}",
+                      self.tmp)
+        wait_healthy(child)
+        self.sims[name] = child
+        return child
+
+    def index_keys(self, gateway: Child, name: str) -> set[str]:
+        status, body, _ = http("GET", f"{gateway.url}/admin/index/{self.engine_name(name)}",
+                               admin=True)
+        assert status == 200, body
+        return set(body["keys"])
+
+    def prompt_keys(self, gateway: Child, body: dict[str, Any]) -> list[str]:
+        status, out, _ = http("POST", f"{gateway.url}/admin/index/match", body, admin=True)
+        assert status == 200, out
+        return list(out["keys"])
+
+    def stop(self) -> None:
+        for c in [*self.gateways, *self.sims.values()]:
+            c.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    with RedisServer() as url:
+        yield url
+
+
+def start(cluster: Cluster, names: list[str], redis_url: str | None = None) -> Child:
+    for n in names:
+        cluster.add_engine(n)
+    gw = cluster.start_gateway(redis_url=redis_url)
+    for n in names:
+        cluster.start_sim(n)
+    wait_healthy(gw)
+    return gw
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_index_holds_exactly_the_blocks_the_engine_announced(
+    cluster: Cluster, backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    gw = start(cluster, ["a", "b"], url)
+    body = chat(1)
+    status, out, headers = http("POST", f"{gw.url}/v1/chat/completions", body)
+    assert status == 200, out
+    engine = headers["x-kvgate-engine"]
+    name = "a" if engine == cluster.engine_name("a") else "b"
+    prompt_tokens = out["usage"]["prompt_tokens"]
+    expected = set(cluster.prompt_keys(gw, body)[: prompt_tokens // 16])
+    wait_for(lambda: cluster.index_keys(gw, name) == expected, "the engine's blocks in the index")
+    other = "b" if name == "a" else "a"
+    assert cluster.index_keys(gw, other) == set()
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_a_repeated_prefix_follows_its_cache_and_hits(
+    cluster: Cluster, backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    gw = start(cluster, ["a", "b", "c"], url)
+    served = []
+    cached = []
+    for i in range(4):
+        status, out, headers = http("POST", f"{gw.url}/v1/chat/completions",
+                                    chat(2, f"Question {i}?"))
+        assert status == 200, out
+        served.append(headers["x-kvgate-engine"])
+        cached.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        time.sleep(0.3)  # let the events land so placement uses confirmed blocks
+    assert len(set(served)) == 1
+    assert cached[0] == 0 and all(c > 200 for c in cached[1:])
+
+
+def test_engine_restart_drops_its_stale_entries(cluster: Cluster) -> None:
+    gw = start(cluster, ["a"])
+    status, out, _ = http("POST", f"{gw.url}/v1/chat/completions", chat(3))
+    assert status == 200
+    wait_for(lambda: len(cluster.index_keys(gw, "a")) > 0, "blocks from engine a")
+    cluster.sims["a"].kill()
+    cluster.start_sim("a")  # same port, a new process with an empty cache
+    wait_for(lambda: cluster.index_keys(gw, "a") == set(), "stale entries to be dropped")
+    status, out, _ = http("POST", f"{gw.url}/v1/chat/completions", chat(4))
+    assert status == 200
+    prompt_tokens = out["usage"]["prompt_tokens"]
+    expected = set(cluster.prompt_keys(gw, chat(4))[: prompt_tokens // 16])
+    wait_for(lambda: cluster.index_keys(gw, "a") == expected, "the new process's blocks")
+
+
+def test_dropped_events_are_recovered_through_replay(cluster: Cluster) -> None:
+    cluster.add_engine("a", replay=True, drop="1,2")
+    gw = cluster.start_gateway()
+    sim = cluster.start_sim("a")
+    wait_healthy(gw)
+    expected: set[str] = set()
+    for n in range(5):
+        status, out, _ = http("POST", f"{sim.url}/v1/chat/completions", chat(10 + n))
+        assert status == 200
+        expected |= set(cluster.prompt_keys(gw, chat(10 + n))[: out["usage"]["prompt_tokens"]
+                                                              // 16])
+    wait_for(lambda: cluster.index_keys(gw, "a") == expected, "replayed blocks in the index")
+    with urllib.request.urlopen(f"{gw.url}/metrics") as r:
+        text = r.read().decode()
+    assert "kvgate_kv_events_gaps_total 1.0" in text
+
+
+def test_dropped_events_without_replay_never_leave_false_entries(cluster: Cluster) -> None:
+    cluster.add_engine("a", replay=False, drop="1")
+    gw = cluster.start_gateway()
+    sim = cluster.start_sim("a")
+    wait_healthy(gw)
+    truth: set[str] = set()
+    for n in range(4):
+        status, out, _ = http("POST", f"{sim.url}/v1/chat/completions", chat(20 + n))
+        assert status == 200
+        truth |= set(cluster.prompt_keys(gw, chat(20 + n))[: out["usage"]["prompt_tokens"]
+                                                           // 16])
+    last = set(cluster.prompt_keys(gw, chat(23))[:1])
+    wait_for(lambda: last <= cluster.index_keys(gw, "a"), "events after the gap")
+    held = cluster.index_keys(gw, "a")
+    assert held and held <= truth and held != truth
+
+
+def test_an_engine_leaving_the_pool_is_purged(cluster: Cluster) -> None:
+    gw = start(cluster, ["a", "b"])
+    http("POST", f"{gw.url}/v1/chat/completions", chat(5))
+    wait_for(lambda: bool(cluster.index_keys(gw, "a") | cluster.index_keys(gw, "b")),
+             "blocks in the index")
+    for name in ("a", "b"):
+        status, body, _ = http("DELETE", f"{gw.url}/admin/engines/{cluster.engine_name(name)}",
+                               admin=True)
+        assert status == 200, body
+        assert cluster.index_keys(gw, name) == set()
+    status, body, _ = http("POST", f"{gw.url}/v1/chat/completions", chat(5))
+    assert status == 503
+
+
+def test_admin_api_needs_the_key(cluster: Cluster) -> None:
+    gw = start(cluster, ["a"])
+    status, body, _ = http("GET", f"{gw.url}/admin/engines")
+    assert status == 401 and body["error"]["code"] == "invalid_admin_key"
+    status, body, _ = http("GET", f"{gw.url}/admin/engines",
+                           headers={"Authorization": "Bearer wrong"})
+    assert status == 401
+    status, body, _ = http("POST", f"{gw.url}/admin/engines", {"url": "nope"}, admin=True)
+    assert status == 400 and "url" in body["error"]["message"]
+
+
+def test_two_gateways_sharing_redis_send_a_prefix_to_the_same_engine(
+    cluster: Cluster, redis_url: str
+) -> None:
+    for n in ("a", "b", "c", "d"):
+        cluster.add_engine(n)
+    first = cluster.start_gateway(redis_url=redis_url)
+    second = cluster.start_gateway(ingest=False, redis_url=redis_url)
+    for n in ("a", "b", "c", "d"):
+        cluster.start_sim(n)
+    wait_healthy(first)
+    wait_healthy(second)
+    # Warm the other engines so the prefix's engine is not simply the idle one.
+    status, out, headers = http("POST", f"{first.url}/v1/chat/completions", chat(6, "First?"))
+    assert status == 200
+    engine = headers["x-kvgate-engine"]
+    name = next(n for n in cluster.engines if cluster.engine_name(n) == engine)
+    wait_for(lambda: len(cluster.index_keys(second, name)) > 10, "shared index entries")
+    for i in range(3):
+        status, out, headers = http("POST", f"{second.url}/v1/chat/completions",
+                                    chat(6, f"Follow-up {i}?"))
+        assert status == 200
+        assert headers["x-kvgate-engine"] == engine
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
