@@ -235,13 +235,53 @@ class InMemoryIndex:
         alive = 0
         for bit in wanted.values():
             alive |= 1 << bit
-        confirmed = alive
         gpu = self._tiers.get(DEFAULT_TIER, {})
         lower = [(t, tier_weight(n)) for n, t in self._tiers.items() if n != DEFAULT_TIER]
         specs = [(bit, s) for bit, s in self._spec.items() if s and (alive >> bit) & 1]
         length: dict[int, int] = {}
         confirmed_len: dict[int, int] = {}
         penalty: dict[int, float] = {}
+        if not lower and not specs:
+            # Hot path: one dict lookup and two int operations per block.
+            get = gpu.get
+            n = len(keys)
+            i = 0
+            while i < n:
+                present = get(keys[i], 0) & alive
+                if present != alive:
+                    for bit in _bits(alive ^ present):
+                        length[bit] = i
+                    alive = present
+                    if not alive:
+                        break
+                i += 1
+            for bit in _bits(alive):
+                length[bit] = n
+            confirmed_len = length
+        else:
+            self._match_general(keys, now, alive, gpu, lower, specs, length, confirmed_len,
+                                penalty)
+        out: dict[str, EngineMatch] = {}
+        for engine, bit in wanted.items():
+            blocks = length.get(bit, 0)
+            if blocks:
+                out[engine] = EngineMatch(
+                    engine=engine,
+                    blocks=blocks,
+                    confirmed_blocks=confirmed_len.get(bit, 0),
+                    weighted_blocks=blocks - penalty.get(bit, 0.0),
+                )
+        return out
+
+    @staticmethod
+    def _match_general(
+        keys: Sequence[BlockKey], now: float, alive: int, gpu: dict[BlockKey, int],
+        lower: list[tuple[dict[BlockKey, int], float]],
+        specs: list[tuple[int, OrderedDict[BlockKey, float]]],
+        length: dict[int, int], confirmed_len: dict[int, int], penalty: dict[int, float],
+    ) -> None:
+        """The walk with lower tiers and speculative entries (fills the three dicts)."""
+        confirmed = alive
         i = 0
         for i, k in enumerate(keys):
             present = gpu.get(k, 0) & alive
@@ -268,17 +308,6 @@ class InMemoryIndex:
             length[bit] = i
         for bit in _bits(confirmed):
             confirmed_len[bit] = i
-        out: dict[str, EngineMatch] = {}
-        for engine, bit in wanted.items():
-            blocks = length.get(bit, 0)
-            if blocks:
-                out[engine] = EngineMatch(
-                    engine=engine,
-                    blocks=blocks,
-                    confirmed_blocks=confirmed_len.get(bit, 0),
-                    weighted_blocks=blocks - penalty.get(bit, 0.0),
-                )
-        return out
 
     def engine_keys_sync(self, engine: str) -> dict[BlockKey, dict[str, int]]:
         """See KVIndexBackend.engine_keys."""

@@ -248,14 +248,28 @@ class EventIngestor:
     ) -> None:
         self.stats.batches += 1
         state.last_seq = seq
+        # vLLM sends one BlockRemoved per evicted block: consecutive ones become one operation.
+        removed: list[BlockKey] = []
+        removed_tier = DEFAULT_TIER
         for event in batch.events:
+            if isinstance(event, BlockRemoved):
+                tier = (event.medium or DEFAULT_TIER).upper()
+                if removed and tier != removed_tier:
+                    ops.append(RemoveKeys(engine, tuple(removed), removed_tier))
+                    removed = []
+                removed_tier = tier
+                self._removed(state, event, removed)
+                continue
+            if removed:
+                ops.append(RemoveKeys(engine, tuple(removed), removed_tier))
+                removed = []
             if isinstance(event, BlockStored):
                 self._stored(state, engine, event, ops)
-            elif isinstance(event, BlockRemoved):
-                self._removed(state, engine, event, ops)
             elif isinstance(event, AllBlocksCleared):
                 state.blocks.clear()
                 ops.append(ClearEngine(engine, "engine reset its prefix cache"))
+        if removed:
+            ops.append(RemoveKeys(engine, tuple(removed), removed_tier))
 
     def _stored(
         self, state: _EngineState, engine: str, ev: BlockStored, ops: list[IndexOp]
@@ -285,6 +299,28 @@ class EventIngestor:
                 tail, pending, blocks, salt = prev.tail, prev.pending, prev.blocks, prev.salt
         B = self.block_size
         added: list[BlockKey] = []
+        if not pending and bs % B == 0:
+            # Common case: index blocks tile engine blocks, so the whole event chains at once.
+            extras = KeyExtras(lora_name=ev.lora_name, cache_salt=salt)
+            added = chain_keys(ev.token_ids, B, extras, parent=tail, first_block_index=blocks)
+            per = bs // B
+            compact = per == 1 and ev.lora_name is None and tier == DEFAULT_TIER
+            for j, h in enumerate(ev.block_hashes):
+                keys = added[j * per:(j + 1) * per]
+                blocks += per
+                self.stats.blocks_stored += 1
+                existing = state.blocks.get(h)
+                if existing is not None:
+                    chain = _as_chain(existing)
+                    chain.copies += 1
+                    state.blocks[h] = chain
+                elif compact:
+                    state.blocks[h] = keys[0]
+                else:
+                    state.blocks[h] = _Chain(tuple(keys), keys[-1], (), blocks, None, 1, tier)
+            if added:
+                ops.append(AddKeys(engine, tuple(added), tier))
+            return
         for j, h in enumerate(ev.block_hashes):
             tokens = pending + tuple(ev.token_ids[j * bs:(j + 1) * bs])
             full = len(tokens) // B
@@ -301,8 +337,6 @@ class EventIngestor:
                 chain = _as_chain(existing)
                 chain.copies += 1
                 state.blocks[h] = chain
-            elif len(keys) == 1 and not pending and ev.lora_name is None and tier == DEFAULT_TIER:
-                state.blocks[h] = keys[0]
             else:
                 state.blocks[h] = _Chain(tuple(keys), tail, pending, blocks,
                                          salt if blocks == 0 else None, 1, tier)
@@ -311,27 +345,23 @@ class EventIngestor:
         if added:
             ops.append(AddKeys(engine, tuple(added), tier))
 
-    def _removed(
-        self, state: _EngineState, engine: str, ev: BlockRemoved, ops: list[IndexOp]
-    ) -> None:
-        tier = (ev.medium or DEFAULT_TIER).upper()
-        removed: list[BlockKey] = []
+    def _removed(self, state: _EngineState, ev: BlockRemoved, removed: list[BlockKey]) -> None:
+        """Collect the index keys of the removed blocks into `removed`."""
+        blocks = state.blocks
         for h in ev.block_hashes:
-            existing = state.blocks.get(h)
+            existing = blocks.get(h)
             if existing is None:
                 self.stats.unknown_removals += 1
                 continue
             self.stats.blocks_removed += 1
             if isinstance(existing, int):
                 removed.append(existing)
-                del state.blocks[h]
+                del blocks[h]
                 continue
             removed.extend(existing.keys)
             existing.copies -= 1
             if existing.copies <= 0:
-                del state.blocks[h]
-        if removed:
-            ops.append(RemoveKeys(engine, tuple(removed), tier))
+                del blocks[h]
 
 
 def _as_chain(state: _BlockState) -> _Chain:

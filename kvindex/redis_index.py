@@ -39,7 +39,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from kvindex.index import DEFAULT_TIER, BlockKey, EngineMatch, IndexStats, tier_weight
+from kvindex.index import (
+    DEFAULT_TIER,
+    TIER_WEIGHTS,
+    BlockKey,
+    EngineMatch,
+    IndexStats,
+    tier_weight,
+)
 
 CHUNK = 1000
 """Keys per script call in add/remove/add_speculative/clear_engine (bounds Redis blocking)."""
@@ -163,47 +170,92 @@ end
 return left
 """
 
-# ARGV: ns, n_filter, engine x n_filter, key...  (n_filter = -1: every engine)
-# Returns one row per leading key while some wanted engine still holds the whole prefix:
-# {confirmed "{TIER}|{engine}" fields, engines with a live speculative entry}, restricted to
-# the engines that held every earlier key.
+# ARGV: ns, default weight, n_weights, (tier, weight) x n_weights, n_filter (-1: every engine),
+# engine x n_filter, key...  Walks the keys like InMemoryIndex.match_sync: a block counts for an
+# engine if it holds it confirmed in some tier (weight of the best such tier) or has a live
+# speculative entry (weight 1); the walk stops when no engine holds the whole prefix. Returns a
+# flat list: engine, blocks, confirmed_blocks, penalty (sum of 1 - weight, in key order, as
+# "%.17g" so the float survives), for engines holding at least one block.
 _MATCH = """
-local ns, nf = ARGV[1], tonumber(ARGV[2])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ns = ARGV[1]
+local default_w = tonumber(ARGV[2])
+local weights = {}
+local a = 4
+for _ = 1, tonumber(ARGV[3]) do
+  weights[ARGV[a]] = tonumber(ARGV[a + 1])
+  a = a + 2
+end
+local nf = tonumber(ARGV[a])
+a = a + 1
 local alive = nil
 if nf >= 0 then
   alive = {}
-  for i = 3, 2 + nf do alive[ARGV[i]] = true end
+  for j = a, a + nf - 1 do alive[ARGV[j]] = true end
+  a = a + nf
 end
-local first = 3 + math.max(nf, 0)
-local out = {}
-for i = first, #ARGV do
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local length, conf_len, penalty = {}, {}, {}
+local confirmed = nil
+local n = 0
+for i = a, #ARGV do
   local k = ARGV[i]
-  local present, any = {}, false
-  local conf, spec = {}, {}
+  local best, present, any = {}, {}, false
   local h = redis.call('HGETALL', ns .. ':b:' .. k)
   for j = 1, #h, 2 do
     local f = h[j]
-    local e = string.sub(f, string.find(f, '|', 1, true) + 1)
+    local sep = string.find(f, '|', 1, true)
+    local e = string.sub(f, sep + 1)
     if alive == nil or alive[e] then
+      local w = weights[string.sub(f, 1, sep - 1)] or default_w
+      if best[e] == nil or w > best[e] then best[e] = w end
       present[e] = true
       any = true
-      conf[#conf + 1] = f
     end
   end
   local s = redis.call('HGETALL', ns .. ':s:' .. k)
   for j = 1, #s, 2 do
     local e = s[j]
-    if (alive == nil or alive[e]) and tonumber(s[j + 1]) > now then
+    if (alive == nil or alive[e]) and not present[e] and tonumber(s[j + 1]) > now then
       present[e] = true
       any = true
-      spec[#spec + 1] = e
+    end
+  end
+  if alive ~= nil then
+    for e in pairs(alive) do
+      if not present[e] then length[e] = n end
+    end
+  end
+  if confirmed == nil then
+    confirmed = {}
+    for e in pairs(best) do confirmed[e] = true end
+  else
+    for e in pairs(confirmed) do
+      if best[e] == nil then
+        conf_len[e] = n
+        confirmed[e] = nil
+      end
     end
   end
   if not any then break end
-  out[#out + 1] = {conf, spec}
+  for e, w in pairs(best) do
+    if w < 1 then penalty[e] = (penalty[e] or 0) + (1 - w) end
+  end
+  n = n + 1
   alive = present
+end
+if n > 0 then
+  for e in pairs(alive) do length[e] = n end
+  for e in pairs(confirmed) do conf_len[e] = n end
+end
+local out = {}
+for e, blocks in pairs(length) do
+  if blocks > 0 then
+    out[#out + 1] = e
+    out[#out + 1] = blocks
+    out[#out + 1] = conf_len[e] or 0
+    out[#out + 1] = string.format('%.17g', penalty[e] or 0)
+  end
 end
 return out
 """
@@ -239,6 +291,15 @@ for _, e in ipairs(engines) do
 end
 return {keys, entries, spec, #engines}
 """
+
+
+def _weight_args() -> list[str]:
+    """Tier weights for the match script, from TIER_WEIGHTS (the one source of truth)."""
+    unknown = tier_weight(f"{_SEP}unknown")  # no real tier contains the separator
+    args = [repr(unknown), str(len(TIER_WEIGHTS))]
+    for tier in TIER_WEIGHTS:
+        args += [tier.upper(), repr(tier_weight(tier))]
+    return args
 
 
 def _str(value: Any) -> str:
@@ -281,9 +342,10 @@ class RedisIndex:
         self._stats = client.register_script(_STATS)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "kvgate") -> RedisIndex:
-        """An index on its own connection pool, closed by `close`."""
-        client = aioredis.Redis.from_url(url, decode_responses=True)
+    def from_url(cls, url: str, namespace: str = "kvgate", **client_kwargs: Any) -> RedisIndex:
+        """An index on its own connection pool (extra keyword arguments go to the client),
+        closed by `close`."""
+        client = aioredis.Redis.from_url(url, **{"decode_responses": True, **client_kwargs})
         return cls(client, namespace, owns_client=True)
 
     @property
@@ -328,11 +390,16 @@ class RedisIndex:
         wanted = None if engines is None else list(dict.fromkeys(engines))
         if not keys or wanted == []:
             return {}
-        head: list[str | int] = [self._ns, -1]
-        if wanted is not None:
-            head = [self._ns, len(wanted), *wanted]
-        rows = await self._match(args=[*head, *(str(int(k)) for k in keys)])
-        return _longest_prefixes(rows)
+        head: list[str | int] = [-1] if wanted is None else [len(wanted), *wanted]
+        weights = _weight_args()  # per call: TIER_WEIGHTS is a plain, mutable dict
+        flat = await self._match(args=[self._ns, *weights, *head, *(str(int(k)) for k in keys)])
+        out: dict[str, EngineMatch] = {}
+        for i in range(0, len(flat), 4):
+            engine, blocks = _str(flat[i]), int(flat[i + 1])
+            out[engine] = EngineMatch(engine=engine, blocks=blocks,
+                                      confirmed_blocks=int(flat[i + 2]),
+                                      weighted_blocks=blocks - float(_str(flat[i + 3])))
+        return dict(sorted(out.items()))
 
     async def engine_keys(self, engine: str) -> dict[BlockKey, dict[str, int]]:
         """See KVIndexBackend.engine_keys."""
@@ -354,50 +421,3 @@ class RedisIndex:
         if self._owns_client:
             await self._r.aclose()
 
-
-def _longest_prefixes(rows: Sequence[Any]) -> dict[str, EngineMatch]:
-    """EngineMatch per engine from the match script's rows, exactly as InMemoryIndex computes it.
-
-    A block counts with the weight of the best confirmed tier holding it, or as GPU (1.0) when
-    only speculative; speculative blocks extend `blocks` but not `confirmed_blocks`.
-    """
-    length: dict[str, int] = {}
-    confirmed_len: dict[str, int] = {}
-    penalty: dict[str, float] = {}
-    alive: set[str] | None = None
-    confirmed: set[str] | None = None
-    for i, row in enumerate(rows):
-        best: dict[str, float] = {}
-        for field in row[0]:
-            tier, _, engine = _str(field).partition(_SEP)
-            w = tier_weight(tier)
-            if w > best.get(engine, -1.0):
-                best[engine] = w
-        present = set(best)
-        present.update(_str(e) for e in row[1])
-        if alive is None or confirmed is None:
-            alive, confirmed = set(present), set(best)
-        for engine in alive - present:
-            length[engine] = i
-        for engine in confirmed - best.keys():
-            confirmed_len.setdefault(engine, i)
-        for engine, w in best.items():
-            if w < 1.0:
-                penalty[engine] = penalty.get(engine, 0.0) + (1.0 - w)
-        alive = present
-        confirmed = confirmed & best.keys()
-    n = len(rows)
-    for engine in alive or ():
-        length[engine] = n
-    for engine in confirmed or ():
-        confirmed_len.setdefault(engine, n)
-    return {
-        engine: EngineMatch(
-            engine=engine,
-            blocks=blocks,
-            confirmed_blocks=confirmed_len.get(engine, 0),
-            weighted_blocks=blocks - penalty.get(engine, 0.0),
-        )
-        for engine, blocks in sorted(length.items())
-        if blocks
-    }

@@ -4,18 +4,24 @@
         ...
 
 Never touches a system Redis: it starts its own process (no persistence, no config file), waits
-until it answers PING (bounded), and stops it on exit (SHUTDOWN NOSAVE via SIGTERM, then
-SIGKILL). Tests skip, rather than fail, when redis-server is not installed.
+until it answers PING (bounded), and stops it on exit (SIGTERM, then SIGKILL). On Linux the
+server also gets SIGTERM if the test process dies without cleaning up. `redis_server_available`
+lets tests skip, rather than fail, when redis-server is not installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -37,6 +43,28 @@ def _ping(port: int, timeout: float = 0.5) -> bool:
             return s.recv(64).startswith(b"+PONG")
     except OSError:
         return False
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn making the child get SIGTERM if we die without cleaning up (Linux only).
+
+    The kernel sends it when the *thread* that started the child exits, so it is only used when
+    starting from the main thread. prctl is looked up here, in the parent, not after fork.
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+
+    return preexec
 
 
 class RedisServer:
@@ -65,6 +93,7 @@ class RedisServer:
                      "--save", "", "--appendonly", "no", "--dir", self._dir.name,
                      "--protected-mode", "yes"],
                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    preexec_fn=_parent_death_signal(),
                 )
             deadline = time.monotonic() + self.start_timeout
             while time.monotonic() < deadline and proc.poll() is None:

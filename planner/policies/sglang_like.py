@@ -1,0 +1,212 @@
+"""`sglang-like`: sglang-router 0.3.2's `cache_aware` policy, re-implemented sans-IO.
+
+Peer rule (sgl-router `policies/cache_aware.rs` and `tree.rs`, CLI defaults):
+- load = the router's own in-flight count per worker. If (max - min) > balance_abs_threshold (64)
+  *and* max > balance_rel_threshold (1.5) x min: the least-loaded worker (first in pool order).
+- Otherwise the longest character-level prefix match of the prompt text over the per-worker
+  approximate trees; if matched chars / prompt chars > cache_threshold (0.3): that worker. Else the
+  worker whose tree holds the fewest characters ("most available cache"), which is what the peer
+  does, not the least-loaded one.
+- Each tree is built only from the router's own routing: the chosen worker's tree gets the prompt.
+  Nodes carry a last-access time (set by inserts and by the winning match). Every
+  eviction_interval (60 s) each tree is trimmed, least recently used leaves first, to
+  max_tree_chars (2**26): entries are not expired by age, only by size.
+Ties that the peer leaves to hash-map order are broken by pool order here.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, register
+
+
+def _shared_prefix(edge: str, text: str, start: int) -> int:
+    """Length of the common prefix of `edge` and `text[start:]` (slice compares run in C)."""
+    n = min(len(edge), len(text) - start)
+    if text.startswith(edge[:n], start):
+        return n
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(edge[:mid], start):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(eq=False)
+class _Node:
+    text: str
+    parent: _Node | None
+    last_access: float
+    children: dict[str, _Node] = field(default_factory=dict)
+
+
+class CharRadixTree:
+    """One worker's approximate cache: a character radix tree with LRU leaf eviction."""
+
+    def __init__(self) -> None:
+        self.root = _Node("", None, 0.0)
+        self.chars = 0
+        """Characters stored (the peer's per-tenant size)."""
+
+    def match(self, text: str) -> tuple[int, _Node]:
+        """Matched prefix length of `text`, and the deepest node reached."""
+        node, i = self.root, 0
+        while i < len(text):
+            child = node.children.get(text[i])
+            if child is None:
+                break
+            shared = _shared_prefix(child.text, text, i)
+            i += shared
+            node = child
+            if shared < len(child.text):
+                break
+        return i, node
+
+    def touch(self, node: _Node, now: float) -> None:
+        """Mark `node` and its ancestors as used at `now`."""
+        current: _Node | None = node
+        while current is not None:
+            current.last_access = now
+            current = current.parent
+
+    def insert(self, text: str, now: float) -> None:
+        """Add `text`, splitting edges where it diverges; every node on its path is touched."""
+        node, i = self.root, 0
+        node.last_access = now
+        while i < len(text):
+            child = node.children.get(text[i])
+            if child is None:
+                node.children[text[i]] = _Node(text[i:], node, now)
+                self.chars += len(text) - i
+                return
+            shared = _shared_prefix(child.text, text, i)
+            if shared < len(child.text):
+                head = _Node(child.text[:shared], node, child.last_access)
+                node.children[text[i]] = head
+                child.text = child.text[shared:]
+                child.parent = head
+                head.children[child.text[0]] = child
+                child = head
+            child.last_access = now
+            node = child
+            i += shared
+
+    def evict_to(self, max_chars: int) -> None:
+        """Drop least recently used leaves until at most `max_chars` characters remain."""
+        if self.chars <= max_chars:
+            return
+        order = itertools.count()
+        heap: list[tuple[float, int, _Node]] = []
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node is not self.root and not node.children:
+                heap.append((node.last_access, next(order), node))
+        heapq.heapify(heap)
+        while self.chars > max_chars and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.text[0]]
+            self.chars -= len(leaf.text)
+            if parent is not self.root and not parent.children:
+                heapq.heappush(heap, (parent.last_access, next(order), parent))
+
+
+@register("sglang-like")
+class SglangCacheAware:
+    """Cache affinity from per-worker approximate prefix trees unless load is imbalanced."""
+
+    name = "sglang-like"
+
+    def __init__(
+        self,
+        context: PolicyContext | None = None,
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        eviction_interval_s: float = 60.0,
+        max_tree_chars: int = 2**26,
+    ) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.eviction_interval_s = eviction_interval_s
+        self.max_tree_chars = max_tree_chars
+        self.trees: dict[str, CharRadixTree] = {}
+        self.loads: dict[str, int] = {}
+        self._routed: dict[str, str] = {}
+        self._started: float | None = None
+        self._next_eviction = 0.0
+
+    def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
+        """Least-loaded when imbalanced, else the longest match if good enough, else the
+        smallest tree."""
+        eligible = candidates(request, engines)
+        self._evict_if_due(now)
+        loads = [self.loads.get(e.name, 0) for e in eligible]
+        most, least = max(loads), min(loads)
+        if (most - least > self.balance_abs_threshold
+                and most > least * self.balance_rel_threshold):
+            return eligible[loads.index(least)].name
+
+        text = request.prompt_text
+        best: str | None = None
+        best_len = 0
+        best_node: _Node | None = None
+        for e in eligible:
+            tree = self.trees.get(e.name)
+            if tree is None:
+                continue
+            length, node = tree.match(text)
+            if length > best_len:
+                best, best_len, best_node = e.name, length, node
+        if best is not None and best_node is not None:
+            self.trees[best].touch(best_node, now)
+            if best_len / len(text) > self.cache_threshold:
+                return best
+        return min(eligible, key=lambda e: self._tree_chars(e.name)).name
+
+    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+        """The chosen worker's tree learns the prompt; its in-flight count goes up."""
+        self.trees.setdefault(engine, CharRadixTree()).insert(request.prompt_text, now)
+        self.loads[engine] = self.loads.get(engine, 0) + 1
+        self._routed[request.request_id] = engine
+
+    def on_first_token(self, request_id: str, engine: str, now: float) -> None:
+        """Not used by the peer."""
+
+    def on_finish(self, request_id: str, engine: str, now: float) -> None:
+        """The worker's in-flight count goes down."""
+        routed = self._routed.pop(request_id, None)
+        if routed is not None:
+            self.loads[routed] -= 1
+
+    def _tree_chars(self, engine: str) -> int:
+        tree = self.trees.get(engine)
+        return tree.chars if tree is not None else 0
+
+    def _evict_if_due(self, now: float) -> None:
+        # The peer's eviction thread ticks every interval from start-up; ticks missed between
+        # calls collapse into one, which trims to the same size. An interval of 0 disables it.
+        if self.eviction_interval_s <= 0:
+            return
+        if self._started is None:
+            self._started = now
+            self._next_eviction = now + self.eviction_interval_s
+            return
+        if now < self._next_eviction:
+            return
+        for tree in self.trees.values():
+            tree.evict_to(self.max_tree_chars)
+        ticks = int((now - self._started) // self.eviction_interval_s)
+        self._next_eviction = self._started + (ticks + 1) * self.eviction_interval_s
