@@ -286,9 +286,12 @@ class Proxy:
             try:
                 return await self._relay(request, route, route_req, d, upstream, arrived)
             finally:
-                # Closing (not releasing) an unfinished response drops the connection, so the
-                # engine sees the disconnect and aborts the request.
-                upstream.close()
+                if upstream.content.at_eof():
+                    upstream.release()  # fully read: the connection goes back to the pool
+                else:
+                    # Closing an unfinished response drops the connection, so the engine sees
+                    # the disconnect and aborts the request.
+                    upstream.close()
         finally:
             self._finished(route_req, d)
             metrics.duration.labels(route).observe(time.monotonic() - arrived)

@@ -75,6 +75,35 @@ def _demo(args: argparse.Namespace) -> int:
                     workers=args.workers)
 
 
+def _microbench(args: argparse.Namespace) -> int:
+    import json
+
+    if args.what == "placement":
+        from kvgate.benchmarks.placement import compare, format_results
+
+        results = compare(args.policy.split(","), args.engines, args.agents, args.turns,
+                          args.output_tokens)
+        print(format_results(results))
+        report: object = [{"policy": r.policy, "hit_ratio": r.hit_ratio,
+                           "requests_per_engine": list(r.requests_per_engine),
+                           "max_over_mean_load": r.max_over_mean} for r in results]
+    elif args.what == "index":
+        from kvgate.benchmarks.index import bench_ingest, bench_lookup
+
+        report = {"lookup": bench_lookup(args.blocks, args.index_engines, args.iterations),
+                  "ingest": bench_ingest()}
+        print(json.dumps(report, indent=2))
+    else:
+        from kvgate.benchmarks.proxy import bench_proxy
+
+        report = bench_proxy(args.concurrency, args.rounds, args.repeats)
+        print(json.dumps(report, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
@@ -114,6 +143,23 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--priority-scheduling", action="store_true",
                    help="accept `priority` like vLLM's --scheduling-policy priority")
     m.set_defaults(func=_sim)
+
+    b = sub.add_parser("microbench", help="component benchmarks: placement, index, proxy")
+    b.add_argument("what", choices=["placement", "index", "proxy"])
+    b.add_argument("--json", help="also write the report here")
+    b.add_argument("--policy", default="kvgate,round-robin,least-loaded",
+                   help="placement: policies to compare")
+    b.add_argument("--engines", type=int, default=4, help="placement: simulated engines")
+    b.add_argument("--agents", type=int, default=8, help="placement: concurrent agents")
+    b.add_argument("--turns", type=int, default=6, help="placement: calls per agent")
+    b.add_argument("--output-tokens", type=int, default=16, help="placement: tokens per call")
+    b.add_argument("--blocks", type=int, default=1_000_000, help="index: indexed blocks")
+    b.add_argument("--index-engines", type=int, default=64, help="index: engines")
+    b.add_argument("--iterations", type=int, default=300, help="index: lookups timed")
+    b.add_argument("--concurrency", type=int, default=200, help="proxy: concurrent streams")
+    b.add_argument("--rounds", type=int, default=3, help="proxy: requests per stream")
+    b.add_argument("--repeats", type=int, default=2, help="proxy: direct/gateway alternations")
+    b.set_defaults(func=_microbench)
 
     d = sub.add_parser("demo", help="start simulated engines + gateway and run a sample workflow")
     d.add_argument("--engines", type=int, default=4)

@@ -236,7 +236,10 @@ class InMemoryIndex:
         for bit in wanted.values():
             alive |= 1 << bit
         gpu = self._tiers.get(DEFAULT_TIER, {})
-        lower = [(t, tier_weight(n)) for n, t in self._tiers.items() if n != DEFAULT_TIER]
+        lower = sorted(
+            ((t, tier_weight(n)) for n, t in self._tiers.items() if n != DEFAULT_TIER),
+            key=lambda tw: -tw[1],
+        )
         specs = [(bit, s) for bit, s in self._spec.items() if s and (alive >> bit) & 1]
         length: dict[int, int] = {}
         confirmed_len: dict[int, int] = {}

@@ -21,7 +21,9 @@ Every write is a Lua script, so each call (each chunk of `CHUNK` keys for long k
 atomic: concurrent writers from several processes never leave a negative count, a set member
 without its hash field or the other way round. `clear_engine` runs in chunks too (SPOP), so a
 match running meanwhile may see an engine half-cleared. `match` is one script call (one round
-trip) for the whole prompt; it stops reading as soon as no engine still holds the prefix.
+trip) for the whole prompt: the script walks the keys exactly like InMemoryIndex.match_sync (tier
+weights passed from TIER_WEIGHTS), stops reading as soon as no engine still holds the prefix,
+and returns four values per engine, not the per-block data (decoding that cost more than Redis).
 
 Speculative expiry uses the Redis server's clock (`TIME` inside the scripts), never the caller's
 `now`: gateway processes share neither a monotonic clock nor, exactly, a wall clock, but they

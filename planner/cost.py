@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from adapters.sim.profiles import EngineProfile, ScheduledChunk
+from adapters.sim.profiles import EngineProfile
 from planner.policy import EngineView, RouteRequest
 
 
@@ -119,8 +119,7 @@ class CostModel:
 
     def decode_step_seconds(self, engine: str, batch: int, context_tokens: int) -> float:
         """One decode step with `batch` sequences of `context_tokens` each."""
-        chunks = [ScheduledChunk(1, context_tokens)] * max(1, batch)
-        step = self.profile(engine).step_time(chunks)
+        step = self.profile(engine).decode_step_time(max(1, batch), context_tokens)
         return step * self.correction.decode.get(engine, 1.0)
 
     def estimate(

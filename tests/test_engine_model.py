@@ -286,3 +286,11 @@ def test_block_pool_refuses_to_overallocate() -> None:
         assert "cannot allocate" in str(e)
     else:
         raise AssertionError("allocation beyond capacity must fail")
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(min_value=1, max_value=300), context=st.integers(0, 20000))
+def test_closed_form_decode_step_equals_the_general_step_time(batch: int, context: int) -> None:
+    for profile in PROFILES.values():
+        general = profile.step_time([ScheduledChunk(1, context)] * batch)
+        assert abs(profile.decode_step_time(batch, context) - general) <= 1e-12 + general * 1e-9

@@ -214,10 +214,17 @@ async def test_a_shorter_speculation_expires_even_after_a_longer_one(
     index: KVIndexBackend,
 ) -> None:
     await index.add_speculative("a", [1], now(), LONG_TTL)
-    await index.add_speculative("a", [2], now(), 0.3)
+    await index.add_speculative("a", [2], now(), 0.3)  # another key, after a longer entry
+    await index.add_speculative("b", [1], now(), 0.3)  # the same key as a longer entry
+    await index.add_speculative("c", [3], now(), LONG_TTL)
+    await index.add_speculative("c", [3], now(), 0.3)  # speculating again shortens the entry
+    await index.add_speculative("d", [4], now(), LONG_TTL)
+    await index.add_speculative("d", [4], now(), 0)  # a zero TTL cancels it at once
+    assert await index.match([4], now()) == {}
     await asyncio.sleep(0.5)
     assert await index.match([2], now()) == {}
     assert summary(await index.match([1], now())) == {"a": (1, 0, 1.0)}
+    assert await index.match([3], now()) == {}
 
 
 # -- tiers, engine_keys, stats ----------------------------------------------------------------
@@ -425,6 +432,23 @@ async def test_concurrent_writers_leave_no_negative_count_or_dangling_entry(
     finally:
         for w in writers:
             await w.close()
+
+
+@needs_redis
+async def test_expired_speculation_leaves_no_redis_keys_behind(redis_url: str) -> None:
+    ns = fresh_namespace()
+    index = RedisIndex.from_url(redis_url, ns)
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        await index.add_speculative("a", [1, 2], now(), 0.2)
+        await index.add_speculative("b", [2, 3], now(), 0.3)
+        assert {str(k) for k in await client.keys(f"{ns}:s*")} == {
+            f"{ns}:s:1", f"{ns}:s:2", f"{ns}:s:3", f"{ns}:se:a", f"{ns}:se:b"}
+        await asyncio.sleep(0.5)
+        assert {str(k) for k in await client.keys(f"{ns}:*")} == {f"{ns}:engines"}
+    finally:
+        await client.aclose()
+        await index.close()
 
 
 @needs_redis

@@ -511,12 +511,3 @@ def test_tokenizers_that_break_piecewise_encoding_fall_back_to_whole_text(
         got = keyer.completion(text)
         assert list(got.token_ids) == tokenizer.encode_prompt(text)
         assert list(got.keys) == chain_keys(got.token_ids, 2)
-
-
-def test_bench_keys_reports_cold_and_warm_microseconds() -> None:
-    from kvgate.benchmarks.lookup import bench_keys
-
-    result = bench_keys(iterations=3)
-    assert result["prompt_tokens"] > 7000
-    assert 0 < result["warm_p50_us"] <= result["warm_p99_us"]
-    assert result["cold_us"] > 0

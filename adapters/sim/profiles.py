@@ -77,6 +77,20 @@ class EngineProfile:
         memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
         return self.step_overhead_s + max(compute_s, memory_s)
 
+    def decode_step_time(self, batch: int, context_tokens: int) -> float:
+        """One decode step of `batch` sequences with `context_tokens` each; O(1) in `batch`.
+
+        Equals `step_time([ScheduledChunk(1, context_tokens)] * batch)`.
+        """
+        if batch <= 0:
+            return 0.0
+        attention = 4.0 * self.layers * self.hidden * (context_tokens + 1.0)
+        flops = batch * (2.0 * self.params + attention)
+        kv_read = batch * (context_tokens + 1) * self.kv_bytes_per_token
+        compute_s = flops / (self.peak_flops * self.mfu)
+        memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
+        return self.step_overhead_s + max(compute_s, memory_s)
+
     def prefill_time(self, new_tokens: int, context_tokens: int = 0) -> float:
         """Seconds to prefill `new_tokens` alone on an idle engine (used by cost models)."""
         remaining = new_tokens

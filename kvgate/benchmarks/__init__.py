@@ -1,0 +1,1 @@
+"""Microbenchmarks (`kvgate microbench ...`) and, later, the workflow benchmark harness."""

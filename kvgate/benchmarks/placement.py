@@ -10,7 +10,6 @@ are read from the engines' own `vllm:prefix_cache_*` counters, load from their r
 from __future__ import annotations
 
 import asyncio
-import json
 import tempfile
 import urllib.request
 from dataclasses import dataclass
@@ -156,26 +155,3 @@ def format_results(results: list[PlacementResult]) -> str:
         lines.append(f"{r.policy:<34} {r.hit_ratio:>9.3f} {r.hit_ratio / ideal:>8.1%} "
                      f"{r.max_over_mean:>13.2f}  {list(r.requests_per_engine)}")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`kvgate microbench placement`."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="kvgate microbench placement", description=__doc__)
-    p.add_argument("--policy", default="kvgate,round-robin,least-loaded")
-    p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--agents", type=int, default=8)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--json", help="also write the results here")
-    args = p.parse_args(argv)
-    results = compare(args.policy.split(","), args.engines, args.agents, args.turns,
-                      args.output_tokens)
-    print(format_results(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps([
-            {"policy": r.policy, "hit_ratio": r.hit_ratio,
-             "requests_per_engine": list(r.requests_per_engine),
-             "max_over_mean": r.max_over_mean} for r in results], indent=2))
-    return 0

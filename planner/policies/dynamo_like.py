@@ -1,0 +1,111 @@
+"""`dynamo-like`: NVIDIA Dynamo's KV router (KV-events mode, temperature 0).
+
+Peer rule (Dynamo `DefaultWorkerSelector`, `ActiveSequences`): for each worker
+
+    logit = overlap_score_weight x potential_prefill_tokens / block_size + potential_active_blocks
+
+and the lowest logit wins (temperature 0: deterministic argmin; ties here by pool order). In the
+ANCHORS form: prefill_load_scale x max(active_prefill_blocks + prompt_blocks - overlap_blocks, 0)
++ (active_decode_blocks + prompt_blocks), with Dynamo's "decode" blocks being the blocks of *all*
+its active sequences, prefilling or decoding.
+
+How Dynamo's terms map onto what the gateway knows (blocks at `request.block_size`):
+- overlap_blocks: `request.matches[engine].confirmed_blocks`, the leading blocks the engine's own
+  KV events announced. Dynamo's KV-events indexer has no speculative entries, so the gateway's
+  are left out here.
+- potential_prefill_tokens = active prefill tokens + new tokens. Dynamo's active prefill tokens
+  are the uncached tokens (isl - overlap x block_size) of the worker's sequences still in
+  prefill: `EngineView.queued_prefill_tokens`, the gateway's same estimate. New tokens are
+  `prompt_tokens - overlap_blocks x block_size`, at least 0.
+- potential_active_blocks = unique blocks of the worker's active sequences + the request's blocks
+  not among them. `EngineView.active_blocks` sums every in-flight request's prompt blocks; the
+  policy remembers the block keys it dispatched to subtract blocks counted more than once, and
+  counts as new only the request's blocks no in-flight request at the engine holds.
+- overlap_score_weight (default 1.0) is named `prefill_load_scale` here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kvindex.index import BlockKey
+from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, register
+
+
+class _ActiveBlocks:
+    """Block keys of one engine's in-flight requests, with how many times each is counted."""
+
+    def __init__(self) -> None:
+        self.count: Counter[BlockKey] = Counter()
+        self.repeats = 0
+        """Sum over keys of (count - 1): how far a plain sum overstates the unique blocks."""
+
+    def add(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if self.count[key] > 0:
+                self.repeats += 1
+            self.count[key] += 1
+
+    def remove(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            held = self.count[key]
+            if held > 1:
+                self.repeats -= 1
+                self.count[key] = held - 1
+            else:
+                del self.count[key]
+
+    def new_blocks(self, keys: Sequence[BlockKey]) -> int:
+        return sum(1 for key in keys if key not in self.count)
+
+
+_NONE_ACTIVE = _ActiveBlocks()
+
+
+@register("dynamo-like")
+class DynamoKvRouter:
+    """Lowest prefill-plus-decode block cost, prefill discounted by the confirmed overlap."""
+
+    name = "dynamo-like"
+
+    def __init__(
+        self, context: PolicyContext | None = None, *, prefill_load_scale: float = 1.0
+    ) -> None:
+        self.prefill_load_scale = prefill_load_scale
+        self._active: dict[str, _ActiveBlocks] = {}
+        self._routed: dict[str, tuple[str, tuple[BlockKey, ...]]] = {}
+
+    def costs(self, request: RouteRequest, engines: Sequence[EngineView]) -> dict[str, float]:
+        """Dynamo's logit per eligible engine, in pool order."""
+        block_size = request.block_size
+        costs: dict[str, float] = {}
+        for e in candidates(request, engines):
+            match = request.matches.get(e.name)
+            overlap = match.confirmed_blocks if match is not None else 0
+            new_tokens = max(request.prompt_tokens - overlap * block_size, 0)
+            prefill_blocks = (e.queued_prefill_tokens + new_tokens) / block_size
+            active = self._active.get(e.name, _NONE_ACTIVE)
+            decode_blocks = (max(e.active_blocks - active.repeats, 0)
+                             + active.new_blocks(request.block_keys))
+            costs[e.name] = self.prefill_load_scale * prefill_blocks + decode_blocks
+        return costs
+
+    def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
+        """The engine with the lowest cost, the first in pool order on ties."""
+        costs = self.costs(request, engines)
+        return min(costs, key=costs.__getitem__)
+
+    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+        """The request's blocks become active at the engine."""
+        self._active.setdefault(engine, _ActiveBlocks()).add(request.block_keys)
+        self._routed[request.request_id] = (engine, request.block_keys)
+
+    def on_first_token(self, request_id: str, engine: str, now: float) -> None:
+        """Prefill progress is read from `EngineView.queued_prefill_tokens`."""
+
+    def on_finish(self, request_id: str, engine: str, now: float) -> None:
+        """The request's blocks stop being active."""
+        routed = self._routed.pop(request_id, None)
+        if routed is not None:
+            self._active[routed[0]].remove(routed[1])

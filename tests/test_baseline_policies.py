@@ -1,0 +1,333 @@
+"""The peer baselines (session, sglang-like, llmd-like, dynamo-like) follow their peers' rules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvindex.index import EngineMatch
+from planner.policies.dynamo_like import DynamoKvRouter
+from planner.policies.llmd_like import LlmdPreciseScheduler
+from planner.policies.session import SessionAffinity
+from planner.policies.sglang_like import CharRadixTree, SglangCacheAware
+from planner.policy import (
+    EngineView,
+    NoEngineAvailable,
+    PolicyContext,
+    RouteRequest,
+    RoutingPolicy,
+    make_policy,
+)
+
+MODEL = "m"
+BASELINES = ["session", "sglang-like", "llmd-like", "dynamo-like"]
+SYSTEM = "You are a meticulous assistant. Follow the tool schema exactly. " * 20
+
+
+def engine(name: str, *, healthy: bool = True, waiting: int = 0, running: int = 0,
+           in_flight: int = 0, kv_usage: float = 0.0, queued_prefill_tokens: int = 0,
+           active_blocks: int = 0) -> EngineView:
+    return EngineView(name=name, healthy=healthy, models=frozenset({MODEL}), num_waiting=waiting,
+                      num_running=running, in_flight=in_flight, kv_usage=kv_usage,
+                      queued_prefill_tokens=queued_prefill_tokens, active_blocks=active_blocks)
+
+
+def request(rid: str = "r", *, session: str | None = None, text: str = "",
+            keys: Sequence[int] = (), tokens: int | None = None,
+            matches: Mapping[str, EngineMatch] | None = None) -> RouteRequest:
+    return RouteRequest(request_id=rid, model=MODEL, session_id=session,
+                        prompt_tokens=len(keys) * 16 if tokens is None else tokens,
+                        block_keys=tuple(keys), block_size=16, matches=matches or {},
+                        prompt_text=text)
+
+
+def hit(name: str, blocks: int, *, confirmed: int | None = None,
+        weighted: float | None = None) -> EngineMatch:
+    return EngineMatch(engine=name, blocks=blocks,
+                       confirmed_blocks=blocks if confirmed is None else confirmed,
+                       weighted_blocks=float(blocks) if weighted is None else weighted)
+
+
+def common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def route(policy: RoutingPolicy, req: RouteRequest, pool: Sequence[EngineView],
+          now: float = 0.0) -> str:
+    """Choose and dispatch, as the gateway does."""
+    choice = policy.choose(req, pool, now)
+    policy.on_dispatch(req, choice, now)
+    return choice
+
+
+# -- session -----------------------------------------------------------------------------------
+
+def test_session_requests_of_one_session_stick_to_one_engine() -> None:
+    policy = SessionAffinity()
+    pool = [engine(n) for n in "abcd"]
+    homes: dict[int, str] = {}
+    for turn in range(5):
+        for s in range(40):
+            choice = route(policy, request(f"{s}-{turn}", session=f"s{s}"), pool, float(turn))
+            assert homes.setdefault(s, choice) == choice
+    assert len(set(homes.values())) == 4
+
+
+def test_session_engine_leaving_moves_only_its_own_sessions() -> None:
+    policy = SessionAffinity()
+    pool = [engine(n) for n in "abcd"]
+    sessions = [f"user-{i}" for i in range(2000)]
+    before = {s: policy.choose(request(session=s), pool, 0.0) for s in sessions}
+    after = {s: policy.choose(request(session=s), pool[:2] + pool[3:], 1.0) for s in sessions}
+    moved = [s for s in sessions if before[s] != after[s]]
+    assert all(before[s] == "c" for s in moved)
+    assert 0.15 < len(moved) / len(sessions) < 0.35
+
+
+def test_session_engine_joining_takes_about_one_in_n_sessions() -> None:
+    policy = SessionAffinity()
+    pool = [engine(n) for n in "abcd"]
+    sessions = [f"user-{i}" for i in range(2000)]
+    before = {s: policy.choose(request(session=s), pool, 0.0) for s in sessions}
+    after = {s: policy.choose(request(session=s), [*pool, engine("e")], 1.0) for s in sessions}
+    moved = [s for s in sessions if before[s] != after[s]]
+    assert all(after[s] == "e" for s in moved)
+    assert 0.12 < len(moved) / len(sessions) < 0.28
+
+
+def test_session_less_request_prefers_an_engine_that_never_had_a_request() -> None:
+    policy = SessionAffinity()
+    pool = [engine("a"), engine("b")]
+    route(policy, request("1"), pool, 0.0)
+    route(policy, request("2", session="x"), [engine("a")], 0.0)
+    assert policy.choose(request("3"), pool, 0.0) == "b"
+
+
+def test_session_less_request_goes_to_the_lowest_qps_in_the_window() -> None:
+    policy = SessionAffinity(qps_window_s=60.0)
+    pool = [engine("a"), engine("b")]
+    for i in range(3):
+        route(policy, request(f"a{i}"), [engine("a")], 0.0)
+    route(policy, request("b0"), [engine("b")], 30.0)
+    assert policy.choose(request("x"), pool, 59.0) == "b"
+    assert policy.choose(request("y"), pool, 61.0) == "a"
+
+
+# -- sglang-like -------------------------------------------------------------------------------
+
+@given(st.lists(st.text("ab", max_size=12), min_size=1, max_size=20), st.text("abc", max_size=14))
+def test_sglang_tree_match_is_the_longest_common_prefix_with_any_inserted_text(
+        texts: list[str], query: str) -> None:
+    tree = CharRadixTree()
+    for i, text in enumerate(texts):
+        tree.insert(text, float(i))
+    assert tree.match(query)[0] == max(common_prefix(query, t) for t in texts)
+
+
+@given(st.lists(st.text("ab", max_size=12), max_size=20))
+def test_sglang_tree_size_counts_each_distinct_prefix_character_once(texts: list[str]) -> None:
+    tree = CharRadixTree()
+    for i, text in enumerate(texts):
+        tree.insert(text, float(i))
+    assert tree.chars == len({t[:n] for t in texts for n in range(1, len(t) + 1)})
+
+
+def test_sglang_low_concurrency_sends_a_shared_prefix_to_one_worker() -> None:
+    policy = SglangCacheAware()
+    pool = [engine(n) for n in "abc"]
+    choices = {route(policy, request(f"q{i}", text=SYSTEM + f"question {i}"), pool, float(i))
+               for i in range(30)}
+    assert choices == {"a"}
+
+
+def test_sglang_hot_prefix_piles_on_one_worker_until_it_is_64_requests_ahead() -> None:
+    policy = SglangCacheAware()
+    pool = [engine(n) for n in "abc"]
+    choices = [route(policy, request(f"q{i}", text=SYSTEM + str(i)), pool) for i in range(66)]
+    assert choices[:65] == ["a"] * 65
+    assert choices[65] == "b"
+
+
+def test_sglang_imbalance_needs_the_relative_threshold_too() -> None:
+    policy = SglangCacheAware()
+    for i in range(200):
+        policy.on_dispatch(request(f"a{i}", text=SYSTEM), "a", 0.0)
+    for i in range(135):
+        policy.on_dispatch(request(f"b{i}", text="other"), "b", 0.0)
+    # 200 - 135 > 64, but 200 <= 1.5 x 135: still balanced, so the cache decides.
+    assert policy.choose(request(text=SYSTEM + "?"), [engine("a"), engine("b")], 1.0) == "a"
+
+
+def test_sglang_finished_requests_stop_counting_as_load() -> None:
+    policy = SglangCacheAware()
+    pool = [engine("a"), engine("b")]
+    for i in range(70):
+        route(policy, request(f"q{i}", text=SYSTEM), [engine("a")])
+    for i in range(70):
+        policy.on_finish(f"q{i}", "a", 1.0)
+    assert policy.choose(request(text=SYSTEM + "?"), pool, 2.0) == "a"
+
+
+def test_sglang_match_rate_at_or_below_threshold_goes_to_the_smallest_tree() -> None:
+    policy = SglangCacheAware()
+    route(policy, request("1", text="x" * 100), [engine("a")])
+    route(policy, request("2", text="y" * 10), [engine("b")])
+    route(policy, request("3", text="z" * 50), [engine("c")])
+    pool = [engine(n) for n in "abc"]
+    assert policy.choose(request(text="x" * 30 + "w" * 70), pool, 1.0) == "b"
+    assert policy.choose(request(text="x" * 31 + "w" * 69), pool, 1.0) == "a"
+
+
+def test_sglang_eviction_tick_drops_least_recently_used_text_beyond_the_size_bound() -> None:
+    policy = SglangCacheAware(max_tree_chars=100)
+    route(policy, request("old", text="A" * 80), [engine("a")], 0.0)
+    route(policy, request("new", text="B" * 80), [engine("a")], 10.0)
+    pool = [engine("a"), engine("b")]
+    assert policy.choose(request(text="A" * 80), pool, 61.0) == "b"
+    assert policy.choose(request(text="B" * 80), pool, 61.0) == "a"
+
+
+def test_sglang_text_within_the_size_bound_survives_eviction_ticks() -> None:
+    policy = SglangCacheAware()
+    route(policy, request("old", text=SYSTEM), [engine("a")], 0.0)
+    pool = [engine("a"), engine("b")]
+    policy.choose(request(text="unrelated"), pool, 61.0)
+    assert policy.choose(request(text=SYSTEM + "again"), pool, 300.0) == "a"
+
+
+# -- llmd-like ---------------------------------------------------------------------------------
+
+def test_llmd_total_is_the_weighted_sum_of_clamped_scores() -> None:
+    policy = LlmdPreciseScheduler()
+    req = request(keys=range(10), matches={"a": hit("a", 8), "b": hit("b", 5, weighted=4.0)})
+    pool = [engine("a", kv_usage=0.5, waiting=4), engine("b", kv_usage=0.2),
+            engine("c", waiting=2)]
+    # prefix (min-max over hits 8.0 and 4.0): a 1, b 0, c 0 (no hit), weight 2
+    # kv-util: a 0.5, b 0.8, c 1.0; queue (max 4, min 0): a 0, b 1, c 0.5; weights 1 and 1
+    assert policy.scores(req, pool) == pytest.approx({"a": 2.5, "b": 1.8, "c": 1.5})
+    assert policy.choose(req, pool, 0.0) == "a"
+
+
+def test_llmd_prefix_beats_an_idle_engine_only_when_weights_favour_it() -> None:
+    req = request(keys=range(10), matches={"a": hit("a", 10)})
+    pool = [engine("a", kv_usage=0.9, waiting=5), engine("b")]
+    # a: 2 x 1 + 0.1 + 0 = 2.1 against b: 0 + 1 + 1 = 2.0
+    assert LlmdPreciseScheduler().choose(req, pool, 0.0) == "a"
+    # a: 1 x 1 + 0.1 + 0 = 1.1 against b: 2.0
+    assert LlmdPreciseScheduler(prefix_weight=1.0).choose(req, pool, 0.0) == "b"
+
+
+def test_llmd_a_sole_prefix_hit_earns_the_full_prefix_score() -> None:
+    req = request(keys=range(100), matches={"a": hit("a", 1)})
+    scores = LlmdPreciseScheduler().scores(req, [engine("a"), engine("b")])
+    assert scores == pytest.approx({"a": 4.0, "b": 2.0})
+
+
+def test_llmd_queue_counts_requests_sent_since_the_last_scrape() -> None:
+    policy = LlmdPreciseScheduler()
+    pool = [engine("a", running=1, in_flight=5), engine("b", waiting=1, running=1, in_flight=2)]
+    assert policy.choose(request(), pool, 0.0) == "b"
+
+
+def test_llmd_ties_are_broken_at_random() -> None:
+    policy = LlmdPreciseScheduler(PolicyContext(seed=3))
+    pool = [engine(n) for n in "abc"]
+    assert {policy.choose(request(), pool, 0.0) for _ in range(50)} == {"a", "b", "c"}
+
+
+# -- dynamo-like -------------------------------------------------------------------------------
+
+def test_dynamo_cost_is_scaled_prefill_blocks_plus_active_blocks() -> None:
+    policy = DynamoKvRouter()
+    req = request(keys=range(10), tokens=160, matches={"a": hit("a", 6)})
+    pool = [engine("a", queued_prefill_tokens=64, active_blocks=30),
+            engine("b", active_blocks=20)]
+    # a: (64 + 160 - 6 x 16) / 16 = 8 prefill blocks, 30 + 10 decode blocks -> 48
+    # b: 160 / 16 = 10 prefill blocks, 20 + 10 decode blocks -> 40
+    assert policy.costs(req, pool) == pytest.approx({"a": 48.0, "b": 40.0})
+    assert policy.choose(req, pool, 0.0) == "b"
+    assert DynamoKvRouter(prefill_load_scale=2.0).costs(req, pool) == pytest.approx(
+        {"a": 56.0, "b": 50.0})
+
+
+def test_dynamo_overlap_reduces_cost() -> None:
+    policy = DynamoKvRouter()
+    req = request(keys=range(10), tokens=160, matches={"b": hit("b", 8)})
+    pool = [engine("a", active_blocks=5), engine("b", active_blocks=5)]
+    costs = policy.costs(req, pool)
+    assert costs["a"] - costs["b"] == pytest.approx(8.0)
+    assert policy.choose(req, pool, 0.0) == "b"
+
+
+def test_dynamo_ignores_speculative_index_entries() -> None:
+    req = request(keys=range(10), matches={"b": hit("b", 8, confirmed=0)})
+    assert DynamoKvRouter().choose(req, [engine("a"), engine("b")], 0.0) == "a"
+
+
+def test_dynamo_blocks_shared_with_in_flight_requests_count_once() -> None:
+    policy = DynamoKvRouter()
+    policy.on_dispatch(request("first", keys=range(10)), "a", 0.0)
+    policy.on_dispatch(request("second", keys=[*range(8), 100, 101]), "a", 0.0)
+    req = request(keys=[*range(8), 200, 201], tokens=0)
+    # Unique active blocks at a: 12 of the 20 the gateway sums; 2 of the request's are new.
+    assert policy.costs(req, [engine("a", active_blocks=20)]) == {"a": 14.0}
+
+
+def test_dynamo_finished_requests_release_their_blocks() -> None:
+    policy = DynamoKvRouter()
+    policy.on_dispatch(request("first", keys=range(10)), "a", 0.0)
+    policy.on_finish("first", "a", 1.0)
+    req = request(keys=range(10), tokens=0)
+    assert policy.costs(req, [engine("a")]) == {"a": 10.0}
+
+
+# -- every baseline ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_baseline_raises_no_engine_available_when_nothing_is_eligible(name: str) -> None:
+    policy = make_policy(name)
+    req = request(session="s", text=SYSTEM, keys=range(4))
+    with pytest.raises(NoEngineAvailable, match="no engines"):
+        policy.choose(req, [], 0.0)
+    with pytest.raises(NoEngineAvailable, match="no engine is healthy"):
+        policy.choose(req, [engine("a", healthy=False)], 0.0)
+    other = EngineView(name="o", healthy=True, models=frozenset({"other"}))
+    with pytest.raises(NoEngineAvailable, match="serves this model"):
+        policy.choose(req, [other], 0.0)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_baseline_skips_unhealthy_engines(name: str) -> None:
+    policy = make_policy(name)
+    pool = [engine("a", healthy=False), engine("b"), engine("c", healthy=False)]
+    for i in range(20):
+        req = request(f"q{i}", session=f"s{i}", text=SYSTEM, keys=range(8),
+                      matches={"a": hit("a", 8), "c": hit("c", 8)})
+        assert route(policy, req, pool, float(i)) == "b"
+
+
+def _workload(policy: RoutingPolicy) -> list[str]:
+    pool = [engine("a", kv_usage=0.1), engine("b"), engine("c", waiting=1), engine("d")]
+    choices = []
+    for i in range(60):
+        req = request(f"q{i}", session=f"s{i % 7}" if i % 3 else None,
+                      text=SYSTEM[: 40 * (i % 5)] + str(i), keys=range(i % 6),
+                      matches={"b": hit("b", i % 4)} if i % 2 else {})
+        choices.append(route(policy, req, pool, float(i)))
+        if i % 4 == 0:
+            policy.on_first_token(f"q{i}", choices[-1], i + 0.5)
+            policy.on_finish(f"q{i}", choices[-1], i + 0.5)
+    return choices
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_baseline_choices_are_determined_by_inputs_and_seed(name: str) -> None:
+    first = _workload(make_policy(name, PolicyContext(seed=11)))
+    second = _workload(make_policy(name, PolicyContext(seed=11)))
+    assert first == second
