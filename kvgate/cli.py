@@ -62,6 +62,7 @@ def _sim(args: argparse.Namespace) -> int:
         kv_replay_endpoint=args.kv_replay,
         kv_topic=args.kv_topic if args.kv_topic is not None else f"http://{args.host}:{args.port}",
         priority_scheduling=args.priority_scheduling,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_drop_seqs=frozenset(int(x) for x in args.kv_drop_seqs.split(",") if x.strip()),
     )
     run(settings, args.host, args.port)
@@ -138,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-events", help="ZMQ endpoint for KV events (binds if it has *)")
     m.add_argument("--kv-replay", help="ZMQ endpoint for the replay ROUTER (always bound)")
     m.add_argument("--kv-topic", help="topic of KV event messages (default: the engine's URL)")
+    m.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens, like vLLM's flag")
     m.add_argument("--kv-drop-seqs", default="",
                    help="fault injection: never send these event batches live (replay keeps them)")
     m.add_argument("--priority-scheduling", action="store_true",

@@ -158,7 +158,8 @@ def run_demo(engines: int, profile: str, policy: str, workers: int) -> int:
     try:
         print(f"starting {engines} simulated engines ({profile}) and the gateway; "
               f"logs in {log_dir}", flush=True)
-        sims = [start_sim(f"sim-{i}", log_dir, ["--profile", profile, "--seed", str(i)])
+        sims = [start_sim(f"sim-{i}", log_dir, ["--profile", profile, "--seed", str(i),
+                                                 "--enable-prompt-tokens-details"])
                 for i in range(engines)]
         children += sims
         gateway = start_gateway([s.url for s in sims], log_dir, ["--policy", policy])

@@ -308,16 +308,11 @@ class EventIngestor:
             for j, h in enumerate(ev.block_hashes):
                 keys = added[j * per:(j + 1) * per]
                 blocks += per
-                self.stats.blocks_stored += 1
-                existing = state.blocks.get(h)
-                if existing is not None:
-                    chain = _as_chain(existing)
-                    chain.copies += 1
-                    state.blocks[h] = chain
-                elif compact:
-                    state.blocks[h] = keys[0]
+                if compact:
+                    self._remember(state, h, keys[0])
                 else:
-                    state.blocks[h] = _Chain(tuple(keys), keys[-1], (), blocks, None, 1, tier)
+                    self._remember(state, h, _Chain(tuple(keys), keys[-1], (), blocks, None, 1,
+                                                    tier))
             if added:
                 ops.append(AddKeys(engine, tuple(added), tier))
             return
@@ -331,19 +326,23 @@ class EventIngestor:
             pending = tokens[full * B:]
             blocks += full
             added.extend(keys)
-            self.stats.blocks_stored += 1
-            existing = state.blocks.get(h)
-            if existing is not None:
-                chain = _as_chain(existing)
-                chain.copies += 1
-                state.blocks[h] = chain
-            else:
-                state.blocks[h] = _Chain(tuple(keys), tail, pending, blocks,
-                                         salt if blocks == 0 else None, 1, tier)
+            self._remember(state, h, _Chain(tuple(keys), tail, pending, blocks,
+                                            salt if blocks == 0 else None, 1, tier))
             if blocks > 0:
                 salt = None
         if added:
             ops.append(AddKeys(engine, tuple(added), tier))
+
+    def _remember(self, state: _EngineState, h: EngineHash, new: _BlockState) -> None:
+        """Record a stored engine block; a hash already known is one more physical copy."""
+        self.stats.blocks_stored += 1
+        existing = state.blocks.get(h)
+        if existing is None:
+            state.blocks[h] = new
+        else:
+            chain = _as_chain(existing)
+            chain.copies += 1
+            state.blocks[h] = chain
 
     def _removed(self, state: _EngineState, ev: BlockRemoved, removed: list[BlockKey]) -> None:
         """Collect the index keys of the removed blocks into `removed`."""

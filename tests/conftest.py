@@ -26,7 +26,8 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sims(log_dir: Path) -> Iterator[list[Child]]:
     """Two simulated engines shared by the tests that do not kill engines."""
     children = [
-        start_sim(f"shared-sim-{i}", log_dir, ["--model", MODEL, "--seed", str(i)])
+        start_sim(f"shared-sim-{i}", log_dir,
+                  ["--model", MODEL, "--seed", str(i), "--enable-prompt-tokens-details"])
         for i in range(2)
     ]
     yield children

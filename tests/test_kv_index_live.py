@@ -110,7 +110,8 @@ class Cluster:
     def start_sim(self, name: str) -> Child:
         e = self.engines[name]
         args = ["sim", "--host", "127.0.0.1", "--port", str(e["port"]), "--model", MODEL,
-                "--kv-events", f"tcp://127.0.0.1:{self.events_port}"]
+                "--kv-events", f"tcp://127.0.0.1:{self.events_port}",
+                "--enable-prompt-tokens-details"]
         if e["replay"]:
             args += ["--kv-replay", f"tcp://127.0.0.1:{e['replay']}"]
         if e["drop"]:

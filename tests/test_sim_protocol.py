@@ -461,7 +461,7 @@ def test_metrics_parse_like_vllm(tmp_path: Path) -> None:
     rng = random.Random(4)
     with running_sim(
         tmp_path, "sim-metrics",
-        ["--model", "test-model", "--block-size", str(BLOCK)],
+        ["--model", "test-model", "--block-size", str(BLOCK), "--enable-prompt-tokens-details"],
     ) as sim:
         model = served_model(sim)
         assert model == "test-model"

@@ -32,6 +32,7 @@ from kvindex.tokenizer import Tokenizer, TokenizerError
 log = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.32.0"
+SYSTEM_FINGERPRINT = f"vllm-{VLLM_VERSION}-kvgate-sim"
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class SimSettings:
     kv_events_endpoint: str | None = None
     kv_replay_endpoint: str | None = None
     kv_topic: str = ""
-    enable_prompt_tokens_details: bool = True
+    enable_prompt_tokens_details: bool = False
     priority_scheduling: bool = False
     mean_output_tokens: int = 48
     kv_drop_seqs: frozenset[int] = frozenset()
@@ -259,6 +260,19 @@ class SimEngine:
             if out.finish_reason is not None:
                 return
 
+    async def _collect(self, stream: _Stream) -> tuple[list[int], FinishReason]:
+        """Every output token of a non-streaming request, and why it finished."""
+        ids: list[int] = []
+        reason: FinishReason | None = None
+        try:
+            async for out in self._tokens(stream):
+                ids.extend(out.new_token_ids)
+                reason = out.finish_reason
+        finally:
+            self._release(stream)
+        assert reason is not None
+        return ids, reason
+
     def _usage(self, req: SimRequest) -> dict[str, Any]:
         usage: dict[str, Any] = {
             "prompt_tokens": req.num_prompt_tokens,
@@ -315,15 +329,7 @@ class SimEngine:
         model = self.settings.model
         if body.get("stream"):
             return await self._stream_chat(request, body, stream, rid, created)
-        try:
-            ids: list[int] = []
-            reason: FinishReason | None = None
-            async for out in self._tokens(stream):
-                ids.extend(out.new_token_ids)
-                reason = out.finish_reason
-        finally:
-            self._release(stream)
-        assert reason is not None
+        ids, reason = await self._collect(stream)
         return web.json_response({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{
@@ -334,9 +340,10 @@ class SimEngine:
                 "logprobs": None, "finish_reason": reason.value, "stop_reason": None,
                 "token_ids": None,
             }],
-            "service_tier": None, "system_fingerprint": None,
+            "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": self._usage(stream.request),
             "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None,
         })
 
     async def _stream_chat(
@@ -411,22 +418,15 @@ class SimEngine:
             finally:
                 self._release(stream)
             return resp
-        try:
-            out_ids: list[int] = []
-            final: FinishReason | None = None
-            async for out in self._tokens(stream):
-                out_ids.extend(out.new_token_ids)
-                final = out.finish_reason
-        finally:
-            self._release(stream)
-        assert final is not None
+        out_ids, final = await self._collect(stream)
         return web.json_response({
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": self._text(out_ids), "logprobs": None,
                          "finish_reason": final.value, "stop_reason": None, "token_ids": None,
                          "prompt_logprobs": None, "prompt_token_ids": None}],
-            "service_tier": None, "system_fingerprint": None,
+            "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": self._usage(stream.request), "kv_transfer_params": None,
+            "ec_transfer_params": None, "metrics": None,
         })
 
     def _completion_prompt(self, prompt: Any) -> list[int]:
