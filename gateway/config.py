@@ -94,7 +94,7 @@ class GatewayConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     engines: list[EngineEntry] = Field(min_length=1)
-    policy: str = "least-loaded"
+    policy: str = "kvgate"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     scrape_interval_s: float = Field(default=0.5, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)

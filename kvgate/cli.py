@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--engines", help="comma-separated engine URLs, instead of --config")
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="listen port (default 8000)")
-    s.add_argument("--policy", help="routing policy name (default least-loaded)")
+    s.add_argument("--policy", help="routing policy name (default kvgate)")
     s.add_argument("--kv-events-bind",
                    help="bind one ZMQ SUB socket here for engines' KV events (tcp://127.0.0.1:P)")
     s.add_argument("--redis", help="share the KV index through Redis at this URL")
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="start simulated engines + gateway and run a sample workflow")
     d.add_argument("--engines", type=int, default=4)
     d.add_argument("--profile", default="h100-llama3-8b")
-    d.add_argument("--policy", default="least-loaded")
+    d.add_argument("--policy", default="kvgate")
     d.add_argument("--workers", type=int, default=6, help="parallel researcher tasks")
     d.set_defaults(func=_demo)
     return p

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.procs import Child, StartupError, start_gateway, start_sim
+from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim
 
 SYSTEM_PROMPT = (
     "You are a meticulous research agent working inside a larger multi-agent system. "
@@ -158,11 +158,16 @@ def run_demo(engines: int, profile: str, policy: str, workers: int) -> int:
     try:
         print(f"starting {engines} simulated engines ({profile}) and the gateway; "
               f"logs in {log_dir}", flush=True)
-        sims = [start_sim(f"sim-{i}", log_dir, ["--profile", profile, "--seed", str(i),
-                                                 "--enable-prompt-tokens-details"])
-                for i in range(engines)]
-        children += sims
-        gateway = start_gateway([s.url for s in sims], log_dir, ["--policy", policy])
+        # Engines connect their KV-event sockets to the gateway's bound SUB socket (ZMQ retries
+        # until it is there); nothing is published before the first request.
+        events = f"tcp://127.0.0.1:{free_port()}"
+        for i in range(engines):
+            children.append(start_sim(
+                f"sim-{i}", log_dir, ["--profile", profile, "--seed", str(i),
+                                      "--enable-prompt-tokens-details", "--kv-events", events]))
+        sims = list(children)
+        gateway = start_gateway([s.url for s in sims], log_dir,
+                                ["--policy", policy, "--kv-events-bind", events])
         children.append(gateway)
         model = _first_model(gateway.url)
         print(f"gateway {gateway.url} -> engines {', '.join(s.url for s in sims)}; model {model}")

@@ -92,3 +92,14 @@ def test_engine_load_is_read_from_vllm_metrics_text() -> None:
     assert load.prefix_cache_hits == 64.0
     with pytest.raises(MetricsParseError):
         parse_engine_load("up 1\n")
+
+
+def test_every_shipped_config_validates() -> None:
+    from pathlib import Path
+
+    from gateway.config import load_config
+
+    configs = sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml"))
+    assert len(configs) >= 3
+    for path in configs:
+        assert load_config(path).engines
