@@ -76,6 +76,7 @@ class Admin:
                 "name": v.name, "url": state.pool.engines[v.name].url, "healthy": v.healthy,
                 "models": sorted(v.models), "running": v.num_running, "waiting": v.num_waiting,
                 "kv_usage": v.kv_usage, "in_flight": v.in_flight,
+                "process_start_time": state.pool.engines[v.name].start_time,
                 "index_keys": len(await state.index.engine_keys(v.name)),
                 "mapped_engine_blocks": state.ingestor.engine_blocks(v.name),
                 "last_event_seq": state.ingestor.last_seq(v.name),
@@ -97,7 +98,10 @@ class Admin:
         assert self.state.pool is not None
         if entry.engine_name in self.state.pool.engines:
             raise EngineExists(f"engine {entry.engine_name!r} is already in the pool")
-        await self.state.add_engine(entry)
+        try:
+            await self.state.add_engine(entry)
+        except ValueError as e:
+            raise EngineExists(str(e)) from None
         healthy = self.state.pool.engines[entry.engine_name].healthy
         return web.json_response({"name": entry.engine_name, "healthy": healthy}, status=201)
 

@@ -17,6 +17,19 @@ class ConfigError(ValueError):
     """A config file or option that cannot be used; the message names the key and the problem."""
 
 
+def check_zmq_endpoint(v: str | None) -> str | None:
+    """`tcp://HOST:PORT` or `ipc://PATH`; anything else is rejected with the reason."""
+    if v is None:
+        return v
+    if v.startswith("ipc://") and len(v) > len("ipc://"):
+        return v
+    if v.startswith("tcp://"):
+        host, _, port = v[len("tcp://"):].rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return v
+    raise ValueError(f"ZMQ endpoint must look like tcp://HOST:PORT or ipc://PATH, got {v!r}")
+
+
 class EngineEntry(BaseModel):
     """One upstream engine (a vLLM server or a `kvgate sim`)."""
 
@@ -51,9 +64,7 @@ class EngineEntry(BaseModel):
     @field_validator("kv_events", "kv_replay")
     @classmethod
     def _zmq_endpoint(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"ZMQ endpoint must start with tcp:// or ipc://, got {v!r}")
-        return v
+        return check_zmq_endpoint(v)
 
     @property
     def engine_name(self) -> str:
@@ -120,16 +131,15 @@ class GatewayConfig(BaseModel):
     @field_validator("kv_events_bind")
     @classmethod
     def _bind_endpoint(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"ZMQ endpoint must start with tcp:// or ipc://, got {v!r}")
-        return v
+        return check_zmq_endpoint(v)
 
     @model_validator(mode="after")
     def _unique_engine_names(self) -> GatewayConfig:
-        names = [e.engine_name for e in self.engines]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"engine names must be unique, repeated: {', '.join(dupes)}")
+        for what, values in (("engine names", [e.engine_name for e in self.engines]),
+                             ("KV-event topics", [e.topic for e in self.engines])):
+            dupes = sorted({v for v in values if values.count(v) > 1})
+            if dupes:
+                raise ValueError(f"{what} must be unique, repeated: {', '.join(dupes)}")
         return self
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from kvindex.ingest import AddKeys, EventIngestor, IndexOp, RemoveKeys, RequestR
 log = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 2.0
+PROBE_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,6 @@ class KVEventListener:
         self.malformed = 0
         self.applied_batches = 0
         self.replays = 0
-        # Wall-clock time each engine's entries were last cleared.
-        self._cleared_at: dict[str, float] = {}
 
     def _lock(self, engine: str) -> asyncio.Lock:
         return self._locks.setdefault(engine, asyncio.Lock())
@@ -80,7 +78,10 @@ class KVEventListener:
             if s.endpoint:
                 sub.connect(s.endpoint)
         self._sub = sub
-        self._tasks.append(asyncio.get_running_loop().create_task(self._receive()))
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._receive()))
+        self._tasks.append(loop.create_task(self._keep_subscribed()))
+        self._tasks.append(loop.create_task(self._probe_silent()))
 
     async def stop(self) -> None:
         """Stop reading and close sockets."""
@@ -95,10 +96,13 @@ class KVEventListener:
 
     def add_source(self, source: EventSource) -> None:
         """An engine joined: recognise its topic (and connect to it in connect mode)."""
-        self._sources[source.engine] = source
-        self._by_topic[source.topic.encode()] = source.engine
+        owner = self._by_topic.get(source.topic.encode())
+        if owner is not None and owner != source.engine:
+            raise ValueError(f"KV-event topic {source.topic!r} already identifies {owner!r}")
         if source.endpoint and self._sub is not None:
             self._sub.connect(source.endpoint)
+        self._sources[source.engine] = source
+        self._by_topic[source.topic.encode()] = source.engine
         if source.replay_endpoint:
             self.ingestor.replay_available.add(source.engine)
 
@@ -107,7 +111,8 @@ class KVEventListener:
         source = self._sources.pop(engine, None)
         if source is None:
             return
-        self._by_topic.pop(source.topic.encode(), None)
+        if self._by_topic.get(source.topic.encode()) == engine:
+            del self._by_topic[source.topic.encode()]
         if source.endpoint and self._sub is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disconnect(source.endpoint)
@@ -115,16 +120,41 @@ class KVEventListener:
         async with self._lock(engine):
             await self.apply(self.ingestor.forget(engine))
 
-    async def reset_engine(self, engine: str, reason: str, started_at: float | None) -> None:
+    async def reset_engine(self, engine: str, reason: str) -> None:
         """Forget the engine's blocks and sequence (it restarted); keep listening to it.
 
-        Skipped when the events already revealed this restart (the sequence went backwards)
-        after the new process started: the index then holds only the new process's blocks.
+        If its events already revealed the restart, blocks the new process announced since are
+        dropped too; its next batch is a first contact again and, with a replay endpoint,
+        replays them from the start, so nothing stale survives and nothing is lost for good.
         """
         async with self._lock(engine):
-            if started_at is not None and self._cleared_at.get(engine, 0.0) >= started_at:
-                return
             await self.apply(self.ingestor.forget(engine, reason))
+
+    async def _keep_subscribed(self) -> None:
+        """Call into the socket regularly: libzmq sends a SUB's subscription to a newly
+        connected PUB only while the application processes the socket's commands, and an
+        edge-triggered wake-up that was missed would otherwise leave an engine unheard."""
+        assert self._sub is not None
+        while True:
+            await asyncio.sleep(0.5)
+            self._sub.getsockopt(zmq.EVENTS)
+
+    async def _probe_silent(self) -> None:
+        """Every PROBE_INTERVAL_S, replay from 0 any engine with a replay endpoint that we have
+        not heard from: its first batches may have gone out before it was subscribed."""
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL_S)
+            for engine in list(self._sources):
+                async with self._lock(engine):
+                    result = self.ingestor.probe(engine)
+                    await self.apply(result.ops)
+                if result.replay is not None:
+                    self._start_replay(result.replay)
+
+    def _start_replay(self, request: RequestReplay) -> None:
+        task = asyncio.get_running_loop().create_task(self._replay(request))
+        self._replays.add(task)
+        task.add_done_callback(self._replays.discard)
 
     async def _receive(self) -> None:
         assert self._sub is not None
@@ -149,12 +179,17 @@ class KVEventListener:
             return
         async with self._lock(engine):
             result = self.ingestor.on_message(engine, decode_seq(seq_frame), payload)
-            await self.apply(result.ops)
-            self.applied_batches += 1
+            try:
+                await self.apply(result.ops)
+                self.applied_batches += 1
+            except Exception:
+                # The index missed operations (e.g. Redis was unreachable): start over for this
+                # engine rather than keep a view that silently diverged.
+                log.exception("index update for %s failed; resyncing it", engine)
+                result.replay = None
+                self.ingestor.forget(engine, "index update failed")
         if result.replay is not None:
-            task = asyncio.get_running_loop().create_task(self._replay(result.replay))
-            self._replays.add(task)
-            task.add_done_callback(self._replays.discard)
+            self._start_replay(result.replay)
 
     async def _replay(self, request: RequestReplay) -> None:
         source = self._sources.get(request.engine)
@@ -199,5 +234,4 @@ class KVEventListener:
                 await self.index.remove(op.engine, op.keys, op.tier)
             else:
                 log.info("clearing index entries of %s: %s", op.engine, op.reason)
-                self._cleared_at[op.engine] = time.time()
                 await self.index.clear_engine(op.engine)

@@ -71,7 +71,7 @@ class EnginePool:
         self._scrape_interval = scrape_interval_s
         self._health_interval = health_interval_s
         self._tasks: list[asyncio.Task[None]] = []
-        self.on_restart: Callable[[str, float | None], Awaitable[None]] | None = None
+        self.on_restart: Callable[[str], Awaitable[None]] | None = None
         self.block_size_of: Callable[[str], int] = lambda _: 0
         """The engine's KV block size, as learnt from its events."""
         """Called when a scrape shows the engine process restarted (its cache is gone)."""
@@ -158,7 +158,8 @@ class EnginePool:
         try:
             async with self._session.get(f"{state.url}/health", timeout=timeout) as r:
                 ok = r.status == 200
-            if ok and not state.models:
+            if ok:
+                # Every time: adapters load at run time and a restarted engine may serve others.
                 async with self._session.get(f"{state.url}/v1/models", timeout=timeout) as r:
                     body = await r.json()
                     state.models = frozenset(m["id"] for m in body.get("data", []))
@@ -194,4 +195,4 @@ class EnginePool:
         state.last_scrape = time.monotonic()
         if restarted and self.on_restart is not None:
             log.warning("engine %s restarted: its prefix cache is empty again", state.name)
-            await self.on_restart(state.name, load.process_start_time)
+            await self.on_restart(state.name)

@@ -27,6 +27,7 @@ from gateway.errors import (
     ModelNotFound,
     NoHealthyEngine,
 )
+from gateway.pool import EngineState
 from gateway.state import GatewayState
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
@@ -116,6 +117,7 @@ class _Dispatch:
     """The gateway's accounting for one request at one engine."""
 
     engine: str
+    target: EngineState
     uncached_tokens: int
     blocks: int
     prefilling: bool = True
@@ -207,13 +209,14 @@ class Proxy:
 
     # -- accounting -----------------------------------------------------------------------------
 
-    async def _dispatched(self, route_req: RouteRequest, engine: str) -> _Dispatch:
+    def _dispatched(self, route_req: RouteRequest, engine: str) -> _Dispatch:
+        """Count the request against the engine (undone by `_finished`, whatever happens)."""
         state = self.state
         assert state.pool is not None
-        now = state.now()
         cached = route_req.cached_tokens(engine, state.ingestor.engine_block_size(engine))
-        d = _Dispatch(engine, max(0, route_req.prompt_tokens - cached), len(route_req.block_keys))
         target = state.pool.engines[engine]
+        d = _Dispatch(engine, target, max(0, route_req.prompt_tokens - cached),
+                      len(route_req.block_keys))
         target.in_flight += 1
         target.prefilling += 1
         target.queued_prefill_tokens += d.uncached_tokens
@@ -223,33 +226,25 @@ class Proxy:
         m.routed.labels(engine).inc()
         m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
         m.routed_cached_tokens.labels(engine).inc(cached)
-        state.policy.on_dispatch(route_req, engine, now)
-        if route_req.block_keys and state.config.index.speculative_ttl_s > 0:
-            await state.index.add_speculative(engine, route_req.block_keys, now,
-                                              state.config.index.speculative_ttl_s)
+        state.policy.on_dispatch(route_req, engine, state.now())
         return d
 
     def _first_token(self, route_req: RouteRequest, d: _Dispatch, observed: bool) -> None:
         if not d.prefilling:
             return
         d.prefilling = False
-        state = self.state
-        assert state.pool is not None
-        target = state.pool.engines.get(d.engine)
-        if target is not None:
-            target.prefilling -= 1
-            target.queued_prefill_tokens -= d.uncached_tokens
+        d.target.prefilling -= 1
+        d.target.queued_prefill_tokens -= d.uncached_tokens
         if observed:
-            state.policy.on_first_token(route_req.request_id, d.engine, state.now())
+            self.state.policy.on_first_token(route_req.request_id, d.engine, self.state.now())
 
     def _finished(self, route_req: RouteRequest, d: _Dispatch) -> None:
         state = self.state
-        assert state.pool is not None
         self._first_token(route_req, d, observed=False)
-        target = state.pool.engines.get(d.engine)
-        if target is not None:
-            target.in_flight -= 1
-            target.active_blocks -= d.blocks
+        # The state object captured at dispatch: an engine re-added under the same name since
+        # then has fresh counters that this request never touched.
+        d.target.in_flight -= 1
+        d.target.active_blocks -= d.blocks
         state.metrics.in_flight.labels(d.engine).dec()
         state.policy.on_finish(route_req.request_id, d.engine, state.now())
 
@@ -269,17 +264,28 @@ class Proxy:
         assert state.pool is not None and state.session is not None
         url = state.pool.engines[engine].url
         metrics = state.metrics
-        d = await self._dispatched(route_req, engine)
         timeout = aiohttp.ClientTimeout(
             total=None, connect=state.config.connect_timeout_s,
             sock_read=state.config.request_timeout_s,
         )
+        d = self._dispatched(route_req, engine)
         try:
+            if route_req.block_keys and state.config.index.speculative_ttl_s > 0:
+                await state.index.add_speculative(engine, route_req.block_keys, state.now(),
+                                                  state.config.index.speculative_ttl_s)
             try:
                 upstream = await state.session.post(
                     f"{url}{route}", data=raw, headers=headers, timeout=timeout
                 )
+            except aiohttp.SocketTimeoutError:
+                # Slow, not dead (a long generation, a deep queue): no retry, no eviction.
+                metrics.upstream_errors.labels(engine, "timeout").inc()
+                raise EngineTimeout(
+                    f"engine {engine} sent no response within request_timeout_s="
+                    f"{state.config.request_timeout_s:g}"
+                ) from None
             except (TimeoutError, aiohttp.ClientConnectionError) as e:
+                # Refused, reset, disconnected or connect timeout: the engine never answered.
                 metrics.upstream_errors.labels(engine, "connect").inc()
                 state.pool.mark_failed(engine, repr(e))
                 raise _RetryableFailure(f"{engine}: {e!r}") from None
@@ -315,6 +321,9 @@ class Proxy:
         if not is_sse:
             # A JSON response arrives whole: the engine is done with the prompt by now.
             self._first_token(route_req, d, observed=False)
+        # SSE is forwarded in whole events only, so an error event can follow cleanly if the
+        # engine dies mid-event; the incomplete tail waits for the rest of its event.
+        tail = b""
         try:
             await resp.prepare(request)
             while True:
@@ -322,14 +331,22 @@ class Proxy:
                     chunk = await upstream.content.readany()
                 except (TimeoutError, aiohttp.ClientPayloadError,
                         aiohttp.ClientConnectionError) as e:
-                    await self._engine_died(resp, engine, e, is_sse)
+                    await self._engine_died(request, resp, engine, e, is_sse)
                     metrics.requests.labels(route, "502").inc()
                     return resp
                 if not chunk:
                     break
                 # vLLM streams its first chunk once the prompt is prefilled.
                 self._first_token(route_req, d, observed=upstream.status == 200)
+                if is_sse:
+                    data = tail + chunk
+                    cut = data.rfind(b"\n\n") + 2
+                    chunk, tail = data[:cut], data[cut:]
+                    if not chunk:
+                        continue
                 await resp.write(chunk)
+            if tail:
+                await resp.write(tail)
             await resp.write_eof()
         except ConnectionResetError:
             log.info("client went away during a response from %s", engine)
@@ -339,22 +356,26 @@ class Proxy:
         return resp
 
     async def _engine_died(
-        self, resp: web.StreamResponse, engine: str, error: BaseException, is_sse: bool
+        self, request: web.Request, resp: web.StreamResponse, engine: str,
+        error: BaseException, is_sse: bool,
     ) -> None:
         """The engine failed after the response started: tell the client as clearly as we can."""
         state = self.state
         assert state.pool is not None
-        kind = "timeout" if isinstance(error, TimeoutError) else "mid-stream"
-        state.metrics.upstream_errors.labels(engine, kind).inc()
-        state.pool.mark_failed(engine, repr(error))
+        timed_out = isinstance(error, TimeoutError)
+        state.metrics.upstream_errors.labels(engine, "timeout" if timed_out else "mid-stream").inc()
+        if not timed_out:
+            state.pool.mark_failed(engine, repr(error))
         log.warning("engine %s failed mid-response: %r", engine, error)
         if not is_sse:
-            # A JSON body cannot carry an error after it started; a truncated body is the signal.
-            resp.force_close()
+            # A JSON body cannot carry an error once it started: cut the connection so the
+            # client sees a broken response, never a well-formed truncated one.
+            if request.transport is not None:
+                request.transport.abort()
             return
         err: GatewayError = (
             EngineTimeout(f"engine {engine} timed out mid-response")
-            if kind == "timeout"
+            if timed_out
             else EngineFailed(f"engine {engine} failed mid-stream: {error!r}")
         )
         await resp.write(err.sse_event())

@@ -73,8 +73,9 @@ class GatewayState:
         )
         await self.listener.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        # Bodies pass through untouched, so never ask engines for a compressed encoding.
         self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False,
+            connector=connector, auto_decompress=False, skip_auto_headers={"Accept-Encoding"},
             timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s),
         )
         self.pool = EnginePool(c.engines, self.session, c.scrape_interval_s, c.health_interval_s)
@@ -96,19 +97,17 @@ class GatewayState:
         """The clock handed to the planner and the index (seconds since start)."""
         return time.monotonic() - self.started
 
-    async def engine_restarted(self, name: str, started_at: float | None) -> None:
+    async def engine_restarted(self, name: str) -> None:
         """The engine process restarted: whatever the index held for it is gone."""
         assert self.listener is not None
-        await self.listener.reset_engine(
-            name, "engine process restarted (seen on /metrics)", started_at
-        )
+        await self.listener.reset_engine(name, "engine process restarted (seen on /metrics)")
 
     async def add_engine(self, entry: EngineEntry) -> None:
         """An engine joins the pool at run time."""
         assert self.pool is not None and self.listener is not None
+        self.listener.add_source(event_source(entry))  # raises on a topic already in use
         self.pool.add(entry)
         self.policy_context.profiles[entry.engine_name] = get_profile(entry.profile)
-        self.listener.add_source(event_source(entry))
         await self.pool.refresh(entry.engine_name)
 
     async def remove_engine(self, name: str) -> bool:

@@ -104,6 +104,7 @@ class IngestStats:
     orphans: int = 0
     unknown_removals: int = 0
     gaps: int = 0
+    replays_requested: int = 0
     restarts: int = 0
     resyncs: int = 0
     decode_errors: int = 0
@@ -153,13 +154,40 @@ class EventIngestor:
 
     # -- live stream ----------------------------------------------------------------------------
 
+    def _state(self, engine: str, result: IngestResult) -> _EngineState:
+        state = self._engines.get(engine)
+        if state is None:
+            # First contact (gateway start, engine added, or after forget): whatever a shared
+            # index holds for this engine was counted without us and cannot be reconciled.
+            state = self._engines[engine] = _EngineState()
+            result.ops.append(ClearEngine(engine, "first contact with this engine's events"))
+        return state
+
+    def probe(self, engine: str) -> IngestResult:
+        """Ask an engine we have not heard from for its buffered events.
+
+        PUB/SUB drops what is published before the subscription reaches the engine, and an
+        engine that then stays quiet would never reveal the loss; a replay from 0 recovers it.
+        """
+        result = IngestResult()
+        if engine not in self.replay_available:
+            return result
+        state = self._state(engine, result)
+        if state.replaying or state.last_seq is not None:
+            return result
+        state.replaying = True
+        state.replay_target = 0
+        self.stats.replays_requested += 1
+        result.replay = RequestReplay(engine, 0)
+        return result
+
     def on_message(self, engine: str, seq: int, payload: bytes) -> IngestResult:
         """One live `[topic, seq, payload]` message from `engine`."""
         result = IngestResult()
         batch = self._decode(payload)
         if batch is None:
             return result
-        state = self._engines.setdefault(engine, _EngineState())
+        state = self._state(engine, result)
         if state.replaying:
             state.held[seq] = batch
             return result
@@ -189,6 +217,7 @@ class EventIngestor:
         state.replaying = True
         state.replay_target = from_seq
         state.held[seq] = batch
+        self.stats.replays_requested += 1
         result.replay = RequestReplay(engine, from_seq)
         return result
 

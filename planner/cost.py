@@ -69,9 +69,13 @@ class SpeedCorrection:
         old = table.get(engine, 1.0)
         table[engine] = (1 - self.alpha) * old + self.alpha * ratio
 
+    min_predicted_s: float = 0.02
+    """Predictions shorter than this are dominated by fixed overheads and teach nothing."""
+
     def observe_ttft(self, engine: str, observed: float, predicted: float) -> None:
         """Fold in one request's observed time to first token."""
-        self._update(self.prefill, engine, observed, predicted)
+        if predicted >= self.min_predicted_s:
+            self._update(self.prefill, engine, observed, predicted)
 
     def observe_itl(self, engine: str, observed: float, predicted: float) -> None:
         """Fold in one request's observed mean inter-token latency."""
@@ -143,7 +147,12 @@ class CostModel:
             ignored = False
             if cached and e.load > hot_limit:
                 cached, ignored = 0, True
+            # Prefill work ahead of this request: what the gateway itself queued there, plus
+            # requests the engine reports waiting that are not the gateway's (other clients,
+            # other replicas), each priced like this one.
+            foreign_waiting = max(0, e.num_waiting - e.prefilling)
             queue = self.prefill_seconds(e.name, e.queued_prefill_tokens, 0)
+            queue += foreign_waiting * self.prefill_seconds(e.name, prompt, 0)
             prefill = self.prefill_seconds(e.name, prompt - cached, cached)
             transfer, source, moved = 0.0, None, 0
             best_cached, best_holder = holders[0] if holders else (0, "")
@@ -157,7 +166,7 @@ class CostModel:
                     transfer, prefill, source = t, with_transfer - t, best_holder
                 else:
                     moved = 0
-            batch = max(e.num_running, e.in_flight) + 1
+            batch = e.load + 1
             decode = output * self.decode_step_seconds(e.name, batch, prompt + output // 2)
             out.append(PlacementCost(
                 engine=e.name, queue_s=queue, prefill_s=prefill, transfer_s=transfer,

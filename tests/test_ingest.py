@@ -247,3 +247,20 @@ def test_index_view_equals_the_engines_own_cache(
                 common += 1
             covered = max(covered, min(held, common))
         assert h.held_blocks(tokens) == covered // index_block
+
+
+def test_probing_a_silent_engine_replays_what_was_published_before_we_subscribed() -> None:
+    h = Harness(replay=True)
+    probe = h.ingestor.probe(E)
+    assert probe.replay == RequestReplay(E, 0)
+    assert h.ingestor.probe(E).replay is None  # one replay at a time
+    apply_ops_sync(h.index, probe.ops)
+    apply_ops_sync(h.index, h.ingestor.on_replayed(E, 0, payload(stored([1], None,
+                                                                        TOKENS[:16], 16))))
+    apply_ops_sync(h.index, h.ingestor.replay_done(E))
+    assert h.held_blocks(TOKENS) == 1
+    assert h.ingestor.probe(E).replay is None  # heard from now: no more probes
+
+
+def test_engines_without_replay_are_never_probed() -> None:
+    assert Harness(replay=False).ingestor.probe(E).replay is None

@@ -351,7 +351,7 @@ class SimEngine:
     ) -> web.StreamResponse:
         model = self.settings.model
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        resp = await _sse_response(request)
+        resp = web.StreamResponse()
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             payload: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
@@ -361,6 +361,7 @@ class SimEngine:
             return _sse(payload)
 
         try:
+            resp = await _sse_response(request)
             ids: list[int] = []
             sent = ""
             async for out in self._tokens(stream):
@@ -396,8 +397,8 @@ class SimEngine:
         model = self.settings.model
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            resp = await _sse_response(request)
             try:
+                resp = await _sse_response(request)
                 ids: list[int] = []
                 sent = ""
                 async for out in self._tokens(stream):
