@@ -121,6 +121,8 @@ class _Dispatch:
     uncached_tokens: int
     blocks: int
     prefilling: bool = True
+    streamed_tokens: int = 0
+    """SSE events that carried output (role-only, usage and [DONE] events are not counted)."""
 
 
 class Proxy:
@@ -239,6 +241,7 @@ class Proxy:
             self.state.policy.on_first_token(route_req.request_id, d.engine, self.state.now())
 
     def _finished(self, route_req: RouteRequest, d: _Dispatch) -> None:
+        """Undo the dispatch accounting and tell the policy (with the streamed token count)."""
         state = self.state
         self._first_token(route_req, d, observed=False)
         # The state object captured at dispatch: an engine re-added under the same name since
@@ -246,7 +249,7 @@ class Proxy:
         d.target.in_flight -= 1
         d.target.active_blocks -= d.blocks
         state.metrics.in_flight.labels(d.engine).dec()
-        state.policy.on_finish(route_req.request_id, d.engine, state.now())
+        state.policy.on_finish(route_req.request_id, d.engine, state.now(), d.streamed_tokens)
 
     # -- forwarding -----------------------------------------------------------------------------
 
@@ -344,6 +347,7 @@ class Proxy:
                     chunk, tail = data[:cut], data[cut:]
                     if not chunk:
                         continue
+                    d.streamed_tokens += _token_events(chunk)
                 await resp.write(chunk)
             if tail:
                 await resp.write(tail)
@@ -380,6 +384,12 @@ class Proxy:
         )
         await resp.write(err.sse_event())
         await resp.write_eof()
+
+
+def _token_events(events: bytes) -> int:
+    """Output-carrying events in whole SSE events from vLLM (one token per event by default)."""
+    return events.count(b'"content":"') + events.count(b'"text":"') - events.count(
+        b'"content":""') - events.count(b'"text":""')
 
 
 class _RetryableFailure(Exception):

@@ -105,8 +105,11 @@ class RoutingPolicy(Protocol):
         """The engine started answering the request (its prefill is done)."""
         ...
 
-    def on_finish(self, request_id: str, engine: str, now: float) -> None:
-        """The request finished (or failed) at `engine`."""
+    def on_finish(
+        self, request_id: str, engine: str, now: float, output_tokens: int = 0
+    ) -> None:
+        """The request finished (or failed) at `engine`; `output_tokens` if the gateway saw them
+        stream (0 when unknown)."""
         ...
 
 
@@ -121,7 +124,9 @@ class StatelessPolicy:
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Nothing to learn."""
 
-    def on_finish(self, request_id: str, engine: str, now: float) -> None:
+    def on_finish(
+        self, request_id: str, engine: str, now: float, output_tokens: int = 0
+    ) -> None:
         """Nothing to forget."""
 
 

@@ -303,3 +303,31 @@ def test_two_gateways_sharing_redis_send_a_prefix_to_the_same_engine(
         assert status == 200
         assert headers["x-kvgate-engine"] == engine
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
+
+
+def test_connect_mode_subscribes_to_engines_that_bind(tmp_path: Path) -> None:
+    pub, replay, sim_port, gw_port = free_port(), free_port(), free_port(), free_port()
+    sim_url = f"http://127.0.0.1:{sim_port}"
+    sim = spawn("sim-bind", ["sim", "--host", "127.0.0.1", "--port", str(sim_port), "--model",
+                             MODEL, "--kv-events", f"tcp://*:{pub}", "--kv-replay",
+                             f"tcp://*:{replay}", "--enable-prompt-tokens-details"],
+                sim_url, tmp_path)
+    config = {"host": "127.0.0.1", "port": gw_port, "admin_key": ADMIN,
+              "health_interval_s": 0.2, "scrape_interval_s": 0.2,
+              "engines": [{"url": sim_url, "kv_events": f"tcp://127.0.0.1:{pub}",
+                           "kv_replay": f"tcp://127.0.0.1:{replay}"}]}
+    (tmp_path / "gw.yaml").write_text(yaml.safe_dump(config))
+    gw = spawn("gateway-connect", ["serve", "--config", str(tmp_path / "gw.yaml")],
+               f"http://127.0.0.1:{gw_port}", tmp_path)
+    try:
+        wait_healthy(sim)
+        wait_healthy(gw)
+        cluster = Cluster(tmp_path, engines={"a": {"port": sim_port}})
+        body = chat(7)
+        status, out, _ = http("POST", f"{gw.url}/v1/chat/completions", body)
+        assert status == 200
+        expected = set(cluster.prompt_keys(gw, body)[: out["usage"]["prompt_tokens"] // 16])
+        wait_for(lambda: cluster.index_keys(gw, "a") == expected, "events over connect mode")
+    finally:
+        gw.stop()
+        sim.stop()

@@ -103,3 +103,32 @@ def test_every_shipped_config_validates() -> None:
     assert len(configs) >= 3
     for path in configs:
         assert load_config(path).engines
+
+
+def test_kvgate_policy_learns_engine_speed_from_observed_ttft_and_itl() -> None:
+    from planner.policies.kvgate import KvgatePolicy
+
+    policy = KvgatePolicy()
+    req = RouteRequest(request_id="r1", model="m", prompt_tokens=4000, max_tokens=100)
+    chosen = policy.choose(req, [engine("a")], 0.0)
+    assert policy.last is not None
+    predicted_ttft = policy.last.ttft_s
+    policy.on_dispatch(req, chosen, 10.0)
+    # The engine is twice as slow as its profile in prefill and three times in decode.
+    policy.on_first_token("r1", chosen, 10.0 + 2 * predicted_ttft)
+    itl = policy.last.decode_s / 100
+    policy.on_finish("r1", chosen, 10.0 + 2 * predicted_ttft + 3 * itl * 99, output_tokens=100)
+    assert 1.0 < policy.cost.correction.prefill["a"] < 2.0
+    assert 1.0 < policy.cost.correction.decode["a"] < 3.0
+
+
+def test_streamed_output_events_are_counted_from_vllm_sse() -> None:
+    from gateway.proxy import _token_events
+
+    chat = (b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+            b'data: {"choices":[{"index":0,"delta":{"content":" hi"}}]}\n\n'
+            b'data: {"choices":[{"index":0,"delta":{"content":" there"}}]}\n\n'
+            b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\ndata: [DONE]\n\n')
+    completion = b'data: {"choices":[{"index":0,"text":" a"}]}\n\n'
+    assert _token_events(chat) == 2
+    assert _token_events(completion) == 1

@@ -104,7 +104,9 @@ class DynamoKvRouter:
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Prefill progress is read from `EngineView.queued_prefill_tokens`."""
 
-    def on_finish(self, request_id: str, engine: str, now: float) -> None:
+    def on_finish(
+        self, request_id: str, engine: str, now: float, output_tokens: int = 0
+    ) -> None:
         """The request's blocks stop being active."""
         routed = self._routed.pop(request_id, None)
         if routed is not None:

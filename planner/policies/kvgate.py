@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from planner.cost import CostModel, PlacementCost
 from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, register
@@ -10,7 +11,8 @@ from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, 
 
 @register("kvgate")
 class KvgatePolicy:
-    """Cost-based placement over the KV index (see planner.cost), corrected by observed TTFT."""
+    """Cost-based placement over the KV index (see planner.cost), corrected online by observed
+    TTFT and inter-token latency."""
 
     name = "kvgate"
 
@@ -18,8 +20,8 @@ class KvgatePolicy:
         ctx = context or PolicyContext()
         self.cost = CostModel(ctx.profiles, ctx.default_profile)
         self.last: PlacementCost | None = None
-        # request id -> (predicted TTFT, dispatch time) for the online speed correction.
-        self._pending: dict[str, tuple[float, float]] = {}
+        # Predictions per request id, for the online speed correction.
+        self._pending: dict[str, _Prediction] = {}
 
     def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
         """The engine with the cheapest placement."""
@@ -29,15 +31,35 @@ class KvgatePolicy:
     def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
         """Remember the prediction made for the chosen engine."""
         if self.last is not None and self.last.engine == engine:
-            self._pending[request.request_id] = (self.last.ttft_s, now)
+            batch_itl = self.last.decode_s / max(1, request.max_tokens or
+                                                 self.cost.settings.default_output_tokens)
+            self._pending[request.request_id] = _Prediction(self.last.ttft_s, batch_itl, now)
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Correct the engine's prefill speed by observed vs predicted TTFT."""
-        pending = self._pending.pop(request_id, None)
-        if pending is not None:
-            predicted, sent = pending
-            self.cost.correction.observe_ttft(engine, now - sent, predicted)
+        p = self._pending.get(request_id)
+        if p is not None and p.first_token_at is None:
+            p.first_token_at = now
+            self.cost.correction.observe_ttft(engine, now - p.sent_at, p.ttft_s)
 
-    def on_finish(self, request_id: str, engine: str, now: float) -> None:
-        """Drop any prediction still pending (the request failed before its first token)."""
-        self._pending.pop(request_id, None)
+    def on_finish(
+        self, request_id: str, engine: str, now: float, output_tokens: int = 0
+    ) -> None:
+        """Correct the engine's decode speed by observed vs predicted inter-token latency."""
+        p = self._pending.pop(request_id, None)
+        if p is None or p.first_token_at is None or output_tokens < MIN_TOKENS_FOR_ITL:
+            return
+        observed = (now - p.first_token_at) / (output_tokens - 1)
+        self.cost.correction.observe_itl(engine, observed, p.itl_s)
+
+
+MIN_TOKENS_FOR_ITL = 8
+"""Fewer streamed tokens than this say more about scheduling noise than decode speed."""
+
+
+@dataclass
+class _Prediction:
+    ttft_s: float
+    itl_s: float
+    sent_at: float
+    first_token_at: float | None = None

@@ -78,7 +78,9 @@ class SessionAffinity:
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Not used by the peer."""
 
-    def on_finish(self, request_id: str, engine: str, now: float) -> None:
+    def on_finish(
+        self, request_id: str, engine: str, now: float, output_tokens: int = 0
+    ) -> None:
         """Not used by the peer."""
 
     def _ring_over(self, eligible: Sequence[EngineView]) -> _HashRing:

@@ -185,7 +185,9 @@ class SglangCacheAware:
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Not used by the peer."""
 
-    def on_finish(self, request_id: str, engine: str, now: float) -> None:
+    def on_finish(
+        self, request_id: str, engine: str, now: float, output_tokens: int = 0
+    ) -> None:
         """The worker's in-flight count goes down."""
         routed = self._routed.pop(request_id, None)
         if routed is not None:
