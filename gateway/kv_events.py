@@ -217,13 +217,14 @@ class KVEventListener:
                 if seq < 0:
                     return
                 async with self._lock(engine):
-                    await self.apply(self.ingestor.on_replayed(engine, seq, body[2]))
+                    await self.apply(self.ingestor.on_replayed(engine, seq, body[2],
+                                                               request.generation))
         except Exception:
             log.exception("replay from %s failed", engine)
         finally:
             dealer.close(linger=0)
             async with self._lock(engine):
-                await self.apply(self.ingestor.replay_done(engine))
+                await self.apply(self.ingestor.replay_done(engine, request.generation))
 
     async def apply(self, ops: Sequence[IndexOp]) -> None:
         """Perform index operations in order."""

@@ -66,6 +66,9 @@ class RequestReplay:
 
     engine: str
     from_seq: int
+    generation: int = field(default=0, compare=False)
+    """Identifies this replay run: answers for an older run (the engine was reset since) are
+    ignored."""
 
 
 @dataclass
@@ -117,6 +120,7 @@ class _EngineState:
     blocks: dict[EngineHash, _BlockState] = field(default_factory=dict)
     replaying: bool = False
     replay_target: int = 0
+    replay_generation: int = -1
     # Live batches that arrived while a replay was running, by sequence number.
     held: dict[int, KVEventBatch] = field(default_factory=dict)
 
@@ -131,6 +135,7 @@ class EventIngestor:
         self.replay_available = set(replay_available or ())
         self.stats = IngestStats()
         self._engines: dict[str, _EngineState] = {}
+        self._replay_generation = 0
 
     def engine_blocks(self, engine: str) -> int:
         """Engine block hashes currently mapped for `engine`."""
@@ -175,10 +180,7 @@ class EventIngestor:
         state = self._state(engine, result)
         if state.replaying or state.last_seq is not None:
             return result
-        state.replaying = True
-        state.replay_target = 0
-        self.stats.replays_requested += 1
-        result.replay = RequestReplay(engine, 0)
+        result.replay = self._begin_replay(state, engine, 0)
         return result
 
     def on_message(self, engine: str, seq: int, payload: bytes) -> IngestResult:
@@ -214,18 +216,36 @@ class EventIngestor:
         self, state: _EngineState, engine: str, from_seq: int, seq: int,
         batch: KVEventBatch, result: IngestResult,
     ) -> IngestResult:
-        state.replaying = True
-        state.replay_target = from_seq
         state.held[seq] = batch
-        self.stats.replays_requested += 1
-        result.replay = RequestReplay(engine, from_seq)
+        result.replay = self._begin_replay(state, engine, from_seq)
         return result
 
-    def on_replayed(self, engine: str, seq: int, payload: bytes) -> list[IndexOp]:
-        """One batch answered by the replay endpoint (in order, before `replay_done`)."""
-        ops: list[IndexOp] = []
+    def _begin_replay(self, state: _EngineState, engine: str, from_seq: int) -> RequestReplay:
+        self._replay_generation += 1
+        state.replaying = True
+        state.replay_target = from_seq
+        state.replay_generation = self._replay_generation
+        self.stats.replays_requested += 1
+        return RequestReplay(engine, from_seq, self._replay_generation)
+
+    def _replaying(self, engine: str, generation: int | None) -> _EngineState | None:
         state = self._engines.get(engine)
         if state is None or not state.replaying:
+            return None
+        if generation is not None and generation != state.replay_generation:
+            return None
+        return state
+
+    def on_replayed(
+        self, engine: str, seq: int, payload: bytes, generation: int | None = None
+    ) -> list[IndexOp]:
+        """One batch answered by the replay endpoint (in order, before `replay_done`).
+
+        `generation` is the RequestReplay's; None skips the check (single-threaded callers).
+        """
+        ops: list[IndexOp] = []
+        state = self._replaying(engine, generation)
+        if state is None:
             return ops
         batch = self._decode(payload)
         if batch is None:
@@ -240,11 +260,11 @@ class EventIngestor:
         self._apply(state, engine, seq, batch, ops)
         return ops
 
-    def replay_done(self, engine: str) -> list[IndexOp]:
+    def replay_done(self, engine: str, generation: int | None = None) -> list[IndexOp]:
         """The replay ended (end marker, timeout or error): apply the batches held meanwhile."""
         ops: list[IndexOp] = []
-        state = self._engines.get(engine)
-        if state is None or not state.replaying:
+        state = self._replaying(engine, generation)
+        if state is None:
             return ops
         state.replaying = False
         held, state.held = state.held, {}

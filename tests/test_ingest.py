@@ -264,3 +264,17 @@ def test_probing_a_silent_engine_replays_what_was_published_before_we_subscribed
 
 def test_engines_without_replay_are_never_probed() -> None:
     assert Harness(replay=False).ingestor.probe(E).replay is None
+
+
+def test_answers_to_a_replay_from_before_a_reset_are_ignored() -> None:
+    h = Harness(replay=True)
+    old = h.feed(3, payload(stored([1], None, TOKENS[:16], 16)))
+    assert old is not None
+    apply_ops_sync(h.index, h.ingestor.forget(E, "restarted"))
+    new = h.feed(2, payload(stored([5], None, TOKENS[32:48], 16)))
+    assert new is not None and new.generation != old.generation
+    stale = payload(stored([9], None, TOKENS[64:80], 16))
+    assert h.ingestor.on_replayed(E, 0, stale, old.generation) == []
+    assert h.ingestor.replay_done(E, old.generation) == []
+    apply_ops_sync(h.index, h.ingestor.replay_done(E, new.generation))
+    assert h.keys() == set(chain_keys(TOKENS[32:48], 16))
