@@ -1,0 +1,187 @@
+"""The workflow spec: a task DAG whose prompts are built from tagged segments (sans-IO).
+
+One document, JSON or YAML, read by the benchmark and (later) accepted by `POST /v1/workflows`.
+Segments are static (system prompt, tools: long-lived, shared across tasks and workflows), shared
+(a parent's context several children extend) or transient (one branch's reasoning). Tasks list
+their messages as segment references, literal messages, or the output of an earlier task.
+Validation names the problem: unknown ids, cycles, dangling `output_of`, an empty DAG.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import networkx as nx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SegmentKind = Literal["static", "shared", "transient"]
+
+
+class WorkflowError(ValueError):
+    """A workflow spec that cannot run; the message names every problem found."""
+
+
+class Segment(BaseModel):
+    """A reusable piece of prompt: text (or a synthetic size) and optionally tool definitions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: SegmentKind
+    role: str = "system"
+    content: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tokens: int | None = Field(default=None, gt=0)
+    """Synthetic size for benchmarks: deterministic tokens, the same for the same segment."""
+
+    @model_validator(mode="after")
+    def _has_substance(self) -> Segment:
+        if self.content is None and self.tools is None and self.tokens is None:
+            raise ValueError("a segment needs content, tools or tokens")
+        return self
+
+
+class SegmentRef(BaseModel):
+    """`{"segment": NAME}`: the named segment, as a message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    segment: str
+
+
+class LiteralMessage(BaseModel):
+    """`{"role": ..., "content": ...}`: an ordinary chat message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: str
+    content: str
+
+
+class OutputOf(BaseModel):
+    """`{"output_of": TASK_ID}`: an earlier task's output, as an assistant (or user) message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_of: str
+    role: Literal["assistant", "user"] = "assistant"
+
+
+TaskMessage = SegmentRef | LiteralMessage | OutputOf
+
+
+class Task(BaseModel):
+    """One LLM call in the DAG."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    after: list[str] = Field(default_factory=list)
+    messages: list[TaskMessage] = Field(min_length=1)
+    tools: str | None = None
+    """Name of a segment whose `tools` the call offers."""
+    max_tokens: int | None = Field(default=None, gt=0)
+    output_tokens: int | None = Field(default=None, gt=0)
+    """Synthetic output length for benchmarks (the engine is asked for exactly this many)."""
+    think_time_s: float = Field(default=0.0, ge=0)
+    """A tool-call gap after the task's dependencies finish, before it may start."""
+    priority: int = 0
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Extra OpenAI request fields (temperature, ...)."""
+
+
+class Workflow(BaseModel):
+    """A validated workflow: segments, tasks, and the DAG they form."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None
+    model: str = Field(min_length=1)
+    tenant: str | None = None
+    deadline_s: float | None = Field(default=None, gt=0)
+    segments: dict[str, Segment] = Field(default_factory=dict)
+    tasks: list[Task]
+
+    @model_validator(mode="after")
+    def _valid_dag(self) -> Workflow:
+        problems = _dag_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def graph(self) -> nx.DiGraph:
+        """Edges from each task to the tasks that wait for it (`after` and `output_of`)."""
+        g = nx.DiGraph()
+        for t in self.tasks:
+            g.add_node(t.id)
+            for dep in _dependencies(t):
+                g.add_edge(dep, t.id)
+        return g
+
+    def topological_order(self) -> list[str]:
+        """Task ids so that every task comes after everything it depends on (stable)."""
+        order = {t.id: i for i, t in enumerate(self.tasks)}
+        return list(nx.lexicographical_topological_sort(self.graph(), key=order.__getitem__))
+
+    def task(self, task_id: str) -> Task:
+        """The task with this id."""
+        for t in self.tasks:
+            if t.id == task_id:
+                return t
+        raise KeyError(task_id)
+
+
+def _dependencies(task: Task) -> list[str]:
+    deps = list(task.after)
+    deps += [m.output_of for m in task.messages if isinstance(m, OutputOf)]
+    return list(dict.fromkeys(deps))
+
+
+def _dag_problems(wf: Workflow) -> list[str]:
+    problems: list[str] = []
+    if not wf.tasks:
+        return ["the workflow has no tasks"]
+    ids = [t.id for t in wf.tasks]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        problems.append(f"duplicate task ids: {', '.join(dupes)}")
+    known = set(ids)
+    for t in wf.tasks:
+        for dep in t.after:
+            if dep not in known:
+                problems.append(f"task {t.id!r} runs after unknown task {dep!r}")
+        for m in t.messages:
+            if isinstance(m, OutputOf) and m.output_of not in known:
+                problems.append(f"task {t.id!r} uses the output of unknown task {m.output_of!r}")
+            if isinstance(m, SegmentRef) and m.segment not in wf.segments:
+                problems.append(f"task {t.id!r} refers to unknown segment {m.segment!r}")
+        if t.tools is not None:
+            seg = wf.segments.get(t.tools)
+            if seg is None:
+                problems.append(f"task {t.id!r} takes tools from unknown segment {t.tools!r}")
+            elif not seg.tools:
+                problems.append(f"task {t.id!r} takes tools from segment {t.tools!r}, "
+                                "which defines none")
+    if problems:
+        return problems
+    g = wf.graph()
+    try:
+        cycle = nx.find_cycle(g)
+    except nx.NetworkXNoCycle:
+        return []
+    path = " -> ".join([*(u for u, _ in cycle), cycle[0][0]])
+    return [f"the task graph has a cycle: {path}"]
+
+
+def load_workflow(data: Any, source: str = "workflow") -> Workflow:
+    """Validate a parsed JSON/YAML document; WorkflowError lists every problem with its path."""
+    if not isinstance(data, dict):
+        raise WorkflowError(f"{source}: a workflow must be a JSON object")
+    try:
+        return Workflow.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{source}: {loc + ': ' if loc else ''}{msg}")
+        raise WorkflowError("\n".join(lines)) from None
