@@ -56,7 +56,10 @@ def build_app(config: GatewayConfig) -> web.Application:
     index_stats = IndexStats(keys=0, entries=0, speculative_entries=0, engines=0)
 
     def ingest_figures() -> tuple[dict[str, int], dict[str, int]]:
-        counters = {k: v for k, v in asdict(state.ingestor.stats).items()}
+        counters = dict(asdict(state.ingestor.stats))
+        if state.listener is not None:
+            counters["malformed_messages"] = state.listener.malformed_messages
+            counters["unknown_topic_messages"] = state.listener.unknown_topic_messages
         return counters, {k: v for k, v in asdict(index_stats).items()}
 
     state.metrics.registry.register(IngestCollector(ingest_figures))

@@ -59,10 +59,9 @@ class KVEventListener:
         self._tasks: list[asyncio.Task[None]] = []
         self._replays: set[asyncio.Task[None]] = set()
         self._sub: zmq.asyncio.Socket | None = None
-        self.unknown_topics: dict[bytes, int] = {}
-        self.malformed = 0
-        self.applied_batches = 0
-        self.replays = 0
+        self._unknown_topics: set[bytes] = set()
+        self.malformed_messages = 0
+        self.unknown_topic_messages = 0
 
     def _lock(self, engine: str) -> asyncio.Lock:
         return self._locks.setdefault(engine, asyncio.Lock())
@@ -167,21 +166,20 @@ class KVEventListener:
 
     async def _handle(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
-            self.malformed += 1
+            self.malformed_messages += 1
             return
         topic, seq_frame, payload = frames
         engine = self._by_topic.get(topic)
         if engine is None:
-            count = self.unknown_topics.get(topic, 0)
-            if count == 0:
+            self.unknown_topic_messages += 1
+            if topic not in self._unknown_topics:
+                self._unknown_topics.add(topic)
                 log.warning("KV events with unknown topic %r ignored", topic)
-            self.unknown_topics[topic] = count + 1
             return
         async with self._lock(engine):
             result = self.ingestor.on_message(engine, decode_seq(seq_frame), payload)
             try:
                 await self.apply(result.ops)
-                self.applied_batches += 1
             except Exception:
                 # The index missed operations (e.g. Redis was unreachable): start over for this
                 # engine rather than keep a view that silently diverged.
@@ -193,7 +191,6 @@ class KVEventListener:
 
     async def _replay(self, request: RequestReplay) -> None:
         source = self._sources.get(request.engine)
-        self.replays += 1
         engine = request.engine
         dealer = self._ctx.socket(zmq.DEALER)
         try:
@@ -211,7 +208,7 @@ class KVEventListener:
                 if len(body) == 2:
                     body = [b"", *body]
                 if len(body) != 3:
-                    self.malformed += 1
+                    self.malformed_messages += 1
                     continue
                 seq = decode_seq(body[1])
                 if seq < 0:

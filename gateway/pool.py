@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -33,11 +32,8 @@ class EngineState:
     prefilling: int = 0
     queued_prefill_tokens: int = 0
     active_blocks: int = 0
-    last_scrape: float = 0.0
     start_time: float | None = None
     prefix_queries: float = 0.0
-    consecutive_failures: int = 0
-    errors: list[str] = field(default_factory=list)
 
     def view(self, block_size: int = 0) -> EngineView:
         """Immutable snapshot for the planner."""
@@ -114,7 +110,6 @@ class EnginePool:
         if state.healthy:
             log.warning("engine %s marked unhealthy: %s", name, reason)
         state.healthy = False
-        state.consecutive_failures += 1
 
     async def refresh_all(self) -> None:
         """Check health and models of every engine once, concurrently."""
@@ -171,7 +166,6 @@ class EnginePool:
         if not ok and state.healthy:
             log.warning("engine %s failed its health check", state.name)
         state.healthy = ok and bool(state.models)
-        state.consecutive_failures = 0 if ok else state.consecutive_failures + 1
 
     async def _scrape(self, state: EngineState) -> None:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self._scrape_interval * 4))
@@ -192,7 +186,6 @@ class EnginePool:
         state.num_running = load.num_running
         state.num_waiting = load.num_waiting
         state.kv_usage = load.kv_usage
-        state.last_scrape = time.monotonic()
         if restarted and self.on_restart is not None:
             log.warning("engine %s restarted: its prefix cache is empty again", state.name)
             await self.on_restart(state.name)

@@ -60,11 +60,6 @@ class GatewayState:
         self.pool: EnginePool | None = None
         self.started = time.monotonic()
 
-    @property
-    def listens_for_events(self) -> bool:
-        """True when KV events come in (bind mode or any engine in connect mode)."""
-        return bool(self.config.kv_events_bind) or any(e.kv_events for e in self.config.engines)
-
     async def start(self) -> None:
         """Start listening for KV events first (so nothing is missed), then watch the engines."""
         c = self.config
