@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from adapters.vllm.metrics import MetricsParseError, parse_engine_load
 from gateway.config import EngineEntry
+from planner.ledger import GatewayLoad
 from planner.policy import EngineView
 
 log = logging.getLogger(__name__)
@@ -28,10 +29,8 @@ class EngineState:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
-    in_flight: int = 0
-    prefilling: int = 0
-    queued_prefill_tokens: int = 0
-    active_blocks: int = 0
+    load: GatewayLoad = field(default_factory=GatewayLoad)
+    """What the gateway has outstanding here (a fresh object when the engine is re-added)."""
     start_time: float | None = None
     prefix_queries: float = 0.0
 
@@ -44,10 +43,10 @@ class EngineState:
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             kv_usage=self.kv_usage,
-            in_flight=self.in_flight,
-            prefilling=self.prefilling,
-            queued_prefill_tokens=self.queued_prefill_tokens,
-            active_blocks=self.active_blocks,
+            in_flight=self.load.in_flight,
+            prefilling=self.load.prefilling,
+            queued_prefill_tokens=self.load.queued_prefill_tokens,
+            active_blocks=self.load.active_blocks,
             block_size=block_size,
         )
 

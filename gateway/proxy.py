@@ -11,7 +11,6 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -27,10 +26,10 @@ from gateway.errors import (
     ModelNotFound,
     NoHealthyEngine,
 )
-from gateway.pool import EngineState
 from gateway.state import GatewayState
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
+from planner.ledger import Dispatch, close_dispatch, open_dispatch, prefill_done
 from planner.policy import NoEngineAvailable, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -110,19 +109,6 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
     except (TokenizerError, ValueError, TypeError, KeyError) as e:
         log.debug("prompt could not be keyed: %s", e)
     return None
-
-
-@dataclass
-class _Dispatch:
-    """The gateway's accounting for one request at one engine."""
-
-    engine: str
-    target: EngineState
-    uncached_tokens: int
-    blocks: int
-    prefilling: bool = True
-    streamed_tokens: int = 0
-    """SSE events that carried output (role-only, usage and [DONE] events are not counted)."""
 
 
 class Proxy:
@@ -211,45 +197,32 @@ class Proxy:
 
     # -- accounting -----------------------------------------------------------------------------
 
-    def _dispatched(self, route_req: RouteRequest, engine: str) -> _Dispatch:
+    def _dispatched(self, route_req: RouteRequest, engine: str) -> Dispatch:
         """Count the request against the engine (undone by `_finished`, whatever happens)."""
         state = self.state
         assert state.pool is not None
-        cached = route_req.cached_tokens(engine, state.ingestor.engine_block_size(engine))
         target = state.pool.engines[engine]
-        d = _Dispatch(engine, target, max(0, route_req.prompt_tokens - cached),
-                      len(route_req.block_keys))
-        target.in_flight += 1
-        target.prefilling += 1
-        target.queued_prefill_tokens += d.uncached_tokens
-        target.active_blocks += d.blocks
+        d = open_dispatch(route_req, engine, target.load, state.ingestor.engine_block_size(engine))
         m = state.metrics
         m.in_flight.labels(engine).inc()
         m.routed.labels(engine).inc()
         m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
-        m.routed_cached_tokens.labels(engine).inc(cached)
+        m.routed_cached_tokens.labels(engine).inc(d.cached_tokens)
         state.policy.on_dispatch(route_req, engine, state.now())
         return d
 
-    def _first_token(self, route_req: RouteRequest, d: _Dispatch, observed: bool) -> None:
-        if not d.prefilling:
-            return
-        d.prefilling = False
-        d.target.prefilling -= 1
-        d.target.queued_prefill_tokens -= d.uncached_tokens
-        if observed:
+    def _first_token(self, route_req: RouteRequest, d: Dispatch, observed: bool) -> None:
+        if prefill_done(d) and observed:
             self.state.policy.on_first_token(route_req.request_id, d.engine, self.state.now())
 
-    def _finished(self, route_req: RouteRequest, d: _Dispatch) -> None:
+    def _finished(self, route_req: RouteRequest, d: Dispatch) -> None:
         """Undo the dispatch accounting and tell the policy (with the streamed token count)."""
         state = self.state
-        self._first_token(route_req, d, observed=False)
-        # The state object captured at dispatch: an engine re-added under the same name since
+        # The load object captured at dispatch: an engine re-added under the same name since
         # then has fresh counters that this request never touched.
-        d.target.in_flight -= 1
-        d.target.active_blocks -= d.blocks
-        state.metrics.in_flight.labels(d.engine).dec()
-        state.policy.on_finish(route_req.request_id, d.engine, state.now(), d.streamed_tokens)
+        if close_dispatch(d):
+            state.metrics.in_flight.labels(d.engine).dec()
+            state.policy.on_finish(route_req.request_id, d.engine, state.now(), d.streamed_tokens)
 
     # -- forwarding -----------------------------------------------------------------------------
 
@@ -310,7 +283,7 @@ class Proxy:
         request: web.Request,
         route: str,
         route_req: RouteRequest,
-        d: _Dispatch,
+        d: Dispatch,
         upstream: aiohttp.ClientResponse,
         arrived: float,
     ) -> web.StreamResponse:

@@ -1,4 +1,4 @@
-"""The `kvgate` command line: `serve`, `sim` and `demo`."""
+"""The `kvgate` command line: `serve`, `sim`, `bench`, `microbench` and `demo`."""
 
 from __future__ import annotations
 
@@ -105,6 +105,34 @@ def _microbench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from kvgate.bench.runner import BenchOptions, run_bench
+    from kvgate.bench.workloads import WorkloadError
+
+    workload_args: dict[str, str] = {}
+    for item in args.workload_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"kvgate bench: --workload-arg expects KEY=VALUE, got {item!r}",
+                  file=sys.stderr)
+            return 2
+        workload_args[key] = value
+    options = BenchOptions(
+        workload=args.workload, dag_file=args.dag_file, workload_args=workload_args,
+        policies=[p.strip() for p in args.policy.split(",") if p.strip()],
+        engines=args.engines, profile=args.profile, rate=args.rate,
+        concurrency=args.concurrency, workflows=args.workflows, seed=args.seed,
+        mode=args.mode, json_out=args.json, plot_out=args.plot,
+        progress=not args.no_progress, time_scale=args.time_scale,
+    )
+    try:
+        run_bench(options)
+    except WorkloadError as e:
+        print(f"kvgate bench: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
@@ -163,6 +191,35 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=3, help="proxy: requests per stream")
     b.add_argument("--repeats", type=int, default=2, help="proxy: direct/gateway alternations")
     b.set_defaults(func=_microbench)
+
+    bench = sub.add_parser(
+        "bench", help="compare routing policies on agent workloads (virtual or live time)",
+        description="Run a workload under each policy and report JCT, TTFT, throughput and "
+                    "prefix hits against a lower bound (see ../shared/design/BENCHMARKS.md).")
+    what = bench.add_mutually_exclusive_group(required=True)
+    what.add_argument("--workload", help="fanout, react, tree, debate, claude-code, "
+                                         "mooncake-conversation or mooncake-synthetic")
+    what.add_argument("--dag-file", help="a workflow spec (JSON or YAML) to run --workflows times")
+    bench.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="workload parameter (repeatable), e.g. width=16")
+    bench.add_argument("--policy", default="kvgate,round-robin,least-loaded",
+                       help="comma-separated policies to compare")
+    bench.add_argument("--engines", type=int, default=8)
+    bench.add_argument("--profile", default="h100-llama3-8b")
+    load = bench.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, help="Poisson arrivals of workflows per second")
+    load.add_argument("--concurrency", type=int, help="workflows kept in flight (closed loop)")
+    bench.add_argument("--workflows", type=int,
+                       help="workflows to run (traces: the first N sessions/requests)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--mode", choices=["virtual", "live"], default="virtual")
+    bench.add_argument("--json", help="write the JSON report here")
+    bench.add_argument("--plot", help="write JCT/TTFT/utilisation plots here (PNG)")
+    bench.add_argument("--time-scale", type=float, default=None,
+                       help="live mode: scale simulated step times (default 1 for cpu-tiny, "
+                            "0.1 for GPU profiles)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=_bench)
 
     d = sub.add_parser("demo", help="start simulated engines + gateway and run a sample workflow")
     d.add_argument("--engines", type=int, default=4)

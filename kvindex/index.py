@@ -111,8 +111,17 @@ class InMemoryIndex:
         self._free_bits: list[int] = []
         self._tiers: dict[str, dict[BlockKey, int]] = {}
         self._extra_copies: dict[tuple[str, BlockKey, int], int] = {}
-        # Speculative entries per engine bit, in expiry order (constant TTL per call).
+        # Speculative entries per engine bit, in expiry order (constant TTL per call), and per
+        # key the bits of engines with an entry, so a match costs one lookup per block for all.
         self._spec: dict[int, OrderedDict[BlockKey, float]] = {}
+        self._spec_mask: dict[BlockKey, int] = {}
+
+    def _spec_drop(self, bit: int, key: BlockKey) -> None:
+        mask = self._spec_mask.get(key, 0) & ~(1 << bit)
+        if mask:
+            self._spec_mask[key] = mask
+        else:
+            self._spec_mask.pop(key, None)
 
     # -- engine ids -----------------------------------------------------------------------------
 
@@ -143,8 +152,8 @@ class InMemoryIndex:
                 self._extra_copies[ck] = self._extra_copies.get(ck, 0) + 1
             else:
                 table[k] = held | mask
-            if spec is not None:
-                spec.pop(k, None)
+            if spec is not None and spec.pop(k, None) is not None:
+                self._spec_drop(bit, k)
 
     def remove_sync(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
         """See KVIndexBackend.remove; removing an unknown key is a no-op."""
@@ -155,8 +164,8 @@ class InMemoryIndex:
         table = self._tiers.get(tier.upper())
         spec = self._spec.get(bit)
         for k in keys:
-            if spec is not None:
-                spec.pop(k, None)
+            if spec is not None and spec.pop(k, None) is not None:
+                self._spec_drop(bit, k)
             if table is None:
                 continue
             ck = (tier.upper(), k, bit)
@@ -190,7 +199,8 @@ class InMemoryIndex:
                     del table[k]
         for ck in [ck for ck in self._extra_copies if ck[2] == bit]:
             del self._extra_copies[ck]
-        self._spec.pop(bit, None)
+        for k in self._spec.pop(bit, {}):
+            self._spec_drop(bit, k)
         self._free_bits.append(bit)
 
     def add_speculative_sync(
@@ -202,21 +212,24 @@ class InMemoryIndex:
         gpu = self._tiers.get(DEFAULT_TIER, {})
         spec = self._spec.setdefault(bit, OrderedDict())
         expires = now + ttl_s
+        spec_mask = self._spec_mask
         for k in keys:
             if gpu.get(k, 0) & mask:
                 continue
             spec.pop(k, None)
             spec[k] = expires
+            spec_mask[k] = spec_mask.get(k, 0) | mask
 
     def _expire(self, now: float) -> None:
         # Entries are ordered by insertion; with equal TTLs that is expiry order, so this drops
         # the bulk cheaply. An entry inserted later with a shorter TTL is checked in match.
-        for spec in self._spec.values():
+        for bit, spec in self._spec.items():
             while spec:
                 k, expires = next(iter(spec.items()))
                 if expires > now:
                     break
                 del spec[k]
+                self._spec_drop(bit, k)
 
     def match_sync(
         self, keys: Sequence[BlockKey], now: float, engines: Iterable[str] | None = None
@@ -240,7 +253,7 @@ class InMemoryIndex:
             ((t, tier_weight(n)) for n, t in self._tiers.items() if n != DEFAULT_TIER),
             key=lambda tw: -tw[1],
         )
-        specs = [(bit, s) for bit, s in self._spec.items() if s and (alive >> bit) & 1]
+        specs = any(s and (alive >> bit) & 1 for bit, s in self._spec.items())
         length: dict[int, int] = {}
         confirmed_len: dict[int, int] = {}
         penalty: dict[int, float] = {}
@@ -262,8 +275,7 @@ class InMemoryIndex:
                 length[bit] = n
             confirmed_len = length
         else:
-            self._match_general(keys, now, alive, gpu, lower, specs, length, confirmed_len,
-                                penalty)
+            self._match_general(keys, now, alive, gpu, lower, length, confirmed_len, penalty)
         out: dict[str, EngineMatch] = {}
         for engine, bit in wanted.items():
             blocks = length.get(bit, 0)
@@ -276,18 +288,19 @@ class InMemoryIndex:
                 )
         return out
 
-    @staticmethod
     def _match_general(
-        keys: Sequence[BlockKey], now: float, alive: int, gpu: dict[BlockKey, int],
+        self, keys: Sequence[BlockKey], now: float, alive: int, gpu: dict[BlockKey, int],
         lower: list[tuple[dict[BlockKey, int], float]],
-        specs: list[tuple[int, OrderedDict[BlockKey, float]]],
         length: dict[int, int], confirmed_len: dict[int, int], penalty: dict[int, float],
     ) -> None:
         """The walk with lower tiers and speculative entries (fills the three dicts)."""
+        spec_get = self._spec_mask.get
+        spec = self._spec
+        gpu_get = gpu.get
         confirmed = alive
         i = 0
         for i, k in enumerate(keys):
-            present = gpu.get(k, 0) & alive
+            present = gpu_get(k, 0) & alive
             for table, w in lower:
                 extra = table.get(k, 0) & alive & ~present
                 if extra:
@@ -295,13 +308,19 @@ class InMemoryIndex:
                     for bit in _bits(extra):
                         penalty[bit] = penalty.get(bit, 0.0) + (1.0 - w)
             confirmed_now = present & confirmed
-            for bit, spec in specs:
-                if (alive >> bit) & 1 and not (present >> bit) & 1 and spec.get(k, 0.0) > now:
-                    present |= 1 << bit
-            for bit in _bits(alive & ~present):
-                length[bit] = i
-            for bit in _bits(confirmed & ~confirmed_now):
-                confirmed_len[bit] = i
+            speculative = spec_get(k, 0) & alive & ~present
+            if speculative:
+                for bit in _bits(speculative):
+                    if spec[bit].get(k, 0.0) > now:
+                        present |= 1 << bit
+            dropped = alive & ~present
+            if dropped:
+                for bit in _bits(dropped):
+                    length[bit] = i
+            unconfirmed = confirmed & ~confirmed_now
+            if unconfirmed:
+                for bit in _bits(unconfirmed):
+                    confirmed_len[bit] = i
             alive, confirmed = present, confirmed_now
             if not alive:
                 break

@@ -335,7 +335,7 @@ class _Node:
 _NODE_BYTES = 200
 _ITEM_BYTES = 36
 
-_RootKey = tuple[bool, bool, KeyExtras]
+_RootKey = tuple[str, bool, bool, KeyExtras]
 
 
 class PromptKeyer:
@@ -423,7 +423,40 @@ class PromptKeyer:
             def encode(whole: Sequence[str]) -> list[list[int]]:
                 return [self.tokenizer.encode(s, add_special_tokens=special) for s in whole]
 
-        root_key = (piecewise is not None, special, extras)
+        ids, keys = self._walk(("text", piecewise is not None, special, extras), pre, segments,
+                               encode)
+        if post:
+            ids.extend(post)
+            keys.extend(self._continue(ids, keys, extras))
+        return PromptKeys(tuple(ids), tuple(keys), text)
+
+    def pieces(
+        self, pieces: Sequence[tuple[str, Sequence[int]]], extras: KeyExtras = NO_EXTRAS
+    ) -> PromptKeys:
+        """Keys of a prompt given as already tokenised pieces, each named by a unique `key`.
+
+        For callers that know how a prompt is built (the benchmark, workflows): equal names must
+        mean equal ids. Shares the cache with nothing else; `text` is "".
+        """
+        by_key = dict(pieces)
+
+        def encode(rest: Sequence[str]) -> list[list[int]]:
+            return [list(by_key[k]) for k in rest]
+
+        ids, keys = self._walk(("pieces", False, False, extras), (), [k for k, _ in pieces],
+                               encode)
+        return PromptKeys(tuple(ids), tuple(keys), "")
+
+    def _walk(
+        self,
+        root_key: _RootKey,
+        pre: tuple[int, ...],
+        segments: Sequence[str],
+        encode: Callable[[Sequence[str]], list[list[int]]],
+    ) -> tuple[list[int], list[BlockKey]]:
+        """Ids and keys after `segments`, from the cached state of their longest known prefix;
+        `encode` tokenises the segments not yet cached."""
+        extras = root_key[3]
         with self._lock:
             node = root = self._root(root_key, pre)
             ids = list(node.ids)
@@ -455,10 +488,7 @@ class PromptKeyer:
             self._evict()
             if not root.children:
                 self._drop_root(root)
-        if post:
-            ids.extend(post)
-            keys.extend(self._continue(ids, keys, extras))
-        return PromptKeys(tuple(ids), tuple(keys), text)
+        return ids, keys
 
     def _continue(
         self, ids: Sequence[int], keys: Sequence[BlockKey], extras: KeyExtras
@@ -478,7 +508,7 @@ class PromptKeyer:
     def _root(self, key: _RootKey, pre: tuple[int, ...]) -> _Node:
         root = self._roots.get(key)
         if root is None:
-            extras = key[2]
+            extras = key[3]
             root = _Node(None, "", pre, tuple(chain_keys(pre, self.block_size, extras)))
             self._roots[key] = root
             self._root_keys[root] = key

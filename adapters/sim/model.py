@@ -14,8 +14,9 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from adapters.sim.profiles import EngineProfile, ScheduledChunk
+from adapters.sim.profiles import EngineProfile
 
 BlockHash = int
 
@@ -46,6 +47,9 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+
+
+RUNNING = RequestStatus.RUNNING
 
 
 class FinishReason(enum.Enum):
@@ -221,14 +225,17 @@ class SimRequest:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def token_at(self, i: int) -> int:
-        """Token id at position `i` of prompt + output."""
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """Token ids at positions `start` to `end` (exclusive) of prompt + output."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
 
-@dataclass(frozen=True)
-class TokenOutput:
+class TokenOutput(NamedTuple):
     """Tokens one request produced in a step, and whether it finished."""
 
     request_id: str
@@ -275,15 +282,25 @@ class EngineConfig:
 
 
 TokenSampler = Callable[[SimRequest], int]
+BlockHasher = Callable[[BlockHash | None, Sequence[int], tuple[object, ...] | None], BlockHash]
 
 
 class EngineModel:
     """Continuous batching with chunked prefill over a paged, prefix-cached KV pool."""
 
-    def __init__(self, config: EngineConfig, profile: EngineProfile, sampler: TokenSampler) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        profile: EngineProfile,
+        sampler: TokenSampler,
+        hasher: BlockHasher = hash_block,
+    ) -> None:
         self.config = config
         self.profile = profile
         self.sampler = sampler
+        # Any chained hash works (vLLM offers several); a request may arrive with its prompt's
+        # leading hashes already computed by the caller with the same function.
+        self.hasher = hasher
         self.pool = BlockPool(config.num_blocks)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -364,8 +381,8 @@ class EngineModel:
         while (len(req.block_hashes) + 1) * bs <= upto_tokens:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if req.block_hashes else None
-            tokens = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
-            req.block_hashes.append(hash_block(parent, tokens, self._extra_keys(req, i)))
+            tokens = req.tokens_between(i * bs, (i + 1) * bs)
+            req.block_hashes.append(self.hasher(parent, tokens, self._extra_keys(req, i)))
 
     def _cached_prefix(self, req: SimRequest) -> list[KVBlock]:
         """Longest run of cached blocks; the last prompt token is always recomputed."""
@@ -400,7 +417,7 @@ class EngineModel:
         self.pool.events.append(BlockStored(
             block_hashes=tuple(req.block_hashes[first:full]),
             parent_block_hash=req.block_hashes[first - 1] if first > 0 else None,
-            token_ids=tuple(req.token_at(j) for j in range(first * bs, full * bs)),
+            token_ids=tuple(req.tokens_between(first * bs, full * bs)),
             block_size=bs,
             lora_name=req.lora_name,
             extra_keys=tuple(self._event_extra_keys(req, i) for i in range(first, full)),
@@ -429,17 +446,27 @@ class EngineModel:
 
     def _schedule(self, now: float) -> list[tuple[SimRequest, int]]:
         budget = self.config.max_num_batched_tokens
+        bs = self.config.block_size
         scheduled: list[tuple[SimRequest, int]] = []
         preempted = False
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not RUNNING:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            computed = req.num_computed_tokens
+            n = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
+            if n > budget:
+                n = budget
             if n <= 0:
                 continue
-            need = self._blocks_needed(req, req.num_computed_tokens + n)
+            upto = computed + n
+            if upto <= len(req.blocks) * bs and upto // bs <= req.num_cached_blocks:
+                # The common decode step: room in the last block, nothing newly full.
+                scheduled.append((req, n))
+                budget -= n
+                continue
+            need = self._blocks_needed(req, upto)
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -493,36 +520,53 @@ class EngineModel:
         """Schedule and run one engine step starting at `now`."""
         scheduled = self._schedule(now)
         kv_events = self.pool.drain_events()
-        chunks = [ScheduledChunk(n, req.num_computed_tokens) for req, n in scheduled]
-        duration = self.profile.step_time(chunks)
-        done_at = now + duration
+        new_tokens = attended = kv_tokens = 0.0
         outputs: list[TokenOutput] = []
-        finished: list[SimRequest] = []
+        first: list[SimRequest] = []
+        ending: list[tuple[SimRequest, FinishReason]] = []
+        max_len = self.config.max_model_len
+        sampler = self.sampler
         for req, n in scheduled:
-            req.num_computed_tokens += n
-            if req.num_computed_tokens < req.num_tokens:
+            ctx = req.num_computed_tokens
+            new_tokens += n
+            attended += n * (ctx + (n + 1) / 2.0)
+            kv_tokens += ctx + n
+            ctx += n
+            req.num_computed_tokens = ctx
+            out_ids = req.output_token_ids
+            total = len(req.prompt_token_ids) + len(out_ids)
+            if ctx < total:
                 continue
-            token = self.sampler(req)
+            token = sampler(req)
             reason: FinishReason | None = None
-            n_out = len(req.output_token_ids) + 1
-            if n_out >= req.max_tokens or req.num_tokens + 1 >= self.config.max_model_len:
+            n_out = len(out_ids) + 1
+            if n_out >= req.max_tokens or total + 1 >= max_len:
                 reason = FinishReason.LENGTH
             elif not req.ignore_eos and n_out >= max(req.min_tokens, req.natural_output_len):
                 token = self.config.eos_token_id
                 reason = FinishReason.STOP
-            req.output_token_ids.append(token)
-            self.stats.generation_tokens += 1
+            out_ids.append(token)
             if req.first_token_time is None:
-                req.first_token_time = done_at
+                first.append(req)
             if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason, done_at)
-                finished.append(req)
+                ending.append((req, reason))
             outputs.append(TokenOutput(req.request_id, (token,), reason))
-        if scheduled:
-            self.stats.steps += 1
-            self.stats.busy_time += duration
-        return StepOutput(duration, outputs, finished, kv_events, sum(n for _, n in scheduled))
+        if not scheduled:
+            return StepOutput(0.0, outputs, [], kv_events, 0)
+        duration = self.profile.step_time_of(new_tokens, attended, kv_tokens)
+        done_at = now + duration
+        for req in first:
+            req.first_token_time = done_at
+        finished: list[SimRequest] = []
+        for req, reason in ending:
+            self.running.remove(req)
+            self._finish(req, reason, done_at)
+            finished.append(req)
+        stats = self.stats
+        stats.generation_tokens += len(outputs)
+        stats.steps += 1
+        stats.busy_time += duration
+        return StepOutput(duration, outputs, finished, kv_events, int(new_tokens))
 
     def _finish(self, req: SimRequest, reason: FinishReason, now: float) -> None:
         self.pool.free(req.blocks)

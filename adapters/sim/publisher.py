@@ -52,6 +52,13 @@ def to_wire(event: model.KVEvent, medium: str = "GPU") -> WireEvent:
     return AllBlocksCleared()
 
 
+def encode_events(events: list[model.KVEvent], ts: float) -> bytes:
+    """One step's events as the payload of one vLLM KV-event message."""
+    batch = KVEventBatch(ts=ts, events=[to_wire(e) for e in events])
+    batch.data_parallel_rank = 0
+    return encode_batch(batch)
+
+
 class KVEventPublisher:
     """PUB socket (bind or connect, as vLLM decides) plus an optional replay ROUTER."""
 
@@ -91,9 +98,7 @@ class KVEventPublisher:
         """Send one batch (one engine step's events) with the next sequence number."""
         if not events:
             return
-        batch = KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events])
-        batch.data_parallel_rank = 0
-        payload = encode_batch(batch)
+        payload = encode_events(events, time.time())
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))

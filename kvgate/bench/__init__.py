@@ -1,0 +1,1 @@
+"""`kvgate bench`: workloads, the virtual-time driver, live mode and the report."""

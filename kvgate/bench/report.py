@@ -1,0 +1,149 @@
+"""The benchmark report: the JSON of BENCHMARKS.md, a table for people, and plots."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from kvgate.bench.bound import LowerBound
+from kvgate.bench.virtual import RunResult
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`-th percentile (0-100) by linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarise(run: RunResult) -> dict[str, Any]:
+    """One policy's figures, named as in the JSON report (plus compatible extras)."""
+    done = [w for w in run.workflows if w.finished_s is not None and not w.failed]
+    jct = [w.finished_s - w.arrival_s for w in done if w.finished_s is not None]
+    ok = [r for r in run.requests if r.failed is None and r.finished_s is not None]
+    ttft = [r.first_token_s - r.ready_s for r in ok if r.first_token_s is not None]
+    waits = [r.dispatched_s - r.ready_s for r in ok]
+    start = min((w.arrival_s for w in run.workflows), default=0.0)
+    end = max((w.finished_s for w in run.workflows if w.finished_s is not None), default=start)
+    makespan = end - start
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    outputs = sum(r.output_tokens for r in ok)
+    engines = len(run.busy_s)
+    busy = sum(run.busy_s.values())
+    return {
+        "workflows": len(done),
+        "requests": len(run.requests),
+        "failed": sum(1 for r in run.requests if r.failed is not None),
+        "jct_mean_s": sum(jct) / len(jct) if jct else 0.0,
+        "jct_p50_s": percentile(jct, 50),
+        "jct_p99_s": percentile(jct, 99),
+        "makespan_s": makespan,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "output_tokens_per_s": outputs / makespan if makespan > 0 else 0.0,
+        "prefix_hit_ratio": cached / prompt if prompt else 0.0,
+        "recomputed_prompt_tokens": run.computed_prompt_tokens,
+        "transferred_bytes": run.transferred_bytes,
+        "gateway_wait_p50_s": percentile(waits, 50),
+        "engine_busy_ratio": busy / (engines * makespan) if engines and makespan > 0 else 0.0,
+        "requests_per_engine": _per_engine(ok, sorted(run.busy_s)),
+    }
+
+
+def _per_engine(records: Sequence[Any], engines: list[str]) -> list[int]:
+    counts = dict.fromkeys(engines, 0)
+    for r in records:
+        counts[r.engine] = counts.get(r.engine, 0) + 1
+    return [counts[e] for e in sorted(counts)]
+
+
+def build_report(
+    *, workload: str, profile: str, engines: int, seed: int, mode: str, rate: float | None,
+    concurrency: int | None, workflows: int, bound: LowerBound,
+    results: dict[str, dict[str, Any]], extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON report (BENCHMARKS.md); `extra` adds fields without changing existing ones."""
+    report: dict[str, Any] = {
+        "workload": workload, "profile": profile, "engines": engines, "seed": seed,
+        "mode": mode,
+        "load": {"rate": rate, "concurrency": concurrency, "workflows": workflows},
+        "lower_bound": {"jct_mean_s": bound.jct_mean_s, "makespan_s": bound.makespan_s},
+        "results": results,
+    }
+    if extra:
+        report.update(extra)
+    return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A readable table, each JCT also as a multiple of the lower bound."""
+    lb = report["lower_bound"]
+    load = report["load"]
+    how = f"rate {load['rate']}/s" if load["rate"] is not None else \
+        f"concurrency {load['concurrency']}"
+    lines = [
+        f"{report['workload']} on {report['engines']} x {report['profile']} "
+        f"({report['mode']}, {load['workflows']} workflows, {how}, seed {report['seed']})",
+        f"lower bound: JCT mean {lb['jct_mean_s']:.3f} s, makespan {lb['makespan_s']:.2f} s",
+        "",
+        f"{'policy':<16}{'JCT mean':>10}{'x bound':>8}{'JCT p99':>10}{'TTFT p50':>10}"
+        f"{'TTFT p90':>10}{'TTFT p99':>10}{'out tok/s':>11}{'hit %':>7}{'busy %':>7}"
+        f"{'failed':>7}",
+    ]
+    for name, r in report["results"].items():
+        ratio = r["jct_mean_s"] / lb["jct_mean_s"] if lb["jct_mean_s"] > 0 else float("nan")
+        lines.append(
+            f"{name:<16}{r['jct_mean_s']:>10.3f}{ratio:>8.2f}{r['jct_p99_s']:>10.3f}"
+            f"{r['ttft_p50_s']:>10.3f}{r['ttft_p90_s']:>10.3f}{r['ttft_p99_s']:>10.3f}"
+            f"{r['output_tokens_per_s']:>11.0f}{100 * r['prefix_hit_ratio']:>7.1f}"
+            f"{100 * r.get('engine_busy_ratio', 0.0):>7.1f}{r['failed']:>7}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], runs: dict[str, RunResult], path: str) -> None:
+    """JCT and TTFT distributions per policy and engine utilisation over time, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    jct_ax, ttft_ax, util_ax = axes
+    for name, run in runs.items():
+        jct = sorted(w.finished_s - w.arrival_s for w in run.workflows
+                     if w.finished_s is not None and not w.failed)
+        ttft = sorted(r.first_token_s - r.ready_s for r in run.requests
+                      if r.first_token_s is not None)
+        for ax, xs in ((jct_ax, jct), (ttft_ax, ttft)):
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
+        buckets: dict[int, float] = {}
+        for per_engine in run.utilisation.values():
+            for b, v in per_engine.items():
+                buckets[b] = buckets.get(b, 0.0) + v
+        if buckets:
+            xs_b = sorted(buckets)
+            engines = max(1, len(run.utilisation))
+            util_ax.plot([b * run.bucket_s for b in xs_b],
+                         [100 * buckets[b] / (engines * run.bucket_s) for b in xs_b], label=name)
+    jct_ax.axvline(report["lower_bound"]["jct_mean_s"], color="grey", linestyle=":",
+                   label="bound (mean)")
+    jct_ax.set(title="Workflow completion time", xlabel="seconds", ylabel="CDF")
+    ttft_ax.set(title="Time to first token", xlabel="seconds", ylabel="CDF", xscale="log")
+    util_ax.set(title="Engine utilisation (mean over engines)", xlabel="time (s)",
+                ylabel="busy %")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['workload']}: {report['engines']} x {report['profile']} "
+                 f"({report['mode']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,227 @@
+"""`kvgate bench`: build a workload, bound it, run every policy on it and report."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from adapters.sim.profiles import get_profile
+from kvgate.bench.bound import LowerBound, TaskShape, lower_bound
+from kvgate.bench.prompts import ChatRenderer, Vocabulary
+from kvgate.bench.report import build_report, format_table, plot, summarise
+from kvgate.bench.virtual import (
+    Load,
+    PromptBuilder,
+    RunResult,
+    VirtualRun,
+    poisson_arrivals,
+    trace_arrivals,
+)
+from kvgate.bench.workloads import (
+    DAG_WORKLOADS,
+    BenchWorkflow,
+    WorkloadError,
+    build_workload,
+)
+from kvindex.keys import PromptKeyer
+from kvindex.tokenizer import Tokenizer
+from planner.policy import policy_names
+
+LIVE_ONLY_POLICIES = ("sglang-router",)
+DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,
+                     "mooncake-synthetic": 1000}
+
+
+@dataclass
+class BenchOptions:
+    """The command line of `kvgate bench` (BENCHMARKS.md)."""
+
+    workload: str | None = None
+    dag_file: str | None = None
+    workload_args: dict[str, str] = field(default_factory=dict)
+    policies: list[str] = field(default_factory=lambda: ["kvgate"])
+    engines: int = 8
+    profile: str = "h100-llama3-8b"
+    rate: float | None = None
+    concurrency: int | None = None
+    workflows: int | None = None
+    seed: int = 0
+    mode: str = "virtual"
+    json_out: str | None = None
+    plot_out: str | None = None
+    progress: bool = True
+    time_scale: float | None = None
+    """Live mode: multiply simulated step times (None: the profile's default)."""
+
+    @property
+    def name(self) -> str:
+        """The workload's name in the report."""
+        return self.workload or f"dag-file:{self.dag_file}"
+
+
+def check_options(o: BenchOptions) -> None:
+    """Reject impossible option combinations with a message naming the option."""
+    if (o.workload is None) == (o.dag_file is None):
+        raise WorkloadError("give exactly one of --workload NAME or --dag-file FILE")
+    if o.rate is not None and o.concurrency is not None:
+        raise WorkloadError("give at most one of --rate and --concurrency")
+    if o.rate is not None and o.rate <= 0:
+        raise WorkloadError("--rate must be positive")
+    if o.concurrency is not None and o.concurrency < 1:
+        raise WorkloadError("--concurrency must be at least 1")
+    if o.engines < 1:
+        raise WorkloadError("--engines must be at least 1")
+    if o.workflows is not None and o.workflows < 1:
+        raise WorkloadError("--workflows must be at least 1")
+    if o.mode not in ("virtual", "live"):
+        raise WorkloadError(f"--mode must be virtual or live, not {o.mode!r}")
+    try:
+        get_profile(o.profile)
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
+    known = set(policy_names()) | (set(LIVE_ONLY_POLICIES) if o.mode == "live" else set())
+    for p in o.policies:
+        if p not in known:
+            hint = " (runs only with --mode live)" if p in LIVE_ONLY_POLICIES else ""
+            raise WorkloadError(f"unknown policy {p!r}{hint}; known: {', '.join(sorted(known))}")
+    if not o.policies:
+        raise WorkloadError("--policy needs at least one policy")
+
+
+@dataclass
+class Prepared:
+    """A workload ready to run under any policy."""
+
+    workflows: list[BenchWorkflow]
+    load: Load
+    bound: LowerBound
+    builder: PromptBuilder
+    rate: float | None
+    concurrency: int | None
+
+
+def default_load(o: BenchOptions, workflows: list[BenchWorkflow]) -> tuple[float | None,
+                                                                            int | None]:
+    """Neither --rate nor --concurrency: traces replay their timestamps, DAGs run 4 per engine."""
+    if o.rate is not None or o.concurrency is not None:
+        return o.rate, o.concurrency
+    if all(w.arrival_s is not None for w in workflows):
+        return None, None
+    return None, 4 * o.engines
+
+
+def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
+    """Build the workload, its arrival times and its lower bound."""
+    tok = tokenizer or Tokenizer.load()
+    vocab = Vocabulary(tok)
+    builder = PromptBuilder(vocab, ChatRenderer(tok, vocab), PromptKeyer(tok, 16))
+    count = o.workflows or DEFAULT_WORKFLOWS.get(o.workload or "", 100)
+    from kvgate.bench.virtual import MODEL
+
+    workflows = build_workload(o.workload, o.dag_file, o.workload_args, count, MODEL, vocab)
+    rate, concurrency = default_load(o, workflows)
+    if concurrency is not None:
+        load = Load(concurrency=concurrency)
+    elif rate is not None:
+        load = Load(arrivals=poisson_arrivals(workflows, rate, o.seed))
+    else:
+        load = Load(arrivals=trace_arrivals(workflows))
+    shapes = []
+    for wf in workflows:
+        ordered = _topological(wf)
+        shapes.append((wf.id, [TaskShape(t.id, t.after, *builder.shape(wf, t), t.output_tokens,
+                                         t.think_time_s) for t in ordered]))
+    arrivals = load.arrivals
+    bound = lower_bound(shapes, get_profile(o.profile), o.engines,
+                        arrivals.__getitem__ if arrivals is not None else None, concurrency)
+    return Prepared(workflows, load, bound, builder, rate, concurrency)
+
+
+def _topological(wf: BenchWorkflow) -> list[Any]:
+    done: set[str] = set()
+    out = []
+    remaining = list(wf.tasks)
+    while remaining:
+        rest = []
+        for t in remaining:
+            if all(d in done for d in t.after):
+                out.append(t)
+                done.add(t.id)
+            else:
+                rest.append(t)
+        if len(rest) == len(remaining):
+            raise WorkloadError(f"workflow {wf.id}: tasks wait on each other in a cycle")
+        remaining = rest
+    return out
+
+
+def progress_bar(label: str, stream: Any = sys.stderr) -> Callable[[int, int], None]:
+    """A one-line progress bar on a terminal (nothing when `stream` is not a tty)."""
+    last = [-1.0]
+    started = time.monotonic()
+
+    def update(done: int, total: int) -> None:
+        if not stream.isatty() or total <= 0:
+            return
+        now = time.monotonic()
+        if done < total and now - last[0] < 0.2:
+            return
+        last[0] = now
+        width = 30
+        filled = int(width * done / total)
+        stream.write(f"\r{label:<16} [{'#' * filled}{'.' * (width - filled)}] "
+                     f"{done}/{total} workflows, {now - started:.0f} s")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+
+    return update
+
+
+def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
+    """Every policy over fresh engine models in virtual time."""
+    profile = get_profile(o.profile)
+    runs = {}
+    for policy in o.policies:
+        run = VirtualRun(policy, prepared.workflows, prepared.load, profile, o.engines,
+                         prepared.builder, seed=o.seed,
+                         progress=progress_bar(policy) if o.progress else None)
+        runs[policy] = run.run()
+    return runs
+
+
+def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
+    """The whole command: prepare, run each policy, write the report, table and plot."""
+    check_options(o)
+    prepared = prepare(o)
+    started = time.monotonic()
+    if o.mode == "virtual":
+        runs = run_virtual(o, prepared)
+    else:
+        from kvgate.bench.live import run_live
+
+        runs = run_live(o, prepared)
+    elapsed = time.monotonic() - started
+    results = {name: summarise(run) for name, run in runs.items()}
+    report = build_report(
+        workload=o.name, profile=o.profile, engines=o.engines, seed=o.seed, mode=o.mode,
+        rate=prepared.rate, concurrency=prepared.concurrency,
+        workflows=len(prepared.workflows), bound=prepared.bound, results=results,
+        extra={"workload_args": dict(sorted(o.workload_args.items()))},
+    )
+    print(format_table(report), file=out)
+    print(f"(ran in {elapsed:.1f} s wall time)", file=out)
+    if o.json_out:
+        with open(o.json_out, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    if o.plot_out:
+        plot(report, runs, o.plot_out)
+    return report
+
+
+__all__ = ["DAG_WORKLOADS", "BenchOptions", "run_bench"]

@@ -1,0 +1,483 @@
+"""The virtual-time driver: a discrete-event run of the gateway's planner over engine models.
+
+Everything that decides is the live service's own code: the routing policy object, the KV index
+fed by the engines' KV events through the same `EventIngestor` (wire-encoded, as over ZMQ), the
+prompt keyer, the gateway's load ledger and the sans-IO `EngineModel` the simulated server runs.
+Only the clock is virtual: an engine step that takes `d` seconds moves its engine's next step
+`d` ahead, and the loop jumps from event to event. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from adapters.sim.model import EngineConfig, EngineModel, SimRequest, StepOutput
+from adapters.sim.profiles import EngineProfile
+from adapters.sim.publisher import encode_events
+from gateway.config import GatewayConfig, IndexSettings
+from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Piece, Vocabulary
+from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef
+from kvindex.index import InMemoryIndex
+from kvindex.ingest import EventIngestor, apply_ops_sync
+from kvindex.keys import KeyExtras, PromptKeyer, block_key
+from planner.ledger import Dispatch, GatewayLoad, close_dispatch, open_dispatch, prefill_done
+from planner.policy import EngineView, NoEngineAvailable, PolicyContext, RouteRequest, make_policy
+
+MODEL = "kvgate-bench"
+
+
+@dataclass
+class RequestRecord:
+    """One task's request, as the client and the engine saw it."""
+
+    workflow: str
+    task: str
+    ready_s: float
+    dispatched_s: float = 0.0
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    engine: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    failed: str | None = None
+
+
+@dataclass
+class WorkflowRecord:
+    """One workflow's life."""
+
+    id: str
+    arrival_s: float
+    finished_s: float | None = None
+    failed: bool = False
+
+
+@dataclass
+class RunResult:
+    """Everything a run observed, for the report."""
+
+    policy: str
+    requests: list[RequestRecord]
+    workflows: list[WorkflowRecord]
+    busy_s: dict[str, float]
+    """Per engine, seconds spent in steps."""
+    utilisation: dict[str, dict[int, float]]
+    """Per engine, busy seconds per `bucket_s` bucket of the run."""
+    bucket_s: float
+    computed_prompt_tokens: int
+    """Prompt tokens the engines computed (not served from cache), recomputation included."""
+    transferred_bytes: int = 0
+
+
+@dataclass
+class Load:
+    """How workflows arrive: at given times (`arrivals`) or as a closed loop (`concurrency`)."""
+
+    arrivals: dict[str, float] | None = None
+    concurrency: int | None = None
+
+
+def poisson_arrivals(workflows: list[BenchWorkflow], rate: float, seed: int) -> dict[str, float]:
+    """Arrival times: trace timestamps rescaled to `rate`, else a seeded Poisson process."""
+    timed = [w for w in workflows if w.arrival_s is not None]
+    if timed and len(timed) == len(workflows):
+        first = min(w.arrival_s or 0.0 for w in timed)
+        span = max(w.arrival_s or 0.0 for w in timed) - first
+        scale = 1.0 if rate <= 0 or span <= 0 else (len(timed) - 1) / rate / span
+        return {w.id: ((w.arrival_s or 0.0) - first) * scale for w in workflows}
+    rng = random.Random(seed)
+    t = 0.0
+    out = {}
+    for w in workflows:
+        out[w.id] = t
+        t += rng.expovariate(rate)
+    return out
+
+
+def trace_arrivals(workflows: list[BenchWorkflow]) -> dict[str, float]:
+    """Arrival times exactly as the trace has them, from 0."""
+    first = min((w.arrival_s or 0.0) for w in workflows)
+    return {w.id: (w.arrival_s or 0.0) - first for w in workflows}
+
+
+def _engine_hasher(
+    parent: int | None, tokens: Sequence[int], extra: tuple[object, ...] | None
+) -> int:
+    """The index's own block key, so a prompt's keys can seed the engine model's hashes (the
+    model's extras are (name, value) pairs; the index's are the flattened values)."""
+    flat = None
+    if extra:
+        flat = tuple(str(x) for pair in extra if isinstance(pair, tuple) for x in pair)
+    return block_key(parent, tokens, flat)
+
+
+@dataclass
+class _Engine:
+    name: str
+    model: EngineModel
+    load: GatewayLoad = field(default_factory=GatewayLoad)
+    busy: bool = False
+    seq: int = 0
+    view_running: int = 0
+    view_waiting: int = 0
+    view_usage: float = 0.0
+
+
+@dataclass
+class _Live:
+    """A request in flight."""
+
+    record: RequestRecord
+    wf: BenchWorkflow
+    task: BenchTask
+    route: RouteRequest
+    dispatch: Dispatch
+    outputs: tuple[int, ...]
+    output_piece: Piece
+
+
+class PromptBuilder:
+    """Materialises task prompts (with their parents' outputs) as pieces, text and keys."""
+
+    def __init__(self, vocab: Vocabulary, renderer: ChatRenderer, keyer: PromptKeyer) -> None:
+        self.vocab = vocab
+        self.renderer = renderer
+        self.keyer = keyer
+
+    def output_piece(self, wf: BenchWorkflow, task: BenchTask) -> Piece:
+        """The task's output: deterministic synthetic words, the same under every policy."""
+        return self.vocab.piece(f"out:{wf.id}/{task.id}", task.output_tokens)
+
+    def pieces(self, wf: BenchWorkflow, task: BenchTask) -> list[Piece]:
+        """The prompt as pieces (blocks for trace tasks, rendered messages for chat tasks)."""
+        if task.blocks:
+            return list(task.blocks)
+        messages = []
+        for m in task.messages:
+            if isinstance(m, OutputRef):
+                out = self.output_piece(wf, wf.task(m.task))
+                m = ChatMessage(m.role, Content(out.key, out.text, out.ids))
+            messages.append(m)
+        return self.renderer.render(messages, task.tools, task.tools_key)
+
+    def shape(self, wf: BenchWorkflow, task: BenchTask) -> tuple[list[tuple[str, int]],
+                                                                 list[tuple[str, int]]]:
+        """(prompt, prompt continued by the output) as named token counts, for the bound."""
+        out_key = f"out:{wf.id}/{task.id}"
+        if task.blocks:
+            prompt = [(p.key, len(p.ids)) for p in task.blocks]
+            return prompt, [*prompt, (out_key, task.output_tokens)]
+        seq: list[tuple[str, int]] = []
+        for m in task.messages:
+            if isinstance(m, OutputRef):
+                seq.append((f"{m.role}:out:{wf.id}/{m.task}", wf.task(m.task).output_tokens))
+            else:
+                seq.append((f"{m.role}:{m.content.key}", len(self.renderer.message(m).ids)))
+        return seq, [*seq, (f"assistant:{out_key}", task.output_tokens)]
+
+
+class VirtualRun:
+    """One policy over fresh engine models in virtual time."""
+
+    def __init__(
+        self,
+        policy: str,
+        workflows: list[BenchWorkflow],
+        load: Load,
+        profile: EngineProfile,
+        engines: int,
+        builder: PromptBuilder,
+        seed: int = 0,
+        bucket_s: float = 1.0,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.workflows = workflows
+        self.load = load
+        self.profile = profile
+        self.builder = builder
+        self.bucket_s = bucket_s
+        self.progress = progress
+        defaults = GatewayConfig.model_fields
+        self.scrape_s = float(defaults["scrape_interval_s"].default)
+        index = IndexSettings()
+        self.block_size = index.block_size
+        self.speculative_ttl_s = index.speculative_ttl_s
+        names = [f"engine-{i}" for i in range(engines)]
+        ctx = PolicyContext(profiles=dict.fromkeys(names, profile), default_profile=profile,
+                            block_size=self.block_size, seed=seed)
+        self.policy = make_policy(policy, ctx)
+        self.policy_name = policy
+        # Only character-level policies read the prompt text; building it costs a join.
+        self._needs_text = bool(getattr(self.policy, "reads_prompt_text", False))
+        bs = profile.block_size
+        num_blocks = profile.num_blocks(bs)
+        self.config = EngineConfig(
+            block_size=bs, num_blocks=num_blocks,
+            max_num_batched_tokens=profile.max_num_batched_tokens,
+            max_num_seqs=profile.max_num_seqs,
+            max_model_len=min(profile.max_model_len, num_blocks * bs),
+            eos_token_id=builder.vocab.tokenizer.eos_token_id,
+        )
+        self.engines = {n: _Engine(n, EngineModel(self.config, profile, self._sample,
+                                                  _engine_hasher)) for n in names}
+        self.index = InMemoryIndex()
+        self.ingestor = EventIngestor(self.block_size)
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._order = itertools.count()
+        self._live: dict[str, _Live] = {}
+        self._dirty: list[_Engine] = []
+        self._pending: dict[str, dict[str, int]] = {}
+        self._successors: dict[str, dict[str, list[BenchTask]]] = {}
+        self._done_tasks: dict[str, int] = {}
+        self._rid = itertools.count()
+        self.records: list[RequestRecord] = []
+        self.wf_records: dict[str, WorkflowRecord] = {}
+        self.utilisation: dict[str, dict[int, float]] = {n: {} for n in names}
+        self.computed_prompt_tokens = 0
+        self.now = 0.0
+
+    # -- engine model hooks ---------------------------------------------------------------------
+
+    def _sample(self, req: SimRequest) -> int:
+        return self._live[req.request_id].outputs[len(req.output_token_ids)]
+
+    # -- event loop -----------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: str, data: object) -> None:
+        heapq.heappush(self._heap, (t, next(self._order), kind, data))
+
+    def run(self) -> RunResult:
+        """Run every workflow to completion (or failure)."""
+        # The run allocates millions of short-lived acyclic objects; cyclic collection passes
+        # over them cost a fifth of the time and find nothing.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self) -> RunResult:
+        pending = list(self.workflows)
+        if self.load.arrivals is not None:
+            for wf in pending:
+                self._push(self.load.arrivals[wf.id], "arrive", wf)
+            self._queue: list[BenchWorkflow] = []
+        else:
+            c = max(1, self.load.concurrency or 1)
+            for wf in pending[:c]:
+                self._push(0.0, "arrive", wf)
+            self._queue = pending[c:][::-1]
+        self._push(0.0, "scrape", None)
+        total = len(self.workflows)
+        finished = 0
+        while self._heap:
+            t, _, kind, data = heapq.heappop(self._heap)
+            self.now = t
+            if kind == "arrive":
+                assert isinstance(data, BenchWorkflow)
+                self._arrive(data)
+            elif kind == "ready":
+                assert isinstance(data, tuple)
+                self._ready(*data)
+            elif kind == "step":
+                assert isinstance(data, tuple)
+                finished += self._step_done(*data)
+                if self.progress is not None:
+                    self.progress(finished, total)
+            elif kind == "scrape":
+                self._scrape()
+                if any(e.busy or e.model.has_work() for e in self.engines.values()) or \
+                        len(self.wf_records) < total:
+                    self._push(t + self.scrape_s, "scrape", None)
+                continue
+            self._kick()
+        busy = {n: e.model.stats.busy_time for n, e in self.engines.items()}
+        return RunResult(self.policy_name, self.records, list(self.wf_records.values()), busy,
+                         self.utilisation, self.bucket_s, self.computed_prompt_tokens)
+
+    def _scrape(self) -> None:
+        for e in self.engines.values():
+            e.view_running = e.model.num_running
+            e.view_waiting = e.model.num_waiting
+            e.view_usage = e.model.pool.usage
+
+    def _kick(self) -> None:
+        """Start a step on every idle engine that may have work (those touched since)."""
+        dirty = self._dirty
+        if not dirty:
+            return
+        self._dirty = []
+        for e in dirty:
+            if e.busy or not e.model.has_work():
+                continue
+            out = e.model.step(self.now)
+            if out.num_scheduled_tokens == 0 and not out.outputs:
+                continue  # nothing schedulable until something finishes
+            e.busy = True
+            self._account(e, out)
+            self._push(self.now + out.duration, "step", (e, out))
+
+    def _account(self, e: _Engine, out: StepOutput) -> None:
+        decode = sum(1 for _ in out.outputs)
+        self.computed_prompt_tokens += max(0, out.num_scheduled_tokens - decode)
+        buckets = self.utilisation[e.name]
+        t, end = self.now, self.now + out.duration
+        while t < end:
+            b = int(t // self.bucket_s)
+            upto = min(end, (b + 1) * self.bucket_s)
+            buckets[b] = buckets.get(b, 0.0) + (upto - t)
+            t = upto
+
+    # -- workflows ------------------------------------------------------------------------------
+
+    def _arrive(self, wf: BenchWorkflow) -> None:
+        self.wf_records[wf.id] = WorkflowRecord(wf.id, self.now)
+        self._pending[wf.id] = {t.id: len(t.after) for t in wf.tasks}
+        successors: dict[str, list[BenchTask]] = {}
+        for t in wf.tasks:
+            for dep in t.after:
+                successors.setdefault(dep, []).append(t)
+        self._successors[wf.id] = successors
+        self._done_tasks[wf.id] = 0
+        for t in wf.tasks:
+            if not t.after:
+                self._push(self.now + t.think_time_s, "ready", (wf, t))
+
+    def _ready(self, wf: BenchWorkflow, task: BenchTask) -> None:
+        record = RequestRecord(wf.id, task.id, self.now)
+        self.records.append(record)
+        pieces = self.builder.pieces(wf, task)
+        extras = KeyExtras(cache_salt=wf.tenant)
+        keys = self.builder.keyer.pieces([(p.key, p.ids) for p in pieces], extras)
+        record.prompt_tokens = keys.num_tokens
+        if keys.num_tokens + task.output_tokens > self.config.max_model_len:
+            record.failed = (f"prompt of {keys.num_tokens} tokens plus {task.output_tokens} "
+                             f"output tokens exceeds max_model_len {self.config.max_model_len}")
+            self._task_failed(wf, task)
+            return
+        rid = f"{wf.id}/{task.id}#{next(self._rid)}"
+        text = "".join([p.text for p in pieces]) if self._needs_text else ""
+        route = RouteRequest(
+            request_id=rid, model=MODEL, session_id=wf.id, prompt_tokens=keys.num_tokens,
+            block_keys=keys.keys, block_size=self.block_size,
+            matches=self.index.match_sync(keys.keys, self.now), prompt_text=text,
+            max_tokens=task.output_tokens)
+        views = [self._view(e) for e in self.engines.values()]
+        try:
+            engine_name = self.policy.choose(route, views, self.now)
+        except NoEngineAvailable as exc:
+            record.failed = str(exc)
+            self._task_failed(wf, task)
+            return
+        e = self.engines[engine_name]
+        self._dirty.append(e)
+        d = open_dispatch(route, engine_name, e.load, self.config.block_size)
+        self.policy.on_dispatch(route, engine_name, self.now)
+        if self.speculative_ttl_s > 0 and keys.keys:
+            self.index.add_speculative_sync(engine_name, keys.keys, self.now,
+                                            self.speculative_ttl_s)
+        record.dispatched_s = self.now
+        record.engine = engine_name
+        out_piece = self.builder.output_piece(wf, task)
+        self._live[rid] = _Live(record, wf, task, route, d, out_piece.ids, out_piece)
+        same_blocks = self.config.block_size == self.block_size
+        e.model.add_request(SimRequest(
+            request_id=rid, prompt_token_ids=list(keys.token_ids), max_tokens=task.output_tokens,
+            arrival_time=self.now, ignore_eos=True, natural_output_len=task.output_tokens,
+            cache_salt=wf.tenant, priority=task.priority,
+            block_hashes=list(keys.keys) if same_blocks else []))
+
+    def _view(self, e: _Engine) -> EngineView:
+        return EngineView(
+            name=e.name, healthy=True, models=frozenset((MODEL,)),
+            num_running=e.view_running, num_waiting=e.view_waiting, kv_usage=e.view_usage,
+            in_flight=e.load.in_flight, prefilling=e.load.prefilling,
+            queued_prefill_tokens=e.load.queued_prefill_tokens,
+            active_blocks=e.load.active_blocks, block_size=self.ingestor.engine_block_size(e.name))
+
+    def _step_done(self, e: _Engine, out: StepOutput) -> int:
+        e.busy = False
+        self._dirty.append(e)
+        if out.kv_events:
+            result = self.ingestor.on_message(e.name, e.seq, encode_events(out.kv_events,
+                                                                            self.now))
+            e.seq += 1
+            apply_ops_sync(self.index, result.ops)
+        finished = 0
+        for req in out.finished:
+            live = self._live.get(req.request_id)
+            if live is not None:
+                live.record.cached_tokens = max(0, req.num_cached_tokens)
+                live.record.output_tokens = len(req.output_token_ids)
+                live.dispatch.streamed_tokens = len(req.output_token_ids)
+        live_requests = self._live
+        for o in out.outputs:
+            live = live_requests.get(o.request_id)
+            if live is None:
+                continue
+            r = live.record
+            if r.first_token_s is None:
+                r.first_token_s = self.now
+                if prefill_done(live.dispatch):
+                    self.policy.on_first_token(o.request_id, e.name, self.now)
+            if o.finish_reason is not None:
+                finished += self._request_done(e, live)
+        return finished
+
+    def _request_done(self, e: _Engine, live: _Live) -> int:
+        del self._live[live.route.request_id]
+        r = live.record
+        r.finished_s = self.now
+        if close_dispatch(live.dispatch):
+            self.policy.on_finish(live.route.request_id, e.name, self.now, r.output_tokens)
+        return self._task_done(live.wf, live.task)
+
+    def _task_done(self, wf: BenchWorkflow, task: BenchTask) -> int:
+        self._done_tasks[wf.id] += 1
+        pending = self._pending[wf.id]
+        for t in self._successors[wf.id].get(task.id, ()):
+            pending[t.id] -= 1
+            if pending[t.id] == 0:
+                self._push(self.now + t.think_time_s, "ready", (wf, t))
+        if self._done_tasks[wf.id] == len(wf.tasks):
+            return self._workflow_over(wf)
+        return 0
+
+    def _task_failed(self, wf: BenchWorkflow, task: BenchTask) -> None:
+        """A failed task fails its workflow: its dependents can never run."""
+        rec = self.wf_records[wf.id]
+        if not rec.failed:
+            rec.failed = True
+        self._done_tasks[wf.id] += 1
+        # Dependents are skipped; the workflow ends once nothing of it is in flight.
+        skipped = self._descendants(wf, task.id)
+        self._done_tasks[wf.id] += len(skipped)
+        for t in skipped:
+            self._pending[wf.id][t] = -1
+        if self._done_tasks[wf.id] >= len(wf.tasks):
+            self._workflow_over(wf)
+
+    def _descendants(self, wf: BenchWorkflow, task_id: str) -> set[str]:
+        out: set[str] = set()
+        frontier = [task_id]
+        while frontier:
+            cur = frontier.pop()
+            for t in self._successors[wf.id].get(cur, ()):
+                if t.id not in out and self._pending[wf.id][t.id] >= 0:
+                    out.add(t.id)
+                    frontier.append(t.id)
+        return out
+
+    def _workflow_over(self, wf: BenchWorkflow) -> int:
+        self.wf_records[wf.id].finished_s = self.now
+        if self._queue:
+            self._push(self.now, "arrive", self._queue.pop())
+        return 1

@@ -1,0 +1,385 @@
+"""Benchmark workloads: built-in agent DAGs, workflow-spec files, and real trace replays.
+
+Every workload becomes a list of `BenchWorkflow`s. DAG workloads (`fanout`, `react`, `tree`,
+`debate`, `--dag-file`) are workflow specs (planner.workflow) whose prompts are chats; trace
+workloads (`claude-code`, `mooncake-*`) are token-block prompts sent as completions, where equal
+trace hash ids become equal synthetic blocks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvgate.bench.prompts import ChatMessage, Content, Piece, Vocabulary
+from planner.workflow import LiteralMessage, OutputOf, SegmentRef, Workflow, load_workflow
+
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+"""Where the real traces live (beside the checkout; read in place, never copied)."""
+
+
+@dataclass(frozen=True)
+class OutputRef:
+    """A message whose content is an earlier task's output, known only at run time."""
+
+    task: str
+    role: str
+
+
+@dataclass(frozen=True)
+class BenchTask:
+    """One LLM call of a benchmark workflow."""
+
+    id: str
+    after: tuple[str, ...]
+    output_tokens: int
+    think_time_s: float = 0.0
+    priority: int = 0
+    messages: tuple[ChatMessage | OutputRef, ...] = ()
+    """Chat prompt (empty for block prompts)."""
+    tools: list[dict[str, Any]] | None = None
+    tools_key: str | None = None
+    blocks: tuple[Piece, ...] = ()
+    """Completion prompt as synthetic token blocks (empty for chat prompts)."""
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BenchWorkflow:
+    """A workflow as the benchmark runs it."""
+
+    id: str
+    tenant: str | None
+    tasks: tuple[BenchTask, ...]
+    arrival_s: float | None = None
+    """Arrival from a trace's timestamps (None: set by the load generator)."""
+
+    def task(self, task_id: str) -> BenchTask:
+        """The task with this id."""
+        for t in self.tasks:
+            if t.id == task_id:
+                return t
+        raise KeyError(task_id)
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built: unknown name or argument, missing trace, bad spec."""
+
+
+@dataclass
+class WorkloadArgs:
+    """`--workload-arg KEY=VALUE` values, each read (with a default) at most once."""
+
+    values: dict[str, str]
+    used: set[str] = field(default_factory=set)
+
+    def num(self, key: str, default: float) -> float:
+        """A float argument."""
+        self.used.add(key)
+        raw = self.values.get(key)
+        if raw is None:
+            return default
+        try:
+            return float(raw)
+        except ValueError:
+            raise WorkloadError(f"--workload-arg {key}={raw}: expected a number") from None
+
+    def int(self, key: str, default: int) -> int:
+        """A positive integer argument."""
+        value = self.num(key, default)
+        if value != int(value) or value < 1:
+            raise WorkloadError(f"--workload-arg {key}: expected a positive integer")
+        return int(value)
+
+    def check_all_used(self, workload: str) -> None:
+        """Unknown argument names are an error, not silently ignored."""
+        unknown = sorted(set(self.values) - self.used)
+        if unknown:
+            known = ", ".join(sorted(self.used))
+            raise WorkloadError(f"workload {workload!r} takes no argument "
+                                f"{', '.join(unknown)}; it takes: {known}")
+
+
+# -- DAG workloads as workflow specs ------------------------------------------------------------
+
+
+def _seg(kind: str, tokens: int, role: str = "system") -> dict[str, Any]:
+    return {"kind": kind, "role": role, "tokens": tokens}
+
+
+def fanout_spec(a: WorkloadArgs) -> dict[str, Any]:
+    """plan -> `width` parallel researchers -> reduce, all on one static system prompt."""
+    width = a.int("width", 8)
+    think = a.num("think_s", 0.0)
+    out = {"plan": a.int("plan_tokens", 128), "research": a.int("research_tokens", 256),
+           "reduce": a.int("reduce_tokens", 256)}
+    segments = {"system": _seg("static", a.int("static_tokens", 4000)),
+                "question": _seg("transient", a.int("question_tokens", 200), "user"),
+                "reduce_ask": _seg("transient", 32, "user")}
+    head = [{"segment": "system"}, {"segment": "question"}]
+    tasks: list[dict[str, Any]] = [{"id": "plan", "messages": head,
+                                    "output_tokens": out["plan"]}]
+    for i in range(width):
+        segments[f"ask{i}"] = _seg("transient", a.int("worker_prompt_tokens", 64), "user")
+        tasks.append({"id": f"research{i}", "think_time_s": think, "output_tokens": out["research"],
+                      "messages": [*head, {"output_of": "plan"}, {"segment": f"ask{i}"}]})
+    tasks.append({"id": "reduce", "output_tokens": out["reduce"], "messages": [
+        *head, {"output_of": "plan"},
+        *({"output_of": f"research{i}", "role": "user"} for i in range(width)),
+        {"segment": "reduce_ask"}]})
+    return {"segments": segments, "tasks": tasks}
+
+
+def react_spec(a: WorkloadArgs) -> dict[str, Any]:
+    """One agent, `turns` tool-call turns with think time; the context grows every turn."""
+    turns = a.int("turns", 8)
+    think = a.num("think_s", 2.0)
+    step = a.int("step_tokens", 128)
+    segments = {"system": _seg("static", a.int("static_tokens", 4000)),
+                "task": _seg("transient", a.int("task_tokens", 300), "user")}
+    history: list[dict[str, Any]] = [{"segment": "system"}, {"segment": "task"}]
+    tasks: list[dict[str, Any]] = []
+    for k in range(turns):
+        tasks.append({"id": f"turn{k}", "messages": list(history), "output_tokens": step,
+                      "think_time_s": think if k else 0.0})
+        segments[f"obs{k}"] = _seg("transient", a.int("observation_tokens", 400), "tool")
+        history += [{"output_of": f"turn{k}"}, {"segment": f"obs{k}"}]
+    return {"segments": segments, "tasks": tasks}
+
+
+def tree_spec(a: WorkloadArgs) -> dict[str, Any]:
+    """Tree of thought: every node extends its parent's path; a vote joins the leaves."""
+    branch, depth = a.int("branch", 3), a.int("depth", 3)
+    thought = a.int("thought_tokens", 128)
+    segments = {"system": _seg("static", a.int("static_tokens", 4000)),
+                "problem": _seg("transient", a.int("problem_tokens", 300), "user"),
+                "vote_ask": _seg("transient", 32, "user")}
+    for i in range(branch):
+        segments[f"branch{i}"] = _seg("transient", 16, "user")
+    tasks: list[dict[str, Any]] = []
+    leaves: list[str] = []
+
+    def grow(node: str, messages: list[dict[str, Any]], level: int) -> None:
+        tasks.append({"id": node, "messages": messages, "output_tokens": thought})
+        if level == depth:
+            leaves.append(node)
+            return
+        for i in range(branch):
+            grow(f"{node}.{i}", [*messages, {"output_of": node}, {"segment": f"branch{i}"}],
+                 level + 1)
+
+    grow("n", [{"segment": "system"}, {"segment": "problem"}], 0)
+    tasks.append({"id": "vote", "output_tokens": a.int("vote_tokens", 256), "messages": [
+        {"segment": "system"}, {"segment": "problem"},
+        *({"output_of": leaf, "role": "user"} for leaf in leaves), {"segment": "vote_ask"}]})
+    return {"segments": segments, "tasks": tasks}
+
+
+def debate_spec(a: WorkloadArgs) -> dict[str, Any]:
+    """`agents` x `rounds` on a shared transcript (each agent's persona last), then a judge."""
+    agents, rounds = a.int("agents", 3), a.int("rounds", 3)
+    turn = a.int("turn_tokens", 256)
+    segments = {"system": _seg("static", a.int("static_tokens", 3000)),
+                "topic": _seg("transient", a.int("topic_tokens", 500), "user"),
+                "judge_ask": _seg("transient", 64, "user")}
+    for m in range(agents):
+        segments[f"persona{m}"] = _seg("transient", a.int("persona_tokens", 200), "user")
+    transcript: list[dict[str, Any]] = [{"segment": "system"}, {"segment": "topic"}]
+    tasks: list[dict[str, Any]] = []
+    for r in range(rounds):
+        ids = [f"r{r}a{m}" for m in range(agents)]
+        for m, task_id in enumerate(ids):
+            tasks.append({"id": task_id, "output_tokens": turn,
+                          "messages": [*transcript, {"segment": f"persona{m}"}]})
+        transcript = [*transcript, *({"output_of": t, "role": "user"} for t in ids)]
+    tasks.append({"id": "judge", "output_tokens": a.int("judge_tokens", 256),
+                  "messages": [*transcript, {"segment": "judge_ask"}]})
+    return {"segments": segments, "tasks": tasks}
+
+
+DAG_WORKLOADS: dict[str, Callable[[WorkloadArgs], dict[str, Any]]] = {
+    "fanout": fanout_spec, "react": react_spec, "tree": tree_spec, "debate": debate_spec,
+}
+
+
+def load_dag_file(path: str | Path) -> Workflow:
+    """A workflow spec from a JSON or YAML file; WorkloadError names the file and problem."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise WorkloadError(f"cannot read --dag-file {p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise WorkloadError(f"{p}: not valid {'YAML' if p.suffix != '.json' else 'JSON'}: {e}") \
+            from None
+    try:
+        return load_workflow(data, str(p))
+    except ValueError as e:
+        raise WorkloadError(str(e)) from None
+
+
+def compile_workflow(spec: Workflow, wf_id: str, vocab: Vocabulary,
+                     default_output_tokens: int = 256) -> BenchWorkflow:
+    """Resolve a spec's segments into contents; static segments are shared per model+tenant."""
+    tenant = spec.tenant or ""
+    contents: dict[str, Content] = {}
+    for name, seg in spec.segments.items():
+        scope = f"static:{spec.model}:{tenant}" if seg.kind == "static" else f"{seg.kind}:{wf_id}"
+        if seg.content is not None:
+            contents[name] = Content(f"lit:{_digest(seg.content)}", seg.content)
+        elif seg.tokens is not None:
+            contents[name] = vocab.content(f"{scope}:{name}", seg.tokens)
+        else:
+            contents[name] = Content(f"{scope}:{name}:empty", "")
+    tasks = []
+    for t in spec.tasks:
+        messages: list[ChatMessage | OutputRef] = []
+        for m in t.messages:
+            if isinstance(m, SegmentRef):
+                messages.append(ChatMessage(spec.segments[m.segment].role, contents[m.segment]))
+            elif isinstance(m, LiteralMessage):
+                messages.append(ChatMessage(m.role, Content(f"lit:{_digest(m.content)}",
+                                                            m.content)))
+            elif isinstance(m, OutputOf):
+                messages.append(OutputRef(m.output_of, m.role))
+        deps = list(t.after) + [m.output_of for m in t.messages if isinstance(m, OutputOf)]
+        tools = spec.segments[t.tools].tools if t.tools else None
+        output = t.output_tokens or t.max_tokens or default_output_tokens
+        tasks.append(BenchTask(
+            id=t.id, after=tuple(dict.fromkeys(deps)), output_tokens=output,
+            think_time_s=t.think_time_s, priority=t.priority, messages=tuple(messages),
+            tools=tools, tools_key=f"{spec.model}:{tenant}:{t.tools}" if t.tools else None,
+            params=dict(t.params)))
+    return BenchWorkflow(wf_id, spec.tenant, tuple(tasks))
+
+
+def _digest(text: str) -> str:
+    from xxhash import xxh3_64_hexdigest
+
+    return xxh3_64_hexdigest(text.encode())
+
+
+# -- trace replays ------------------------------------------------------------------------------
+
+
+def _trace_file(*parts: str) -> Path:
+    p = TRACES.joinpath(*parts)
+    if not p.exists():
+        raise WorkloadError(f"trace not found: {p} (the traces live in ../shared/traces)")
+    return p
+
+
+def _blocks(vocab: Vocabulary, keys: list[str], block: int, total: int) -> tuple[Piece, ...]:
+    """One piece per full block of a `total`-token prompt, named by its hash-id key."""
+    return tuple(vocab.piece(k, block) for k in keys[: total // block])
+
+
+def mooncake(name: str, a: WorkloadArgs, vocab: Vocabulary, limit: int) -> list[BenchWorkflow]:
+    """Each trace request its own one-task workflow, arriving at its timestamp."""
+    file = {"mooncake-conversation": "conversation_trace.jsonl.gz",
+            "mooncake-synthetic": "synthetic_trace.jsonl.gz"}[name]
+    block = 512
+    out: list[BenchWorkflow] = []
+    with gzip.open(_trace_file("mooncake", file), "rt") as f:
+        for i, line in enumerate(f):
+            if i >= limit:
+                break
+            r = json.loads(line)
+            n_in, hids = int(r["input_length"]), r["hash_ids"]
+            pieces = list(_blocks(vocab, [f"mc:{name}:{h}" for h in hids], block, n_in))
+            tail = n_in - len(pieces) * block
+            if tail > 0:
+                pieces.append(vocab.piece(f"mc:{name}:{i}:tail", tail))
+            task = BenchTask("r", (), max(1, int(r["output_length"])), blocks=tuple(pieces))
+            out.append(BenchWorkflow(f"{name}-{i}", None, (task,),
+                                     arrival_s=float(r["timestamp"]) / 1000.0))
+    return out
+
+
+def _cc_requests(entries: list[dict[str, Any]], session: str, vocab: Vocabulary,
+                 static_tokens: int, think_scale: float, tasks: list[BenchTask],
+                 after: tuple[str, ...], prefix: str) -> tuple[str, ...]:
+    """Append a session's (or sub-agent's) requests as a chain; returns the tasks to join on."""
+    block = 64
+    last = after
+    for k, r in enumerate(entries):
+        if r.get("type") == "subagent":
+            sub_static = int(r.get("tool_tokens", 0)) + int(r.get("system_tokens", 0))
+            # The parent is paused while the sub-agent runs: fork here, join at its end.
+            last = _cc_requests(r["requests"], session, vocab, sub_static, think_scale, tasks,
+                                last, f"{prefix}{r.get('agent_id', k)}/")
+            continue
+        model = r.get("model", "model")
+        n_in, hids = int(r["in"]), r["hash_ids"]
+        static_blocks = static_tokens // block
+        keys = [f"cc-static:{model}:{j}" if j < static_blocks else f"cc:{session}:{h}"
+                for j, h in enumerate(hids)]
+        pieces = list(_blocks(vocab, keys, block, n_in))
+        tail = n_in - len(pieces) * block
+        task_id = f"{prefix}{k}"
+        if tail > 0:
+            key = f"cc:{session}:{task_id}:tail"
+            pieces.append(vocab.piece(key, tail))
+        think = float(r.get("think_time") or 0.0) * think_scale
+        tasks.append(BenchTask(task_id, last, max(1, int(r["out"])), think_time_s=think,
+                               blocks=tuple(pieces)))
+        last = (task_id,)
+    return last
+
+
+def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int) -> list[BenchWorkflow]:
+    """Each Claude Code session a workflow: turns chained by think time, sub-agents fork/join."""
+    think_scale = a.num("think_scale", 1.0)
+    files = sorted(_trace_file("weka-claude-code").glob("trace_*.json.gz"))
+    out = []
+    for f in files[:limit]:
+        with gzip.open(f, "rt") as fh:
+            doc = json.load(fh)
+        static = int(doc.get("tool_tokens", 0)) + int(doc.get("system_tokens", 0))
+        tasks: list[BenchTask] = []
+        _cc_requests(doc["requests"], doc["id"], vocab, static, think_scale, tasks, (), "")
+        out.append(BenchWorkflow(f"claude-code-{doc['id']}", None, tuple(tasks)))
+    return out
+
+
+TRACE_WORKLOADS = ("claude-code", "mooncake-conversation", "mooncake-synthetic")
+WORKLOADS = (*DAG_WORKLOADS, *TRACE_WORKLOADS)
+
+
+def build_workload(name: str | None, dag_file: str | None, args: dict[str, str],
+                   workflows: int, model: str, vocab: Vocabulary) -> list[BenchWorkflow]:
+    """The workflows of a run: `workflows` copies of a DAG, or the first `workflows` of a trace."""
+    a = WorkloadArgs(args)
+    if dag_file is not None:
+        spec = load_dag_file(dag_file)
+        a.check_all_used("--dag-file")
+        return [compile_workflow(spec, f"{spec.id or 'dag'}-{i}", vocab)
+                for i in range(workflows)]
+    if name in DAG_WORKLOADS:
+        doc = DAG_WORKLOADS[name](a)
+        a.check_all_used(name)
+        spec = load_workflow({"model": model, **doc}, name)
+        return [compile_workflow(spec, f"{name}-{i}", vocab) for i in range(workflows)]
+    if name == "claude-code":
+        result = claude_code(a, vocab, workflows)
+    elif name in ("mooncake-conversation", "mooncake-synthetic"):
+        result = mooncake(name, a, vocab, workflows)
+    else:
+        raise WorkloadError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    a.check_all_used(name)
+    return result
+
+
+def iter_tasks(workflows: list[BenchWorkflow]) -> Iterator[tuple[BenchWorkflow, BenchTask]]:
+    """Every (workflow, task) pair."""
+    for wf in workflows:
+        for t in wf.tasks:
+            yield wf, t
