@@ -151,16 +151,23 @@ class SimEngine:
             await self.publisher.close()
 
     async def _run(self) -> None:
+        # Steps are paced by deadlines, so the server's own work (scheduling, streaming the
+        # previous step's tokens) happens inside the modelled step time instead of adding to
+        # it; a step that starts late catches up by at most its own duration.
+        deadline: float | None = None
         while True:
             if not self.model.has_work():
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                deadline = None
                 continue
+            started = time.monotonic()
             out = self.model.step(self.now())
-            if out.duration > 0:
-                await asyncio.sleep(out.duration * self.settings.time_scale)
-            else:
-                await asyncio.sleep(0)
+            duration = out.duration * self.settings.time_scale
+            if deadline is not None and started - deadline <= duration:
+                started = deadline
+            deadline = started + duration
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
             if self.publisher is not None:
                 await self.publisher.publish(out.kv_events)
             t = self.now()
@@ -467,6 +474,42 @@ class SimEngine:
         """GET /version."""
         return web.json_response({"version": VLLM_VERSION})
 
+    def _tokenizer_path(self) -> str:
+        if self.settings.tokenizer is not None:
+            return self.settings.tokenizer
+        from kvgate.assets.tiny_tokenizer import TOKENIZER_DIR
+
+        return str(TOKENIZER_DIR)
+
+    async def model_info(self, _: web.Request) -> web.Response:
+        """GET /get_model_info (and /model_info): what SGLang workers report, for routers such
+        as sglang-router that discover workers through it."""
+        s = self.settings
+        tok = self.tokenizer
+        return web.json_response({
+            "model_path": s.model, "tokenizer_path": self._tokenizer_path(),
+            "served_model_name": s.model, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default",
+            "max_context_length": self.config.max_model_len, "vocab_size": tok.vocab_size,
+            "supports_vision": False, "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "eos_token_ids": [tok.eos_token_id], "pad_token_id": None,
+            "bos_token_id": tok.bos_token_id, "max_req_input_len": self.config.max_model_len - 1,
+        })
+
+    async def server_info(self, _: web.Request) -> web.Response:
+        """GET /get_server_info (and /server_info): SGLang's server arguments and limits, as far
+        as a router reads them."""
+        s = self.settings
+        return web.json_response({
+            "model_path": s.model, "served_model_name": s.model,
+            "tokenizer_path": self._tokenizer_path(), "dp_size": 1, "tp_size": 1,
+            "page_size": self.config.block_size, "context_length": self.config.max_model_len,
+            "max_total_num_tokens": self.config.num_blocks * self.config.block_size,
+            "max_running_requests": self.config.max_num_seqs,
+            "chunked_prefill_size": self.config.max_num_batched_tokens,
+            "version": VLLM_VERSION,
+        })
+
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize: `{model, prompt}` or `{model, messages, tools}`."""
         body = await self._json_body(request)
@@ -563,6 +606,10 @@ def build_app(engine: SimEngine, client_max_size: int = 64 * 1024 * 1024) -> web
     app.router.add_get("/v1/models", engine.models)
     app.router.add_get("/health", engine.health)
     app.router.add_get("/version", engine.version)
+    for path in ("/get_model_info", "/model_info"):
+        app.router.add_get(path, engine.model_info)
+    for path in ("/get_server_info", "/server_info"):
+        app.router.add_get(path, engine.server_info)
     app.router.add_post("/tokenize", engine.tokenize)
     app.router.add_post("/detokenize", engine.detokenize)
     app.router.add_get("/metrics", engine.metrics_endpoint)

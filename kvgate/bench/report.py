@@ -52,15 +52,19 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "recomputed_prompt_tokens": run.computed_prompt_tokens,
         "transferred_bytes": run.transferred_bytes,
         "gateway_wait_p50_s": percentile(waits, 50),
-        "engine_busy_ratio": busy / (engines * makespan) if engines and makespan > 0 else 0.0,
+        # Live runs cannot see engine busy time: null, not a made-up zero.
+        "engine_busy_ratio": busy / (engines * makespan) if engines and makespan > 0 else None,
         "requests_per_engine": _per_engine(ok, sorted(run.busy_s)),
     }
 
 
 def _per_engine(records: Sequence[Any], engines: list[str]) -> list[int]:
+    """Requests served per engine, in engine-name order (engines unknown to the client, as
+    behind sglang-router, are left out)."""
     counts = dict.fromkeys(engines, 0)
     for r in records:
-        counts[r.engine] = counts.get(r.engine, 0) + 1
+        if r.engine:
+            counts[r.engine] = counts.get(r.engine, 0) + 1
     return [counts[e] for e in sorted(counts)]
 
 
@@ -86,8 +90,12 @@ def format_table(report: dict[str, Any]) -> str:
     """A readable table, each JCT also as a multiple of the lower bound."""
     lb = report["lower_bound"]
     load = report["load"]
-    how = f"rate {load['rate']}/s" if load["rate"] is not None else \
-        f"concurrency {load['concurrency']}"
+    if load["rate"] is not None:
+        how = f"rate {load['rate']}/s"
+    elif load["concurrency"] is not None:
+        how = f"concurrency {load['concurrency']}"
+    else:
+        how = "trace timestamps"
     lines = [
         f"{report['workload']} on {report['engines']} x {report['profile']} "
         f"({report['mode']}, {load['workflows']} workflows, {how}, seed {report['seed']})",
@@ -103,8 +111,12 @@ def format_table(report: dict[str, Any]) -> str:
             f"{name:<16}{r['jct_mean_s']:>10.3f}{ratio:>8.2f}{r['jct_p99_s']:>10.3f}"
             f"{r['ttft_p50_s']:>10.3f}{r['ttft_p90_s']:>10.3f}{r['ttft_p99_s']:>10.3f}"
             f"{r['output_tokens_per_s']:>11.0f}{100 * r['prefix_hit_ratio']:>7.1f}"
-            f"{100 * r.get('engine_busy_ratio', 0.0):>7.1f}{r['failed']:>7}")
+            f"{_pct(r.get('engine_busy_ratio')):>7}{r['failed']:>7}")
     return "\n".join(lines)
+
+
+def _pct(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{100 * ratio:.1f}"
 
 
 def plot(report: dict[str, Any], runs: dict[str, RunResult], path: str) -> None:

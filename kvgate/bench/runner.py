@@ -102,6 +102,7 @@ class Prepared:
     builder: PromptBuilder
     rate: float | None
     concurrency: int | None
+    clipped_requests: int = 0
 
 
 def default_load(o: BenchOptions, workflows: list[BenchWorkflow]) -> tuple[float | None,
@@ -122,7 +123,12 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
     count = o.workflows or DEFAULT_WORKFLOWS.get(o.workload or "", 100)
     from kvgate.bench.virtual import MODEL
 
-    workflows = build_workload(o.workload, o.dag_file, o.workload_args, count, MODEL, vocab)
+    profile = get_profile(o.profile)
+    max_tokens = min(profile.max_model_len, profile.num_blocks(profile.block_size)
+                     * profile.block_size)
+    workload = build_workload(o.workload, o.dag_file, o.workload_args, count, MODEL, vocab,
+                              max_tokens)
+    workflows = workload.workflows
     rate, concurrency = default_load(o, workflows)
     if concurrency is not None:
         load = Load(concurrency=concurrency)
@@ -136,9 +142,10 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
         shapes.append((wf.id, [TaskShape(t.id, t.after, *builder.shape(wf, t), t.output_tokens,
                                          t.think_time_s) for t in ordered]))
     arrivals = load.arrivals
-    bound = lower_bound(shapes, get_profile(o.profile), o.engines,
+    bound = lower_bound(shapes, profile, o.engines,
                         arrivals.__getitem__ if arrivals is not None else None, concurrency)
-    return Prepared(workflows, load, bound, builder, rate, concurrency)
+    return Prepared(workflows, load, bound, builder, rate, concurrency,
+                    workload.clipped_requests)
 
 
 def _topological(wf: BenchWorkflow) -> list[Any]:
@@ -211,7 +218,8 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
         workload=o.name, profile=o.profile, engines=o.engines, seed=o.seed, mode=o.mode,
         rate=prepared.rate, concurrency=prepared.concurrency,
         workflows=len(prepared.workflows), bound=prepared.bound, results=results,
-        extra={"workload_args": dict(sorted(o.workload_args.items()))},
+        extra={"workload_args": dict(sorted(o.workload_args.items())),
+               "clipped_requests": prepared.clipped_requests},
     )
     print(format_table(report), file=out)
     print(f"(ran in {elapsed:.1f} s wall time)", file=out)

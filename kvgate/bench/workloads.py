@@ -282,31 +282,49 @@ def _blocks(vocab: Vocabulary, keys: list[str], block: int, total: int) -> tuple
     return tuple(vocab.piece(k, block) for k in keys[: total // block])
 
 
-def mooncake(name: str, a: WorkloadArgs, vocab: Vocabulary, limit: int) -> list[BenchWorkflow]:
-    """Each trace request its own one-task workflow, arriving at its timestamp."""
+def mooncake(name: str, a: WorkloadArgs, vocab: Vocabulary, limit: int,
+             max_tokens: int) -> tuple[list[BenchWorkflow], int]:
+    """Each trace request its own one-task workflow, arriving at its timestamp (requests longer
+    than `max_tokens` are clipped at the end; their count is returned too)."""
     file = {"mooncake-conversation": "conversation_trace.jsonl.gz",
             "mooncake-synthetic": "synthetic_trace.jsonl.gz"}[name]
     block = 512
     out: list[BenchWorkflow] = []
+    clipped = 0
     with gzip.open(_trace_file("mooncake", file), "rt") as f:
         for i, line in enumerate(f):
             if i >= limit:
                 break
             r = json.loads(line)
             n_in, hids = int(r["input_length"]), r["hash_ids"]
+            n_out = max(1, int(r["output_length"]))
+            if n_in + n_out > max_tokens:
+                clipped += 1
+                n_out = min(n_out, max_tokens // 8)
+                n_in = max_tokens - n_out
             pieces = list(_blocks(vocab, [f"mc:{name}:{h}" for h in hids], block, n_in))
             tail = n_in - len(pieces) * block
             if tail > 0:
                 pieces.append(vocab.piece(f"mc:{name}:{i}:tail", tail))
-            task = BenchTask("r", (), max(1, int(r["output_length"])), blocks=tuple(pieces))
+            task = BenchTask("r", (), n_out, blocks=tuple(pieces))
             out.append(BenchWorkflow(f"{name}-{i}", None, (task,),
                                      arrival_s=float(r["timestamp"]) / 1000.0))
-    return out
+    return out, clipped
 
 
-def _cc_requests(entries: list[dict[str, Any]], session: str, vocab: Vocabulary,
-                 static_tokens: int, think_scale: float, tasks: list[BenchTask],
-                 after: tuple[str, ...], prefix: str) -> tuple[str, ...]:
+@dataclass
+class _Replay:
+    """Settings and counters of one claude-code replay."""
+
+    vocab: Vocabulary
+    think_scale: float
+    max_think_s: float
+    max_tokens: int
+    clipped: int = 0
+
+
+def _cc_requests(entries: list[dict[str, Any]], session: str, rp: _Replay, static_tokens: int,
+                 tasks: list[BenchTask], after: tuple[str, ...], prefix: str) -> tuple[str, ...]:
     """Append a session's (or sub-agent's) requests as a chain; returns the tasks to join on."""
     block = 64
     last = after
@@ -314,30 +332,39 @@ def _cc_requests(entries: list[dict[str, Any]], session: str, vocab: Vocabulary,
         if r.get("type") == "subagent":
             sub_static = int(r.get("tool_tokens", 0)) + int(r.get("system_tokens", 0))
             # The parent is paused while the sub-agent runs: fork here, join at its end.
-            last = _cc_requests(r["requests"], session, vocab, sub_static, think_scale, tasks,
-                                last, f"{prefix}{r.get('agent_id', k)}/")
+            last = _cc_requests(r["requests"], session, rp, sub_static, tasks, last,
+                                f"{prefix}{r.get('agent_id', k)}/")
             continue
         model = r.get("model", "model")
         n_in, hids = int(r["in"]), r["hash_ids"]
+        n_out = max(1, int(r["out"]))
+        if n_in + n_out > rp.max_tokens:
+            # Longer than the engine's context: keep the prefix, cut the newest tokens.
+            rp.clipped += 1
+            n_out = min(n_out, rp.max_tokens // 8)
+            n_in = rp.max_tokens - n_out
         static_blocks = static_tokens // block
         keys = [f"cc-static:{model}:{j}" if j < static_blocks else f"cc:{session}:{h}"
                 for j, h in enumerate(hids)]
-        pieces = list(_blocks(vocab, keys, block, n_in))
+        pieces = list(_blocks(rp.vocab, keys, block, n_in))
         tail = n_in - len(pieces) * block
         task_id = f"{prefix}{k}"
         if tail > 0:
             key = f"cc:{session}:{task_id}:tail"
-            pieces.append(vocab.piece(key, tail))
-        think = float(r.get("think_time") or 0.0) * think_scale
-        tasks.append(BenchTask(task_id, last, max(1, int(r["out"])), think_time_s=think,
-                               blocks=tuple(pieces)))
+            pieces.append(rp.vocab.piece(key, tail))
+        think = min(float(r.get("think_time") or 0.0) * rp.think_scale, rp.max_think_s)
+        tasks.append(BenchTask(task_id, last, n_out, think_time_s=think, blocks=tuple(pieces)))
         last = (task_id,)
     return last
 
 
-def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int) -> list[BenchWorkflow]:
-    """Each Claude Code session a workflow: turns chained by think time, sub-agents fork/join."""
-    think_scale = a.num("think_scale", 1.0)
+def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int,
+                max_tokens: int) -> tuple[list[BenchWorkflow], int]:
+    """Each Claude Code session a workflow: turns chained by think time, sub-agents fork/join.
+
+    Returns the workflows and how many requests were clipped to `max_tokens` (prompt+output).
+    """
+    rp = _Replay(vocab, a.num("think_scale", 1.0), a.num("max_think_s", 60.0), max_tokens)
     files = sorted(_trace_file("weka-claude-code").glob("trace_*.json.gz"))
     out = []
     for f in files[:limit]:
@@ -345,33 +372,44 @@ def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int) -> list[BenchWor
             doc = json.load(fh)
         static = int(doc.get("tool_tokens", 0)) + int(doc.get("system_tokens", 0))
         tasks: list[BenchTask] = []
-        _cc_requests(doc["requests"], doc["id"], vocab, static, think_scale, tasks, (), "")
+        _cc_requests(doc["requests"], doc["id"], rp, static, tasks, (), "")
         out.append(BenchWorkflow(f"claude-code-{doc['id']}", None, tuple(tasks)))
-    return out
+    return out, rp.clipped
 
 
 TRACE_WORKLOADS = ("claude-code", "mooncake-conversation", "mooncake-synthetic")
 WORKLOADS = (*DAG_WORKLOADS, *TRACE_WORKLOADS)
 
 
+@dataclass
+class Workload:
+    """The workflows of a run, and what building them changed."""
+
+    workflows: list[BenchWorkflow]
+    clipped_requests: int = 0
+    """Trace requests cut to the engine's context length (prefix kept)."""
+
+
 def build_workload(name: str | None, dag_file: str | None, args: dict[str, str],
-                   workflows: int, model: str, vocab: Vocabulary) -> list[BenchWorkflow]:
-    """The workflows of a run: `workflows` copies of a DAG, or the first `workflows` of a trace."""
+                   workflows: int, model: str, vocab: Vocabulary,
+                   max_tokens: int = 1 << 30) -> Workload:
+    """`workflows` copies of a DAG, or the first `workflows` of a trace; trace requests longer
+    than `max_tokens` (prompt + output) are clipped."""
     a = WorkloadArgs(args)
     if dag_file is not None:
         spec = load_dag_file(dag_file)
         a.check_all_used("--dag-file")
-        return [compile_workflow(spec, f"{spec.id or 'dag'}-{i}", vocab)
-                for i in range(workflows)]
+        return Workload([compile_workflow(spec, f"{spec.id or 'dag'}-{i}", vocab)
+                         for i in range(workflows)])
     if name in DAG_WORKLOADS:
         doc = DAG_WORKLOADS[name](a)
         a.check_all_used(name)
         spec = load_workflow({"model": model, **doc}, name)
-        return [compile_workflow(spec, f"{name}-{i}", vocab) for i in range(workflows)]
+        return Workload([compile_workflow(spec, f"{name}-{i}", vocab) for i in range(workflows)])
     if name == "claude-code":
-        result = claude_code(a, vocab, workflows)
+        result = Workload(*claude_code(a, vocab, workflows, max_tokens))
     elif name in ("mooncake-conversation", "mooncake-synthetic"):
-        result = mooncake(name, a, vocab, workflows)
+        result = Workload(*mooncake(name, a, vocab, workflows, max_tokens))
     else:
         raise WorkloadError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     a.check_all_used(name)

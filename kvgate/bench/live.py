@@ -1,0 +1,261 @@
+"""Live mode: the same workload over HTTP against real processes in real time.
+
+Per policy: fresh `kvgate sim` engines, then either a `kvgate serve` gateway with that policy
+(engines publish KV events to it over ZMQ) or, for `sglang-router`, the real sglang-router
+package in front of the same kind of engines. The client replays every workflow, streaming each
+request and feeding real outputs into the prompts that use them. Simulated step times are
+multiplied by the time scale; the report converts real seconds back to model seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvgate.bench.prompts import ChatMessage
+from kvgate.bench.runner import BenchOptions, Prepared, progress_bar
+from kvgate.bench.virtual import MODEL, RequestRecord, RunResult, WorkflowRecord
+from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef, WorkloadError
+from kvgate.benchmarks.placement import engine_counters
+from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim, wait_healthy
+
+SGLANG_ROUTER = "sglang-router"
+
+
+def default_time_scale(profile: str) -> float:
+    """cpu-tiny runs in real time; GPU profiles ten times faster than the GPU would."""
+    return 1.0 if profile == "cpu-tiny" else 0.1
+
+
+def start_sglang_router(engine_urls: list[str], log_dir: Path) -> Child:
+    """The real sglang-router (cache_aware, its defaults) in front of `engine_urls`."""
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        raise WorkloadError("policy sglang-router needs the sglang-router package: "
+                            "pip install 'kvgate[bench]'") from None
+    port, metrics_port = free_port(), free_port()
+    log_path = log_dir / "sglang-router.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+             "--port", str(port), "--worker-urls", *engine_urls, "--policy", "cache_aware",
+             "--prometheus-port", str(metrics_port), "--prometheus-host", "127.0.0.1",
+             "--log-level", "warn"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    child = Child("sglang-router", f"http://127.0.0.1:{port}", proc, log_path)
+    wait_healthy(child, timeout=60.0, path="/health")
+    _wait_router_workers(child, len(engine_urls))
+    return child
+
+
+def _wait_router_workers(child: Child, expected: int, timeout: float = 60.0) -> None:
+    """The router registers workers in the background: wait until it routes to all of them."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(f"{child.url}/workers", timeout=2) as r:
+                data = json.load(r)
+            workers = data.get("workers", data) if isinstance(data, dict) else data
+            healthy = [w for w in workers if isinstance(w, dict) and w.get("is_healthy", True)]
+            if len(healthy) >= expected:
+                return
+        time.sleep(0.2)
+    raise StartupError(f"sglang-router did not register {expected} workers:\n{child.log_tail()}")
+
+
+class LiveClient:
+    """Replays workflows against one endpoint and records what it saw."""
+
+    def __init__(self, url: str, prepared: Prepared, scale: float, policy: str,
+                 progress: bool) -> None:
+        self.url = url
+        self.prepared = prepared
+        self.scale = scale
+        self.records: list[RequestRecord] = []
+        self.workflows: dict[str, WorkflowRecord] = {}
+        self.t0 = 0.0
+        self._done = 0
+        self._progress = progress_bar(policy) if progress else None
+
+    def now(self) -> float:
+        """Model seconds since the run started."""
+        return (time.monotonic() - self.t0) / self.scale
+
+    async def run(self) -> None:
+        """Every workflow, by arrival times or as a closed loop."""
+        p = self.prepared
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            self.t0 = time.monotonic()
+            if p.load.arrivals is not None:
+                arrivals = p.load.arrivals
+                await asyncio.gather(*(self._at(session, wf, arrivals[wf.id])
+                                       for wf in p.workflows))
+            else:
+                queue = list(p.workflows)
+
+                async def lane() -> None:
+                    while queue:
+                        await self._workflow(session, queue.pop(0))
+
+                await asyncio.gather(*(lane() for _ in range(p.load.concurrency or 1)))
+
+    async def _at(self, session: aiohttp.ClientSession, wf: BenchWorkflow, t: float) -> None:
+        await asyncio.sleep(max(0.0, t * self.scale - (time.monotonic() - self.t0)))
+        await self._workflow(session, wf)
+
+    async def _workflow(self, session: aiohttp.ClientSession, wf: BenchWorkflow) -> None:
+        rec = WorkflowRecord(wf.id, self.now())
+        self.workflows[wf.id] = rec
+        outputs: dict[str, str] = {}
+        done: dict[str, asyncio.Event] = {t.id: asyncio.Event() for t in wf.tasks}
+        failed: set[str] = set()
+
+        async def run_task(task: BenchTask) -> None:
+            for dep in task.after:
+                await done[dep].wait()
+            try:
+                if any(dep in failed for dep in task.after):
+                    failed.add(task.id)
+                    return
+                await asyncio.sleep(task.think_time_s * self.scale)
+                text = await self._request(session, wf, task, outputs)
+                if text is None:
+                    failed.add(task.id)
+                else:
+                    outputs[task.id] = text
+            finally:
+                done[task.id].set()
+
+        await asyncio.gather(*(run_task(t) for t in wf.tasks))
+        rec.failed = bool(failed)
+        rec.finished_s = self.now()
+        self._done += 1
+        if self._progress is not None:
+            self._progress(self._done, len(self.prepared.workflows))
+
+    def _body(self, wf: BenchWorkflow, task: BenchTask,
+              outputs: dict[str, str]) -> tuple[str, dict[str, Any]]:
+        common: dict[str, Any] = {
+            "model": MODEL, "max_tokens": task.output_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "user": wf.id,
+            **task.params}
+        if wf.tenant:
+            common["cache_salt"] = wf.tenant
+        if task.blocks:
+            return "/v1/completions", {**common, "prompt": "".join(p.text for p in task.blocks)}
+        messages = []
+        for m in task.messages:
+            if isinstance(m, OutputRef):
+                messages.append({"role": m.role, "content": outputs[m.task]})
+            elif isinstance(m, ChatMessage):
+                messages.append({"role": m.role, "content": m.content.text})
+        body = {**common, "messages": messages}
+        if task.tools:
+            body["tools"] = task.tools
+        return "/v1/chat/completions", body
+
+    async def _request(self, session: aiohttp.ClientSession, wf: BenchWorkflow,
+                       task: BenchTask, outputs: dict[str, str]) -> str | None:
+        route, body = self._body(wf, task, outputs)
+        r = RequestRecord(wf.id, task.id, self.now())
+        r.dispatched_s = r.ready_s
+        self.records.append(r)
+        pieces: list[str] = []
+        try:
+            async with session.post(f"{self.url}{route}", json=body,
+                                    headers={"x-session-id": wf.id}) as resp:
+                r.engine = resp.headers.get("x-kvgate-engine", "")
+                if resp.status != 200:
+                    r.failed = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                    return None
+                async for raw in resp.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    if "error" in chunk:
+                        r.failed = str(chunk["error"])[:300]
+                        return None
+                    for choice in chunk.get("choices") or []:
+                        piece = choice.get("text")
+                        if piece is None:
+                            piece = (choice.get("delta") or {}).get("content")
+                        if piece:
+                            if r.first_token_s is None:
+                                r.first_token_s = self.now()
+                            pieces.append(piece)
+                    usage = chunk.get("usage")
+                    if usage:
+                        r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        r.output_tokens = int(usage.get("completion_tokens") or 0)
+                        details = usage.get("prompt_tokens_details") or {}
+                        r.cached_tokens = int(details.get("cached_tokens") or 0)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            r.failed = f"{type(e).__name__}: {e}"
+            return None
+        r.finished_s = self.now()
+        if r.first_token_s is None:
+            r.first_token_s = r.finished_s
+        return "".join(pieces)
+
+
+def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
+               scale: float) -> RunResult:
+    """Fresh engines and front end for `policy`, the whole workload, then the engines' counters."""
+    children: list[Child] = []
+    try:
+        events = f"tcp://127.0.0.1:{free_port()}"
+        sim_args = ["--profile", o.profile, "--model", MODEL, "--seed", str(o.seed),
+                    "--time-scale", str(scale), "--enable-prompt-tokens-details"]
+        if policy != SGLANG_ROUTER:
+            sim_args += ["--kv-events", events]
+        sims = [start_sim(f"{policy}-sim-{i}", log_dir, sim_args) for i in range(o.engines)]
+        children += sims
+        urls = [s.url for s in sims]
+        if policy == SGLANG_ROUTER:
+            front = start_sglang_router(urls, log_dir)
+        else:
+            front = start_gateway(urls, log_dir, ["--policy", policy, "--kv-events-bind", events],
+                                  name=f"{policy}-gateway")
+        children.append(front)
+        client = LiveClient(front.url, prepared, scale, policy, o.progress)
+        asyncio.run(client.run())
+        counters = [engine_counters(u) for u in urls]
+        computed = int(sum(q - h for h, q, _ in counters))
+        return RunResult(policy, client.records, list(client.workflows.values()), {}, {}, 1.0,
+                         computed)
+    finally:
+        for c in reversed(children):
+            c.stop()
+
+
+def run_live(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
+    """Every policy, one after the other, on fresh processes (logs kept on failure)."""
+    scale = o.time_scale if o.time_scale is not None else default_time_scale(o.profile)
+    if scale <= 0:
+        raise WorkloadError("--time-scale must be positive")
+    log_dir = Path(tempfile.mkdtemp(prefix="kvgate-bench-live-"))
+    runs: dict[str, RunResult] = {}
+    try:
+        for policy in o.policies:
+            runs[policy] = run_policy(o, prepared, policy, log_dir, scale)
+    except StartupError as e:
+        raise WorkloadError(f"live mode could not start its processes (logs in {log_dir}): "
+                            f"{e}") from None
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return runs
