@@ -123,7 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
         engines=args.engines, profile=args.profile, rate=args.rate,
         concurrency=args.concurrency, workflows=args.workflows, seed=args.seed,
         mode=args.mode, json_out=args.json, plot_out=args.plot,
-        progress=not args.no_progress, time_scale=args.time_scale,
+        progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
     )
     try:
         run_bench(options)
@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--time-scale", type=float, default=None,
                        help="live mode: scale simulated step times (default 1 for cpu-tiny, "
                             "0.1 for GPU profiles)")
+    bench.add_argument("--fidelity", action="store_true",
+                       help="with --mode live: also run virtual and report how far apart they are")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from adapters.sim.profiles import get_profile
@@ -56,6 +56,8 @@ class BenchOptions:
     progress: bool = True
     time_scale: float | None = None
     """Live mode: multiply simulated step times (None: the profile's default)."""
+    fidelity: bool = False
+    """Run virtual and live, report live, and add how far apart the two are."""
 
     @property
     def name(self) -> str:
@@ -79,6 +81,8 @@ def check_options(o: BenchOptions) -> None:
         raise WorkloadError("--workflows must be at least 1")
     if o.mode not in ("virtual", "live"):
         raise WorkloadError(f"--mode must be virtual or live, not {o.mode!r}")
+    if o.fidelity and o.mode != "live":
+        raise WorkloadError("--fidelity runs both modes: use it with --mode live")
     try:
         get_profile(o.profile)
     except ValueError as e:
@@ -201,27 +205,54 @@ def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     return runs
 
 
+def fidelity(virtual: dict[str, dict[str, Any]],
+             live: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per policy run in both modes: mean JCT and TTFT p50 of each, and the relative gap of the
+    live JCT from the virtual one."""
+    out = {}
+    for name in virtual.keys() & live.keys():
+        v, lv = virtual[name], live[name]
+        out[name] = {
+            "jct_mean_virtual_s": v["jct_mean_s"], "jct_mean_live_s": lv["jct_mean_s"],
+            "jct_mean_diff": (lv["jct_mean_s"] - v["jct_mean_s"]) / v["jct_mean_s"]
+            if v["jct_mean_s"] else 0.0,
+            "ttft_p50_virtual_s": v["ttft_p50_s"], "ttft_p50_live_s": lv["ttft_p50_s"],
+        }
+    return dict(sorted(out.items()))
+
+
 def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
     """The whole command: prepare, run each policy, write the report, table and plot."""
     check_options(o)
     prepared = prepare(o)
     started = time.monotonic()
-    if o.mode == "virtual":
+    extra: dict[str, Any] = {"workload_args": dict(sorted(o.workload_args.items())),
+                             "clipped_requests": prepared.clipped_requests}
+    if o.mode == "virtual" and not o.fidelity:
         runs = run_virtual(o, prepared)
     else:
         from kvgate.bench.live import run_live
 
         runs = run_live(o, prepared)
+        if o.fidelity:
+            in_virtual = replace(o, policies=[p for p in o.policies
+                                              if p not in LIVE_ONLY_POLICIES])
+            virtual = {name: summarise(run)
+                       for name, run in run_virtual(in_virtual, prepared).items()}
+            extra["fidelity"] = fidelity(virtual, {n: summarise(r) for n, r in runs.items()})
     elapsed = time.monotonic() - started
     results = {name: summarise(run) for name, run in runs.items()}
     report = build_report(
         workload=o.name, profile=o.profile, engines=o.engines, seed=o.seed, mode=o.mode,
         rate=prepared.rate, concurrency=prepared.concurrency,
-        workflows=len(prepared.workflows), bound=prepared.bound, results=results,
-        extra={"workload_args": dict(sorted(o.workload_args.items())),
-               "clipped_requests": prepared.clipped_requests},
+        workflows=len(prepared.workflows), bound=prepared.bound, results=results, extra=extra,
     )
     print(format_table(report), file=out)
+    for name, f in extra.get("fidelity", {}).items():
+        print(f"fidelity {name}: JCT mean virtual {f['jct_mean_virtual_s']:.3f} s, live "
+              f"{f['jct_mean_live_s']:.3f} s ({100 * f['jct_mean_diff']:+.1f}%); TTFT p50 "
+              f"virtual {f['ttft_p50_virtual_s']:.3f} s, live {f['ttft_p50_live_s']:.3f} s",
+              file=out)
     print(f"(ran in {elapsed:.1f} s wall time)", file=out)
     if o.json_out:
         with open(o.json_out, "w") as f:

@@ -1,0 +1,284 @@
+"""`kvgate bench` in virtual time: workloads, prompts, determinism, the lower bound, the report."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgate.bench.bound import TaskShape, lower_bound
+from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Vocabulary
+from kvgate.bench.report import percentile
+from kvgate.bench.runner import BenchOptions, progress_bar, run_bench
+from kvgate.bench.workloads import TRACES, WorkloadError, build_workload
+from kvindex.tokenizer import Tokenizer
+from planner.policy import policy_names
+
+REPORT_KEYS = {"workflows", "requests", "failed", "jct_mean_s", "jct_p50_s", "jct_p99_s",
+               "makespan_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "output_tokens_per_s",
+               "prefix_hit_ratio", "recomputed_prompt_tokens", "transferred_bytes",
+               "gateway_wait_p50_s"}
+SMALL = {"static_tokens": "600"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load()
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer: Tokenizer) -> Vocabulary:
+    return Vocabulary(tokenizer)
+
+
+def bench(out: io.StringIO | None = None, **kw: object) -> dict:
+    options = BenchOptions(progress=False, **kw)  # type: ignore[arg-type]
+    return run_bench(options, out=out or io.StringIO())
+
+
+# -- prompts ------------------------------------------------------------------------------------
+
+
+def test_synthetic_content_is_one_token_per_word_and_the_same_for_the_same_key(
+        tokenizer: Tokenizer, vocab: Vocabulary) -> None:
+    a = vocab.content("static:model::system", 300)
+    assert a.ids == vocab.content("static:model::system", 300).ids
+    assert a.ids != vocab.content("static:model::other", 300).ids
+    assert tokenizer.encode(a.text) == list(a.ids)
+
+
+def test_rendered_pieces_are_exactly_the_ids_the_engine_computes(
+        tokenizer: Tokenizer, vocab: Vocabulary) -> None:
+    renderer = ChatRenderer(tokenizer, vocab)
+    assert renderer.fast
+    messages = [ChatMessage("system", vocab.content("s", 50)),
+                ChatMessage("user", Content("lit:q", "Why is the sky blue?\n Explain.")),
+                ChatMessage("assistant", vocab.content("out", 20)),
+                ChatMessage("tool", vocab.content("obs", 12))]
+    tools = [{"type": "function", "function": {"name": "search", "description": "web",
+                                               "parameters": {"type": "object"}}}]
+    for with_tools in (None, tools):
+        pieces = renderer.render(messages, with_tools, "t")
+        plain = [{"role": m.role, "content": m.content.text} for m in messages]
+        assert [i for p in pieces for i in p.ids] == tokenizer.encode_chat(plain, tools=with_tools)
+        assert "".join(p.text for p in pieces) == tokenizer.render_chat(plain, tools=with_tools)
+
+
+# -- workloads ----------------------------------------------------------------------------------
+
+
+def test_fanout_is_plan_then_parallel_researchers_then_reduce(vocab: Vocabulary) -> None:
+    (wf,) = build_workload("fanout", None, {"width": "3"}, 1, "m", vocab).workflows
+    assert [t.id for t in wf.tasks] == ["plan", "research0", "research1", "research2", "reduce"]
+    assert wf.task("research1").after == ("plan",)
+    assert set(wf.task("reduce").after) == {"plan", "research0", "research1", "research2"}
+
+
+def test_static_segments_are_shared_across_workflows_and_transient_ones_are_not(
+        vocab: Vocabulary) -> None:
+    a, b = build_workload("react", None, {}, 2, "m", vocab).workflows
+    sys_a, task_a = a.tasks[0].messages[:2]
+    sys_b, task_b = b.tasks[0].messages[:2]
+    assert isinstance(sys_a, ChatMessage) and isinstance(sys_b, ChatMessage)
+    assert isinstance(task_a, ChatMessage) and isinstance(task_b, ChatMessage)
+    assert sys_a.content.ids == sys_b.content.ids
+    assert task_a.content.ids != task_b.content.ids
+
+
+@pytest.mark.parametrize("name,args,tasks", [
+    ("tree", {"branch": "2", "depth": "2"}, 1 + 2 + 4 + 1),
+    ("debate", {"agents": "2", "rounds": "3"}, 2 * 3 + 1),
+    ("react", {"turns": "5"}, 5),
+])
+def test_workload_arguments_shape_the_dag(vocab: Vocabulary, name: str, args: dict[str, str],
+                                          tasks: int) -> None:
+    (wf,) = build_workload(name, None, args, 1, "m", vocab).workflows
+    assert len(wf.tasks) == tasks
+
+
+def test_unknown_workload_argument_is_an_error_that_lists_the_known_ones(
+        vocab: Vocabulary) -> None:
+    with pytest.raises(WorkloadError, match=r"no argument widht.*width"):
+        build_workload("fanout", None, {"widht": "4"}, 1, "m", vocab)
+
+
+@pytest.mark.parametrize("spec,problem", [
+    ({"model": "m", "tasks": [{"id": "a", "after": ["b"], "messages": [{"role": "user",
+                                                                        "content": "x"}]},
+                              {"id": "b", "after": ["a"], "messages": [{"role": "user",
+                                                                        "content": "y"}]}]},
+     "cycle: a -> b -> a"),
+    ({"model": "m", "tasks": [{"id": "a", "messages": [{"output_of": "zz"}]}]},
+     "unknown task 'zz'"),
+    ({"model": "m", "tasks": []}, "no tasks"),
+])
+def test_dag_file_errors_name_the_problem_and_exit_2(tmp_path: Path, spec: dict,
+                                                     problem: str) -> None:
+    path = tmp_path / "wf.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "kvgate.cli", "bench", "--dag-file", str(path),
+                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert problem in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_dag_file_runs_like_a_builtin_workload(tmp_path: Path) -> None:
+    path = tmp_path / "wf.yaml"
+    path.write_text("""
+model: m
+segments:
+  sys: {kind: static, tokens: 300}
+tasks:
+  - {id: a, messages: [{segment: sys}, {role: user, content: "Plan it."}], output_tokens: 20}
+  - {id: b, after: [a], messages: [{segment: sys}, {output_of: a}], output_tokens: 20}
+""")
+    report = bench(dag_file=str(path), workflows=3, policies=["kvgate", "round-robin"],
+                   engines=2)
+    for r in report["results"].values():
+        assert r["workflows"] == 3 and r["requests"] == 6 and r["failed"] == 0
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="../shared/traces is not beside the checkout")
+def test_claude_code_subagents_fork_and_join(vocab: Vocabulary) -> None:
+    workflows = build_workload("claude-code", None, {}, 1, "m", vocab).workflows
+    (wf,) = workflows
+    sub = [t for t in wf.tasks if "/" in t.id]
+    assert sub, "trace_0003 has sub-agents"
+    first_sub = sub[0]
+    parent_before = first_sub.after
+    assert parent_before and "/" not in parent_before[0]
+    # The parent resumes after the sub-agent's last request.
+    last_sub = [t for t in sub if t.id.split("/")[0] == first_sub.id.split("/")[0]][-1]
+    assert any(t.after == (last_sub.id,) and "/" not in t.id for t in wf.tasks)
+    # The static prefix (tools + system prompt) is one set of blocks per model.
+    first = wf.tasks[0]
+    assert first.blocks[0].key.startswith("cc-static:")
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="../shared/traces is not beside the checkout")
+def test_mooncake_equal_hash_ids_become_equal_blocks(vocab: Vocabulary) -> None:
+    wfs = build_workload("mooncake-conversation", None, {}, 3, "m", vocab).workflows
+    first_blocks = [wf.tasks[0].blocks[0] for wf in wfs]
+    assert first_blocks[0].key == first_blocks[1].key == first_blocks[2].key  # hash id 0
+    assert first_blocks[0].ids == first_blocks[1].ids
+    assert wfs[0].tasks[0].blocks[1].ids != wfs[1].tasks[0].blocks[1].ids
+    assert len(first_blocks[0].ids) == 512
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+
+def test_same_seed_gives_an_identical_report() -> None:
+    kw = dict(workload="fanout", workload_args={**SMALL, "width": "4"}, workflows=6,
+              policies=["kvgate", "round-robin", "sglang-like"], engines=3, rate=2.0, seed=7)
+    assert bench(**kw) == bench(**kw)
+
+
+def test_a_different_seed_changes_poisson_arrivals() -> None:
+    kw = dict(workload="fanout", workload_args=SMALL, workflows=6, policies=["round-robin"],
+              engines=2, rate=2.0)
+    assert bench(seed=1, **kw)["results"] != bench(seed=2, **kw)["results"]
+
+
+@pytest.mark.parametrize("workload,args", [
+    ("fanout", {**SMALL, "width": "4"}),
+    ("react", {**SMALL, "turns": "4", "think_s": "0.5"}),
+    ("tree", {**SMALL, "branch": "2", "depth": "2"}),
+    ("debate", {**SMALL, "agents": "2", "rounds": "2"}),
+])
+def test_lower_bound_never_exceeds_any_policy(workload: str, args: dict[str, str]) -> None:
+    report = bench(workload=workload, workload_args=args, workflows=6, engines=2,
+                   policies=policy_names(), concurrency=4)
+    lb = report["lower_bound"]
+    assert lb["jct_mean_s"] > 0
+    for name, r in report["results"].items():
+        assert r["failed"] == 0, name
+        assert set(r) >= REPORT_KEYS
+        assert lb["jct_mean_s"] <= r["jct_mean_s"], name
+        assert lb["makespan_s"] <= r["makespan_s"], name
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="../shared/traces is not beside the checkout")
+def test_lower_bound_holds_on_a_trace_replay_by_timestamp() -> None:
+    report = bench(workload="mooncake-synthetic", workflows=40, engines=2,
+                   policies=["kvgate", "least-loaded", "llmd-like"])
+    assert report["load"] == {"rate": None, "concurrency": None, "workflows": 40}
+    for r in report["results"].values():
+        assert report["lower_bound"]["jct_mean_s"] <= r["jct_mean_s"]
+        assert report["lower_bound"]["makespan_s"] <= r["makespan_s"]
+
+
+def test_bound_counts_a_prefix_shared_with_another_task_as_cached() -> None:
+    from adapters.sim.profiles import get_profile
+
+    profile = get_profile("h100-llama3-8b")
+    alone = [("w1", [TaskShape("t", (), [("sys", 4000), ("q", 100)],
+                               [("sys", 4000), ("q", 100), ("o", 10)], 10, 0.0)])]
+    shared = [*alone, ("w2", [TaskShape("t", (), [("sys", 4000), ("q2", 100)],
+                                        [("sys", 4000), ("q2", 100), ("o2", 10)], 10, 0.0)])]
+    solo = lower_bound(alone, profile, 1, lambda w: 0.0).jct_s["w1"]
+    pair = lower_bound(shared, profile, 1, lambda w: 0.0).jct_s["w1"]
+    assert pair < solo
+
+
+def test_report_json_and_table(tmp_path: Path) -> None:
+    out = io.StringIO()
+    report = bench(out, workload="fanout", workload_args={**SMALL, "width": "2"}, workflows=3,
+                   policies=["kvgate", "least-loaded"], engines=2,
+                   json_out=str(tmp_path / "r.json"))
+    on_disk = json.loads((tmp_path / "r.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert set(on_disk) >= {"workload", "profile", "engines", "seed", "mode", "load",
+                            "lower_bound", "results"}
+    assert on_disk["mode"] == "virtual" and on_disk["engines"] == 2
+    table = out.getvalue()
+    assert "kvgate" in table and "least-loaded" in table and "lower bound" in table
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "p.png"
+    bench(workload="fanout", workload_args={**SMALL, "width": "2"}, workflows=3,
+          policies=["kvgate", "round-robin"], engines=2, plot_out=str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_bar_draws_only_on_a_terminal() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        update = progress_bar("kvgate", stream)
+        update(3, 3)
+    assert "3/3 workflows" in tty.getvalue()
+    assert pipe.getvalue() == ""
+
+
+def test_sglang_router_policy_needs_live_mode() -> None:
+    with pytest.raises(WorkloadError, match="runs only with --mode live"):
+        bench(workload="fanout", workflows=1, policies=["sglang-router"])
+
+
+def test_prompt_too_long_for_the_engine_fails_the_request_not_the_run(tmp_path: Path) -> None:
+    path = tmp_path / "wf.json"
+    path.write_text(json.dumps({"model": "m", "segments": {"big": {"kind": "static",
+                                                                   "tokens": 40000}},
+                                "tasks": [{"id": "a", "messages": [{"segment": "big"}]},
+                                          {"id": "b", "after": ["a"],
+                                           "messages": [{"role": "user", "content": "x"}]}]}))
+    report = bench(dag_file=str(path), workflows=2, policies=["kvgate"], engines=1,
+                   profile="cpu-tiny")
+    r = report["results"]["kvgate"]
+    assert r["failed"] == 2 and r["workflows"] == 0 and r["requests"] == 2
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([], 99) == 0.0
