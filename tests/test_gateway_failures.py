@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -78,11 +79,26 @@ def test_body_over_the_limit_is_a_413(
     assert status == 200
 
 
+def wait_listening(child: Child, timeout: float = 60.0) -> int:
+    """Wait until the child answers HTTP at all (any status); return /health's status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{child.url}/health", timeout=2) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_no_healthy_engine_is_a_503(spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     gw = spawn_gateway({"engines": [{"url": dead}], "health_interval_s": 0.2})
-    with pytest.raises(Exception, match="not healthy"):
-        wait_healthy(gw, timeout=3)
+    # Listening (its start-up may be slow on a loaded machine) but not healthy.
+    assert wait_listening(gw) == 503
     status, body = post(f"{gw.url}/v1/completions",
                         json.dumps({"model": MODEL, "prompt": "hi"}).encode())
     assert status == 503
