@@ -232,6 +232,7 @@ class VirtualRun:
         self._order = itertools.count()
         self._live: dict[str, _Live] = {}
         self._dirty: list[_Engine] = []
+        self._over = 0
         self._pending: dict[str, dict[str, int]] = {}
         self._successors: dict[str, dict[str, list[BenchTask]]] = {}
         self._done_tasks: dict[str, int] = {}
@@ -294,8 +295,9 @@ class VirtualRun:
                     self.progress(finished, total)
             elif kind == "scrape":
                 self._scrape()
-                if any(e.busy or e.model.has_work() for e in self.engines.values()) or \
-                        len(self.wf_records) < total:
+                # Keep scraping while any workflow is still to come or unfinished (engines may
+                # be idle during think time and busy again after it).
+                if self._over < total:
                     self._push(t + self.scrape_s, "scrape", None)
                 continue
             self._kick()
@@ -478,6 +480,7 @@ class VirtualRun:
 
     def _workflow_over(self, wf: BenchWorkflow) -> int:
         self.wf_records[wf.id].finished_s = self.now
+        self._over += 1
         if self._queue:
             self._push(self.now, "arrive", self._queue.pop())
         return 1
