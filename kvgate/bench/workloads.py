@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +21,20 @@ import yaml
 from kvgate.bench.prompts import ChatMessage, Content, Piece, Vocabulary
 from planner.workflow import LiteralMessage, OutputOf, SegmentRef, Workflow, load_workflow
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-"""Where the real traces live (beside the checkout; read in place, never copied)."""
+def find_traces() -> Path:
+    """Where the real traces live: `$KVGATE_TRACES`, else `shared/traces` beside the checkout
+    (or beside the working directory), else the team machine's `/work/shared/traces`. They are
+    read in place, never copied."""
+    env = os.environ.get("KVGATE_TRACES")
+    if env:
+        return Path(env)
+    candidates = [Path(__file__).resolve().parents[2].parent / "shared" / "traces",
+                  Path.cwd().resolve().parent / "shared" / "traces",
+                  Path("/work/shared/traces")]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
+TRACES = find_traces()
 
 
 @dataclass(frozen=True)
@@ -273,7 +286,7 @@ def _digest(text: str) -> str:
 def _trace_file(*parts: str) -> Path:
     p = TRACES.joinpath(*parts)
     if not p.exists():
-        raise WorkloadError(f"trace not found: {p} (the traces live in ../shared/traces)")
+        raise WorkloadError(f"trace not found: {p} (set KVGATE_TRACES to the traces directory)")
     return p
 
 
