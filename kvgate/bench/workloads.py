@@ -21,6 +21,7 @@ import yaml
 from kvgate.bench.prompts import ChatMessage, Content, Piece, Vocabulary
 from planner.workflow import LiteralMessage, OutputOf, SegmentRef, Workflow, load_workflow
 
+
 def find_traces() -> Path:
     """Where the real traces live: `$KVGATE_TRACES`, else `shared/traces` beside the checkout
     (or beside the working directory), else the team machine's `/work/shared/traces`. They are
