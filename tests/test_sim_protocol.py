@@ -563,3 +563,20 @@ def test_kvindex_decode_batch_both_layouts() -> None:
                     msgspec.msgpack.encode([ts, [["NoSuchEvent", 1]], 0])):
         with pytest.raises(KVEventDecodeError):
             decode_batch(garbage)
+
+
+def test_sglang_worker_info_endpoints_describe_the_engine(tmp_path: Path) -> None:
+    """sglang-router discovers workers through these (new and deprecated paths)."""
+    with running_sim(tmp_path, "sim-info", ["--model", "info-model", "--block-size", "32",
+                                            "--kv-blocks", "100"]) as sim:
+        for path in ("/get_model_info", "/model_info"):
+            with urllib.request.urlopen(sim.url + path, timeout=10) as r:
+                info = json.load(r)
+            assert info["model_path"] == info["served_model_name"] == "info-model"
+            assert info["is_generation"] is True
+            assert info["max_context_length"] == 3200
+        for path in ("/get_server_info", "/server_info"):
+            with urllib.request.urlopen(sim.url + path, timeout=10) as r:
+                server = json.load(r)
+            assert server["page_size"] == 32 and server["max_total_num_tokens"] == 3200
+            assert server["dp_size"] == 1
