@@ -14,6 +14,7 @@ from kvgate.bench.bound import LowerBound, TaskShape, lower_bound
 from kvgate.bench.prompts import ChatRenderer, Vocabulary
 from kvgate.bench.report import build_report, format_table, plot, summarise
 from kvgate.bench.virtual import (
+    MODEL,
     Load,
     PromptBuilder,
     RunResult,
@@ -21,12 +22,7 @@ from kvgate.bench.virtual import (
     poisson_arrivals,
     trace_arrivals,
 )
-from kvgate.bench.workloads import (
-    DAG_WORKLOADS,
-    BenchWorkflow,
-    WorkloadError,
-    build_workload,
-)
+from kvgate.bench.workloads import BenchTask, BenchWorkflow, WorkloadError, build_workload
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.policy import policy_names
@@ -125,8 +121,6 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
     vocab = Vocabulary(tok)
     builder = PromptBuilder(vocab, ChatRenderer(tok, vocab), PromptKeyer(tok, 16))
     count = o.workflows or DEFAULT_WORKFLOWS.get(o.workload or "", 100)
-    from kvgate.bench.virtual import MODEL
-
     profile = get_profile(o.profile)
     max_tokens = min(profile.max_model_len, profile.num_blocks(profile.block_size)
                      * profile.block_size)
@@ -152,9 +146,10 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
                     workload.clipped_requests)
 
 
-def _topological(wf: BenchWorkflow) -> list[Any]:
+def _topological(wf: BenchWorkflow) -> list[BenchTask]:
+    """The workflow's tasks, each after the tasks it depends on."""
     done: set[str] = set()
-    out = []
+    out: list[BenchTask] = []
     remaining = list(wf.tasks)
     while remaining:
         rest = []
@@ -262,5 +257,3 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
         plot(report, runs, o.plot_out)
     return report
 
-
-__all__ = ["DAG_WORKLOADS", "BenchOptions", "run_bench"]

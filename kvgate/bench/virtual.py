@@ -71,7 +71,8 @@ class RunResult:
     """Per engine, busy seconds per `bucket_s` bucket of the run."""
     bucket_s: float
     computed_prompt_tokens: int
-    """Prompt tokens the engines computed (not served from cache), recomputation included."""
+    """Prompt tokens the engines computed rather than served from cache (their prefix-cache
+    queries minus hits)."""
     transferred_bytes: int = 0
 
 
@@ -302,6 +303,10 @@ class VirtualRun:
                 continue
             self._kick()
         busy = {n: e.model.stats.busy_time for n, e in self.engines.items()}
+        # As live mode reads it from /metrics: prefix-cache queries minus hits.
+        self.computed_prompt_tokens = sum(
+            e.model.stats.prefix_cache_queries - e.model.stats.prefix_cache_hits
+            for e in self.engines.values())
         return RunResult(self.policy_name, self.records, list(self.wf_records.values()), busy,
                          self.utilisation, self.bucket_s, self.computed_prompt_tokens)
 
@@ -328,8 +333,6 @@ class VirtualRun:
             self._push(self.now + out.duration, "step", (e, out))
 
     def _account(self, e: _Engine, out: StepOutput) -> None:
-        decode = sum(1 for _ in out.outputs)
-        self.computed_prompt_tokens += max(0, out.num_scheduled_tokens - decode)
         buckets = self.utilisation[e.name]
         t, end = self.now, self.now + out.duration
         while t < end:
