@@ -291,6 +291,15 @@ def _trace_file(*parts: str) -> Path:
     return p
 
 
+def _clip(n_in: int, n_out: int, max_tokens: int) -> tuple[int, int, bool]:
+    """A trace request that does not fit the engine's context keeps its prefix and loses its
+    newest prompt tokens (and, if it must, output beyond an eighth of the context)."""
+    if n_in + n_out <= max_tokens:
+        return n_in, n_out, False
+    n_out = min(n_out, max_tokens // 8)
+    return max_tokens - n_out, n_out, True
+
+
 def _blocks(vocab: Vocabulary, keys: list[str], block: int, total: int) -> tuple[Piece, ...]:
     """One piece per full block of a `total`-token prompt, named by its hash-id key."""
     return tuple(vocab.piece(k, block) for k in keys[: total // block])
@@ -311,11 +320,8 @@ def mooncake(name: str, a: WorkloadArgs, vocab: Vocabulary, limit: int,
                 break
             r = json.loads(line)
             n_in, hids = int(r["input_length"]), r["hash_ids"]
-            n_out = max(1, int(r["output_length"]))
-            if n_in + n_out > max_tokens:
-                clipped += 1
-                n_out = min(n_out, max_tokens // 8)
-                n_in = max_tokens - n_out
+            n_in, n_out, cut = _clip(n_in, max(1, int(r["output_length"])), max_tokens)
+            clipped += cut
             pieces = list(_blocks(vocab, [f"mc:{name}:{h}" for h in hids], block, n_in))
             tail = n_in - len(pieces) * block
             if tail > 0:
@@ -351,12 +357,8 @@ def _cc_requests(entries: list[dict[str, Any]], session: str, rp: _Replay, stati
             continue
         model = r.get("model", "model")
         n_in, hids = int(r["in"]), r["hash_ids"]
-        n_out = max(1, int(r["out"]))
-        if n_in + n_out > rp.max_tokens:
-            # Longer than the engine's context: keep the prefix, cut the newest tokens.
-            rp.clipped += 1
-            n_out = min(n_out, rp.max_tokens // 8)
-            n_in = rp.max_tokens - n_out
+        n_in, n_out, cut = _clip(n_in, max(1, int(r["out"])), rp.max_tokens)
+        rp.clipped += cut
         static_blocks = static_tokens // block
         keys = [f"cc-static:{model}:{j}" if j < static_blocks else f"cc:{session}:{h}"
                 for j, h in enumerate(hids)]
