@@ -282,3 +282,15 @@ def test_prompt_too_long_for_the_engine_fails_the_request_not_the_run(tmp_path: 
 def test_percentile_interpolates() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([], 99) == 0.0
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="../shared/traces is not beside the checkout")
+def test_trace_requests_longer_than_the_context_keep_their_prefix(vocab: Vocabulary) -> None:
+    full = build_workload("mooncake-synthetic", None, {}, 20, "m", vocab).workflows
+    cut = build_workload("mooncake-synthetic", None, {}, 20, "m", vocab, max_tokens=8000)
+    assert cut.clipped_requests > 0
+    for a, b in zip(full, cut.workflows, strict=True):
+        ta, tb = a.tasks[0], b.tasks[0]
+        assert sum(len(p.ids) for p in tb.blocks) + tb.output_tokens <= 8000
+        kept = [p.key for p in tb.blocks if not p.key.endswith(":tail")]
+        assert kept == [p.key for p in ta.blocks][: len(kept)]
