@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,11 +159,12 @@ class ChatRenderer:
                 return False
         return True
 
-    def _tokenised(self, key: str, text: str) -> Piece:
-        """A piece tokenised for real (cached by key)."""
+    def _tokenised(self, key: str, text: Callable[[], str]) -> Piece:
+        """A piece tokenised for real, cached by key: `text` is rendered only on a miss."""
         piece = self._slow.get(key)
         if piece is None:
-            piece = Piece(key, tuple(self.tokenizer.encode(text)), text)
+            rendered = text()
+            piece = Piece(key, tuple(self.tokenizer.encode(rendered)), rendered)
             self._slow[key] = piece
             if len(self._slow) > 4096:
                 self._slow.popitem(last=False)
@@ -178,31 +179,34 @@ class ChatRenderer:
         """The prompt as pieces, ending with the generation prompt; ids as the engine's."""
         pieces: list[Piece] = []
         if self._bos_text:
-            pieces.append(self._tokenised("<bos>", self._bos_text))
+            pieces.append(self._tokenised("<bos>", lambda: self._bos_text))
         rest = list(messages)
         if tools:
             # The template folds a leading system message and the tools into one block.
             lead = rest[:1] if rest and rest[0].role in ("system", "developer") else []
             rest = rest[len(lead):]
-            plain = [{"role": m.role, "content": m.content.text} for m in lead]
-            whole = self.tokenizer.render_chat(plain or [{"role": "user", "content": _MARK}],
-                                               tools=tools, add_generation_prompt=False)
-            text = whole[len(self._bos_text):]
-            if not lead:
-                text = text.split(self._frame("user")[0] + _MARK, 1)[0]
             key = f"tools:{tools_key}:{lead[0].content.key if lead else ''}"
-            pieces.append(self._tokenised(key, text))
+            pieces.append(self._tokenised(key, lambda: self._tools_text(lead, tools)))
         for m in rest:
             pieces.append(self.message(m))
         if self._generation_text:
-            pieces.append(self._tokenised("<generation>", self._generation_text))
+            pieces.append(self._tokenised("<generation>", lambda: self._generation_text))
         return pieces
+
+    def _tools_text(self, lead: list[ChatMessage], tools: list[dict[str, Any]]) -> str:
+        """The block the template renders for the tools (with the leading system message)."""
+        plain = [{"role": m.role, "content": m.content.text} for m in lead]
+        whole = self.tokenizer.render_chat(plain or [{"role": "user", "content": _MARK}],
+                                           tools=tools, add_generation_prompt=False)
+        text = whole[len(self._bos_text):]
+        if not lead:
+            text = text.split(self._frame_ids("user")[1] + _MARK, 1)[0]
+        return text
 
     def message(self, m: ChatMessage) -> Piece:
         """One message as a piece: its template frame around its content."""
         key = f"{m.role}:{m.content.key}"
-        if not self.fast or m.content.ids is None:
-            head, tail = self._frame(m.role)
-            return self._tokenised(key, head + m.content.text + tail)
         head_ids, head, tail_ids, tail = self._frame_ids(m.role)
+        if not self.fast or m.content.ids is None:
+            return self._tokenised(key, lambda: head + m.content.text + tail)
         return Piece(key, head_ids + m.content.ids + tail_ids, head + m.content.text + tail)
