@@ -9,8 +9,8 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from adapters.sim.profiles import DEFAULT_PROFILE, PROFILES
 from planner.policy import policy_names
+from planner.profiles import DEFAULT_PROFILE, PROFILES
 
 
 class ConfigError(ValueError):

@@ -7,7 +7,6 @@ import time
 
 import aiohttp
 
-from adapters.sim.profiles import get_profile
 from gateway.config import EngineEntry, GatewayConfig
 from gateway.kv_events import EventSource, KVEventListener
 from gateway.metrics import GatewayMetrics
@@ -17,6 +16,7 @@ from kvindex.ingest import EventIngestor
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.policy import PolicyContext, RoutingPolicy, make_policy
+from planner.profiles import get_profile
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from adapters.sim.profiles import get_profile
     from adapters.sim.server import SimSettings, run
+    from planner.profiles import get_profile
 
     try:
         profile = get_profile(args.profile)

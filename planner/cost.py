@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from adapters.sim.profiles import EngineProfile
 from planner.policy import EngineView, RouteRequest
+from planner.profiles import EngineProfile
 
 
 @dataclass(frozen=True)

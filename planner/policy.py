@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from adapters.sim.profiles import DEFAULT_PROFILE, EngineProfile, get_profile
 from kvindex.index import BlockKey, EngineMatch
+from planner.profiles import DEFAULT_PROFILE, EngineProfile, get_profile
 
 
 @dataclass(frozen=True)

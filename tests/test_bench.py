@@ -214,7 +214,7 @@ def test_lower_bound_holds_on_a_trace_replay_by_timestamp() -> None:
 
 
 def test_bound_counts_a_prefix_shared_with_another_task_as_cached() -> None:
-    from adapters.sim.profiles import get_profile
+    from planner.profiles import get_profile
 
     profile = get_profile("h100-llama3-8b")
     alone = [("w1", [TaskShape("t", (), [("sys", 4000), ("q", 100)],

@@ -17,7 +17,7 @@ from adapters.sim.model import (
     FinishReason,
     SimRequest,
 )
-from adapters.sim.profiles import PROFILES, ScheduledChunk, get_profile
+from planner.profiles import PROFILES, ScheduledChunk, get_profile
 
 PROFILE = get_profile("h100-llama3-8b")
 EOS = 3

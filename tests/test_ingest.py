@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.sim.model import EngineConfig, EngineModel, SimRequest, hash_block
-from adapters.sim.profiles import get_profile
 from adapters.sim.publisher import to_wire
 from kvindex.events import (
     AllBlocksCleared,
@@ -22,6 +21,7 @@ from kvindex.events import (
 from kvindex.index import InMemoryIndex
 from kvindex.ingest import ClearEngine, EventIngestor, RequestReplay, apply_ops_sync
 from kvindex.keys import NO_EXTRAS, KeyExtras, chain_keys
+from planner.profiles import get_profile
 
 E = "engine-a"
 

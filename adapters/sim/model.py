@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from adapters.sim.profiles import EngineProfile
+from planner.profiles import EngineProfile
 
 BlockHash = int
 

@@ -25,9 +25,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from adapters.sim.metrics import EngineMetrics
 from adapters.sim.model import EngineConfig, EngineModel, FinishReason, SimRequest, TokenOutput
-from adapters.sim.profiles import EngineProfile
 from adapters.sim.publisher import KVEventPublisher
 from kvindex.tokenizer import Tokenizer, TokenizerError
+from planner.profiles import EngineProfile
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from adapters.sim.profiles import EngineProfile
+from planner.profiles import EngineProfile
 
 PieceSeq = list[tuple[str, int]]
 """A prompt as (piece name, tokens) pairs; equal names mean equal tokens."""

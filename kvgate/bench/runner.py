@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from adapters.sim.profiles import get_profile
 from kvgate.bench.bound import LowerBound, TaskShape, lower_bound
 from kvgate.bench.prompts import ChatRenderer, Vocabulary
 from kvgate.bench.report import build_report, format_table, plot, summarise
@@ -26,6 +25,7 @@ from kvgate.bench.workloads import BenchTask, BenchWorkflow, WorkloadError, buil
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.policy import policy_names
+from planner.profiles import get_profile
 
 LIVE_ONLY_POLICIES = ("sglang-router",)
 DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,

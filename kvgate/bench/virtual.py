@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from adapters.sim.model import EngineConfig, EngineModel, SimRequest, StepOutput
-from adapters.sim.profiles import EngineProfile
 from adapters.sim.publisher import encode_events
 from gateway.config import GatewayConfig, IndexSettings
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Piece, Vocabulary
@@ -27,6 +26,7 @@ from kvindex.ingest import EventIngestor, apply_ops_sync
 from kvindex.keys import KeyExtras, PromptKeyer, block_key
 from planner.ledger import Dispatch, GatewayLoad, close_dispatch, open_dispatch, prefill_done
 from planner.policy import EngineView, NoEngineAvailable, PolicyContext, RouteRequest, make_policy
+from planner.profiles import EngineProfile
 
 MODEL = "kvgate-bench"
 
