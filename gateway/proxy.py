@@ -246,7 +246,8 @@ class Proxy:
         )
         d = self._dispatched(route_req, engine)
         try:
-            if route_req.block_keys and state.config.index.speculative_ttl_s > 0:
+            if (route_req.block_keys and state.config.index.speculative_ttl_s > 0
+                    and state.policy.speculative_entries):
                 await state.index.add_speculative(engine, route_req.block_keys, state.now(),
                                                   state.config.index.speculative_ttl_s)
             try:

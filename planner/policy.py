@@ -92,6 +92,10 @@ class RoutingPolicy(Protocol):
     """Chooses one engine for a request; told when its choices start and finish."""
 
     name: str
+    speculative_entries: bool
+    """The peer records its routing decisions as short-lived index entries (the gateway's
+    speculative entries). Drivers add them only for policies that declare it, so a baseline
+    never gets a mechanism its peer does not ship by default."""
 
     def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
         """Return the chosen engine's name; raise NoEngineAvailable if none can serve."""
@@ -117,6 +121,7 @@ class StatelessPolicy:
     """Base for policies that keep no per-request state."""
 
     name = "stateless"
+    speculative_entries = False
 
     def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
         """Nothing to remember."""

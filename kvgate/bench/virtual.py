@@ -214,6 +214,8 @@ class VirtualRun:
                             block_size=self.block_size, seed=seed)
         self.policy = make_policy(policy, ctx)
         self.policy_name = policy
+        if not self.policy.speculative_entries:
+            self.speculative_ttl_s = 0.0
         # Only character-level policies read the prompt text; building it costs a join.
         self._needs_text = bool(getattr(self.policy, "reads_prompt_text", False))
         bs = profile.block_size

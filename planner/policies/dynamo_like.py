@@ -68,6 +68,7 @@ class DynamoKvRouter:
     """Lowest prefill-plus-decode block cost, prefill discounted by the confirmed overlap."""
 
     name = "dynamo-like"
+    speculative_entries = False
 
     def __init__(
         self, context: PolicyContext | None = None, *, prefill_load_scale: float = 1.0

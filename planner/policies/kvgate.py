@@ -15,6 +15,7 @@ class KvgatePolicy:
     TTFT and inter-token latency."""
 
     name = "kvgate"
+    speculative_entries = True
 
     def __init__(self, context: PolicyContext | None = None) -> None:
         ctx = context or PolicyContext()

@@ -50,6 +50,7 @@ class SessionAffinity:
     """Session id -> engine by consistent hashing; session-less requests go to the lowest QPS."""
 
     name = "session"
+    speculative_entries = False
 
     def __init__(
         self,

@@ -126,6 +126,7 @@ class SglangCacheAware:
     """Cache affinity from per-worker approximate prefix trees unless load is imbalanced."""
 
     name = "sglang-like"
+    speculative_entries = False
     reads_prompt_text = True
     """Tells drivers that can skip rendering the prompt text that this policy needs it."""
 
