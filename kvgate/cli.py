@@ -104,7 +104,8 @@ def _microbench(args: argparse.Namespace) -> int:
         )
 
         try:
-            proxy_report = bench_proxy(args.concurrency, args.rounds, args.repeats, args.stream)
+            proxy_report = bench_proxy(args.concurrency, args.rounds, args.repeats, args.stream,
+                                       args.client_quickack)
         except ProxyBenchError as e:
             print(f"kvgate microbench proxy: {e}", file=sys.stderr)
             return 2
@@ -208,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="proxy: requests per client to each target and mode in a round")
     b.add_argument("--stream", choices=["both", "on", "off"], default="both",
                    help="proxy: measure streamed requests, non-streamed ones, or both")
+    b.add_argument("--client-quickack", action="store_true",
+                   help="proxy: the client ACKs every response at once (Linux TCP_QUICKACK), "
+                        "which hides sglang-router's Nagle stall")
     b.set_defaults(func=_microbench)
 
     bench = sub.add_parser(

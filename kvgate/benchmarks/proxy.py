@@ -4,9 +4,9 @@
 Every target is driven by the same client (one keep-alive aiohttp session per target) against
 the same engine. Targets and modes alternate in rounds, with the order rotated each round, so
 drift in the engine or the machine affects all of them alike. Warm-up requests are discarded.
-The engine is made fast (a short prompt, 4 output tokens, simulated steps at 1/1000 of an H100,
-below the event loop's 1 ms timer resolution, so steps do not sleep)
-so the gateways' overhead is not drowned in engine time.
+The engine is made fast so the gateways' overhead is not drowned in engine time: a short prompt,
+4 output tokens, simulated steps at 1/1000 of an H100 (below the event loop's 1 ms timer
+resolution, so steps do not sleep).
 
 Reported per mode and target: TTFT (first body byte when non-streamed, first SSE data chunk
 when streamed) and end-to-end p50/p99, the latency each gateway adds over direct (difference of
@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import socket
 import statistics
 import tempfile
 import time
@@ -98,14 +99,23 @@ async def _non_streamed(response: aiohttp.ClientResponse, t0: float) -> tuple[fl
     return ttft, None
 
 
+def _ack_now(response: aiohttp.ClientResponse) -> None:
+    """ACK what arrived at once (Linux TCP_QUICKACK) instead of delaying the ACK up to 40 ms."""
+    if response.connection is not None and response.connection.transport is not None:
+        sock = response.connection.transport.get_extra_info("socket")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+
+
 async def _client(session: aiohttp.ClientSession, url: str, client: int, streamed: bool,
-                  requests: int, out: Samples | None) -> None:
+                  requests: int, quickack: bool, out: Samples | None) -> None:
     """`requests` sequential calls on one keep-alive session; `out` None discards them."""
     body = _body(client, streamed)
     for _ in range(requests):
         t0 = time.perf_counter()
         try:
             async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+                if quickack:
+                    _ack_now(r)
                 if r.status != 200:
                     error: str | None = f"HTTP {r.status}: {(await r.text())[:200]}"
                     ttft = math.nan
@@ -123,8 +133,8 @@ async def _client(session: aiohttp.ClientSession, url: str, client: int, streame
             out.e2e.append(e2e)
 
 
-async def _drive(urls: dict[str, str], modes: tuple[str, ...], concurrency: int, rounds: int,
-                 repeats: int) -> dict[str, dict[str, Samples]]:
+async def measure(urls: dict[str, str], modes: tuple[str, ...], concurrency: int, rounds: int,
+                  repeats: int, quickack: bool = False) -> dict[str, dict[str, Samples]]:
     """Warm every target and mode up, then alternate them round by round (order rotated)."""
     samples = {mode: {t: Samples() for t in urls} for mode in modes}
     sessions = {t: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) for t in urls}
@@ -132,13 +142,15 @@ async def _drive(urls: dict[str, str], modes: tuple[str, ...], concurrency: int,
     try:
         for mode, t in pairs:
             await asyncio.gather(*(
-                _client(sessions[t], urls[t], c, mode == STREAMED, WARMUP_REQUESTS, None)
+                _client(sessions[t], urls[t], c, mode == STREAMED, WARMUP_REQUESTS, quickack,
+                        None)
                 for c in range(concurrency)))
         for r in range(rounds):
             shift = r % len(pairs)
             for mode, t in pairs[shift:] + pairs[:shift]:
                 await asyncio.gather(*(
-                    _client(sessions[t], urls[t], c, mode == STREAMED, repeats, samples[mode][t])
+                    _client(sessions[t], urls[t], c, mode == STREAMED, repeats, quickack,
+                            samples[mode][t])
                     for c in range(concurrency)))
     finally:
         for s in sessions.values():
@@ -208,8 +220,12 @@ def _mode_report(samples: dict[str, Samples]) -> dict[str, Any]:
 
 
 def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, stream: str = "both",
-                profile: str = "h100-llama3-8b") -> dict[str, Any]:
-    """Run the side-by-side comparison; returns a JSON-able report."""
+                quickack: bool = False, profile: str = "h100-llama3-8b") -> dict[str, Any]:
+    """Run the side-by-side comparison; returns a JSON-able report.
+
+    `quickack` makes the client ACK every response at once, which removes the delayed-ACK half
+    of a Nagle stall (sglang-router 0.3.2 does not set TCP_NODELAY on its client sockets).
+    """
     if stream not in STREAM_CHOICES:
         raise ProxyBenchError(f"--stream must be one of {', '.join(STREAM_CHOICES)}, "
                               f"got {stream!r}")
@@ -233,7 +249,8 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
             router = start_sglang_router([sim.url], log_dir)
             children.append(router)
             urls[SGLANG] = router.url
-        samples = asyncio.run(_drive(urls, STREAM_CHOICES[stream], concurrency, rounds, repeats))
+        samples = asyncio.run(measure(urls, STREAM_CHOICES[stream], concurrency, rounds, repeats,
+                                      quickack))
         with urllib.request.urlopen(f"{gw.url}/metrics", timeout=10) as r:
             metrics_text = r.read().decode()
     finally:
@@ -247,6 +264,7 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
         "concurrency": concurrency, "rounds": rounds, "repeats": repeats,
         "requests_per_target_and_mode": concurrency * rounds * repeats,
         "warmup_requests_discarded": concurrency * WARMUP_REQUESTS,
+        "client_quickack": quickack,
         "engine": {"profile": profile, "time_scale": ENGINE_TIME_SCALE,
                    "output_tokens": OUTPUT_TOKENS},
         "sglang_router": sglang,
@@ -274,7 +292,9 @@ def format_report(report: dict[str, Any]) -> str:
              f"requests per target and mode ({report['warmup_requests_discarded']} warm-up "
              f"discarded), engine {report['engine']['profile']} at time scale "
              f"{report['engine']['time_scale']:g}, {report['engine']['output_tokens']} output "
-             f"tokens", f"{report['sglang_router']}", ""]
+             f"tokens", f"{report['sglang_router']}",
+             "client ACKs at once (TCP_QUICKACK)" if report["client_quickack"] else
+             "client ACKs as the kernel does (delayed ACK), like any Linux HTTP client", ""]
     header = (f"{'mode':<13}{'target':<15}{'TTFT p50/p99 ms':>17}{'e2e p50/p99 ms':>17}"
               f"{'added e2e p50/p99 ms':>22}{'errors':>8}")
     lines.append(header)
