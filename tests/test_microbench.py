@@ -57,6 +57,7 @@ def test_proxy_benchmark_measures_every_target_streamed_and_not(
             for metric in ("ttft", "e2e"):
                 assert 0 < target[metric]["p50_ms"] <= target[metric]["p99_ms"]
             assert target["ttft"]["p50_ms"] <= target["e2e"]["p99_ms"]
+            assert target["process_cpu_ms_per_request"] >= 0
 
 
 def test_proxy_benchmark_reports_added_latency_and_the_ratio_to_sglang_router(

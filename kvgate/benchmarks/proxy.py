@@ -20,6 +20,7 @@ import importlib.metadata
 import importlib.util
 import json
 import math
+import os
 import socket
 import statistics
 import tempfile
@@ -55,6 +56,7 @@ class Samples:
     e2e: list[float] = field(default_factory=list)
     errors: int = 0
     first_error: str | None = None
+    cpu_s: float = 0.0  # CPU the target's process spent while this target and mode ran
 
     def fail(self, message: str) -> None:
         """Count a failed request, keeping the first message for the report."""
@@ -133,9 +135,20 @@ async def _client(session: aiohttp.ClientSession, url: str, client: int, streame
             out.e2e.append(e2e)
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc), all its threads included."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(urls: dict[str, str], modes: tuple[str, ...], concurrency: int, rounds: int,
-                  repeats: int, quickack: bool = False) -> dict[str, dict[str, Samples]]:
-    """Warm every target and mode up, then alternate them round by round (order rotated)."""
+                  repeats: int, quickack: bool = False,
+                  pids: dict[str, int] | None = None) -> dict[str, dict[str, Samples]]:
+    """Warm every target and mode up, then alternate them round by round (order rotated).
+
+    With `pids` (target -> process), each target's process CPU is charged to the batch it served.
+    """
     samples = {mode: {t: Samples() for t in urls} for mode in modes}
     sessions = {t: aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) for t in urls}
     pairs = [(mode, t) for mode in modes for t in urls]
@@ -148,10 +161,14 @@ async def measure(urls: dict[str, str], modes: tuple[str, ...], concurrency: int
         for r in range(rounds):
             shift = r % len(pairs)
             for mode, t in pairs[shift:] + pairs[:shift]:
+                pid = (pids or {}).get(t)
+                cpu0 = process_cpu_s(pid) if pid is not None else 0.0
                 await asyncio.gather(*(
                     _client(sessions[t], urls[t], c, mode == STREAMED, repeats, quickack,
                             samples[mode][t])
                     for c in range(concurrency)))
+                if pid is not None:
+                    samples[mode][t].cpu_s += process_cpu_s(pid) - cpu0
     finally:
         for s in sessions.values():
             await s.close()
@@ -204,8 +221,10 @@ def sglang_router_version() -> str | None:
 def _mode_report(samples: dict[str, Samples]) -> dict[str, Any]:
     targets: dict[str, Any] = {}
     for t, s in samples.items():
+        sent = len(s.e2e) + s.errors
         targets[t] = {"requests": len(s.e2e), "errors": s.errors, "first_error": s.first_error,
-                      "ttft": _pcts(s.ttft), "e2e": _pcts(s.e2e)}
+                      "ttft": _pcts(s.ttft), "e2e": _pcts(s.e2e),
+                      "process_cpu_ms_per_request": s.cpu_s * 1e3 / sent if sent else None}
     direct = targets[DIRECT]
     for t in targets.keys() - {DIRECT}:
         targets[t]["added"] = {
@@ -243,14 +262,16 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
         gw = start_gateway([sim.url], log_dir, ["--policy", "kvgate", "--kv-events-bind", events])
         children.append(gw)
         urls = {DIRECT: sim.url, KVGATE: gw.url}
+        pids = {DIRECT: sim.proc.pid, KVGATE: gw.proc.pid}
         if version is not None:
             from kvgate.bench.live import start_sglang_router
 
             router = start_sglang_router([sim.url], log_dir)
             children.append(router)
             urls[SGLANG] = router.url
+            pids[SGLANG] = router.proc.pid
         samples = asyncio.run(measure(urls, STREAM_CHOICES[stream], concurrency, rounds, repeats,
-                                      quickack))
+                                      quickack, pids))
         with urllib.request.urlopen(f"{gw.url}/metrics", timeout=10) as r:
             metrics_text = r.read().decode()
     finally:
@@ -296,7 +317,7 @@ def format_report(report: dict[str, Any]) -> str:
              "client ACKs at once (TCP_QUICKACK)" if report["client_quickack"] else
              "client ACKs as the kernel does (delayed ACK), like any Linux HTTP client", ""]
     header = (f"{'mode':<13}{'target':<15}{'TTFT p50/p99 ms':>17}{'e2e p50/p99 ms':>17}"
-              f"{'added e2e p50/p99 ms':>22}{'errors':>8}")
+              f"{'added e2e p50/p99 ms':>22}{'CPU ms/req':>12}{'errors':>8}")
     lines.append(header)
     for mode, m in report["modes"].items():
         for t, r in m["targets"].items():
@@ -306,7 +327,9 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(f"{mode:<13}{t:<15}"
                          f"{_ms(r['ttft']['p50_ms']) + ' / ' + _ms(r['ttft']['p99_ms']):>17}"
                          f"{_ms(r['e2e']['p50_ms']) + ' / ' + _ms(r['e2e']['p99_ms']):>17}"
-                         f"{added_s:>22}{r['errors']:>8}")
+                         f"{added_s:>22}{_ms(r['process_cpu_ms_per_request']):>12}"
+                         f"{r['errors']:>8}")
+    lines.append("(CPU ms/req: the target's own process; for direct, the engine)")
     lines.append("")
     for mode, m in report["modes"].items():
         ratio = m.get("ratio_kvgate_over_sglang")
