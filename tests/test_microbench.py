@@ -14,8 +14,10 @@ from kvgate.benchmarks.proxy import (
     NON_STREAMED,
     SGLANG,
     STREAMED,
+    Samples,
     bench_proxy,
     measure,
+    paired_added_p50_ms,
     report_errors,
     sglang_router_version,
 )
@@ -69,6 +71,7 @@ def test_proxy_benchmark_reports_added_latency_and_the_ratio_to_sglang_router(
         kvgate_added = targets[KVGATE]["added"]
         assert kvgate_added["e2e_p50_ms"] == pytest.approx(
             targets[KVGATE]["e2e"]["p50_ms"] - targets[DIRECT]["e2e"]["p50_ms"])
+        assert kvgate_added["e2e_p50_paired_ms"] is not None
         if SGLANG in targets:
             sglang_p50 = targets[SGLANG]["added"]["e2e_p50_ms"]
             expected = kvgate_added["e2e_p50_ms"] / sglang_p50 if sglang_p50 > 0 else None
@@ -86,6 +89,13 @@ def test_proxy_benchmark_uses_the_real_sglang_router_when_installed(
         assert "not installed" in proxy_report["sglang_router"]
     else:
         assert proxy_report["sglang_router"].startswith(f"sglang-router {version}")
+
+
+def test_paired_added_latency_cancels_drift_between_rounds() -> None:
+    # The machine slows down by 10 ms from round to round; the gateway always adds 1 ms.
+    direct = Samples(round_p50=[0.002, 0.012, 0.022])
+    gateway = Samples(round_p50=[0.003, 0.013, 0.023])
+    assert paired_added_p50_ms(gateway, direct) == pytest.approx(1.0)
 
 
 def test_proxy_benchmark_counts_failed_requests_and_names_the_target() -> None:

@@ -10,7 +10,8 @@ resolution, so steps do not sleep).
 
 Reported per mode and target: TTFT (first body byte when non-streamed, first SSE data chunk
 when streamed) and end-to-end p50/p99, the latency each gateway adds over direct (difference of
-percentiles), and kvgate's added latency as a ratio of sglang-router's.
+percentiles, and a paired p50 that compares batches of the same round), each process's CPU per
+request, and kvgate's added latency as a ratio of sglang-router's.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Samples:
     errors: int = 0
     first_error: str | None = None
     cpu_s: float = 0.0  # CPU the target's process spent while this target and mode ran
+    round_p50: list[float] = field(default_factory=list)  # e2e median of each round's batch
 
     def fail(self, message: str) -> None:
         """Count a failed request, keeping the first message for the report."""
@@ -161,14 +163,17 @@ async def measure(urls: dict[str, str], modes: tuple[str, ...], concurrency: int
         for r in range(rounds):
             shift = r % len(pairs)
             for mode, t in pairs[shift:] + pairs[:shift]:
+                out = samples[mode][t]
                 pid = (pids or {}).get(t)
                 cpu0 = process_cpu_s(pid) if pid is not None else 0.0
+                done = len(out.e2e)
                 await asyncio.gather(*(
-                    _client(sessions[t], urls[t], c, mode == STREAMED, repeats, quickack,
-                            samples[mode][t])
+                    _client(sessions[t], urls[t], c, mode == STREAMED, repeats, quickack, out)
                     for c in range(concurrency)))
                 if pid is not None:
-                    samples[mode][t].cpu_s += process_cpu_s(pid) - cpu0
+                    out.cpu_s += process_cpu_s(pid) - cpu0
+                if len(out.e2e) > done:
+                    out.round_p50.append(statistics.median(out.e2e[done:]))
     finally:
         for s in sessions.values():
             await s.close()
@@ -185,6 +190,17 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
 
 def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
+
+
+def paired_added_p50_ms(target: Samples, direct: Samples) -> float | None:
+    """Median over rounds of (target's round median - direct's round median), in ms.
+
+    Batches of one round run back to back, so drift slower than a round cancels out.
+    """
+    if not target.round_p50 or len(target.round_p50) != len(direct.round_p50):
+        return None
+    return statistics.median(t - d for t, d in zip(target.round_p50, direct.round_p50,
+                                                   strict=True)) * 1e3
 
 
 def _ratio(kvgate: float | None, sglang: float | None) -> float | None:
@@ -230,11 +246,13 @@ def _mode_report(samples: dict[str, Samples]) -> dict[str, Any]:
         targets[t]["added"] = {
             f"{metric}_{p}": _minus(targets[t][metric][p], direct[metric][p])
             for metric in ("e2e", "ttft") for p in ("p50_ms", "p99_ms")}
+        targets[t]["added"]["e2e_p50_paired_ms"] = paired_added_p50_ms(samples[t],
+                                                                     samples[DIRECT])
     report: dict[str, Any] = {"targets": targets}
     if SGLANG in targets:
         report["ratio_kvgate_over_sglang"] = {
             key: _ratio(targets[KVGATE]["added"][key], targets[SGLANG]["added"][key])
-            for key in ("e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms")}
+            for key in ("e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "e2e_p50_paired_ms")}
     return report
 
 
@@ -307,6 +325,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The report as a table per mode, ratios and notes below."""
     lines = [f"concurrency {report['concurrency']}, {report['requests_per_target_and_mode']} "
@@ -317,27 +339,30 @@ def format_report(report: dict[str, Any]) -> str:
              "client ACKs at once (TCP_QUICKACK)" if report["client_quickack"] else
              "client ACKs as the kernel does (delayed ACK), like any Linux HTTP client", ""]
     header = (f"{'mode':<13}{'target':<15}{'TTFT p50/p99 ms':>17}{'e2e p50/p99 ms':>17}"
-              f"{'added e2e p50/p99 ms':>22}{'CPU ms/req':>12}{'errors':>8}")
+              f"{'added e2e p50/p99 ms':>22}{'paired p50':>12}{'CPU ms/req':>12}{'errors':>8}")
     lines.append(header)
     for mode, m in report["modes"].items():
         for t, r in m["targets"].items():
             added = r.get("added")
             added_s = ("" if added is None else
                        f"{_ms(added['e2e_p50_ms'])} / {_ms(added['e2e_p99_ms'])}")
+            paired_s = "" if added is None else _ms(added["e2e_p50_paired_ms"])
             lines.append(f"{mode:<13}{t:<15}"
                          f"{_ms(r['ttft']['p50_ms']) + ' / ' + _ms(r['ttft']['p99_ms']):>17}"
                          f"{_ms(r['e2e']['p50_ms']) + ' / ' + _ms(r['e2e']['p99_ms']):>17}"
-                         f"{added_s:>22}{_ms(r['process_cpu_ms_per_request']):>12}"
+                         f"{added_s:>22}{paired_s:>12}"
+                         f"{_ms(r['process_cpu_ms_per_request']):>12}"
                          f"{r['errors']:>8}")
-    lines.append("(CPU ms/req: the target's own process; for direct, the engine)")
+    lines.append("(paired p50: median over rounds of the gap to direct in the same round; "
+                 "CPU ms/req: the target's own process, for direct the engine's)")
     lines.append("")
     for mode, m in report["modes"].items():
         ratio = m.get("ratio_kvgate_over_sglang")
         if ratio is not None:
-            p50, p99 = ratio["e2e_p50_ms"], ratio["e2e_p99_ms"]
             lines.append(f"{mode}: kvgate added / sglang-router added, e2e p50 "
-                         f"{'-' if p50 is None else f'{p50:.2f}x'}, p99 "
-                         f"{'-' if p99 is None else f'{p99:.2f}x'}")
+                         f"{_times(ratio['e2e_p50_ms'])} (paired "
+                         f"{_times(ratio['e2e_p50_paired_ms'])}), p99 "
+                         f"{_times(ratio['e2e_p99_ms'])}")
     internal = report["kvgate_internal_p50_upper_bound_s"]
     lines.append(f"kvgate internal p50 (histogram bucket upper bound): prefix lookup "
                  f"{internal['prefix_lookup']} s, routing decision "
