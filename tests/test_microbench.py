@@ -52,6 +52,7 @@ def test_proxy_benchmark_measures_every_target_streamed_and_not(
     expected = [DIRECT, KVGATE] + ([SGLANG] if sglang_router_version() else [])
     assert report_errors(proxy_report) == []
     assert list(proxy_report["modes"]) == [NON_STREAMED, STREAMED]
+    assert proxy_report["load_average_1m"]["after"] >= 0
     for mode in proxy_report["modes"].values():
         assert list(mode["targets"]) == expected
         for target in mode["targets"].values():

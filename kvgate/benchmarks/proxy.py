@@ -270,6 +270,7 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
         if value < 1:
             raise ProxyBenchError(f"--{name} must be at least 1, got {value}")
     version = sglang_router_version()
+    load_before = os.getloadavg()[0]
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
     children: list[Child] = []
     try:
@@ -304,6 +305,9 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
         "requests_per_target_and_mode": concurrency * rounds * repeats,
         "warmup_requests_discarded": concurrency * WARMUP_REQUESTS,
         "client_quickack": quickack,
+        # Client, engine and gateways share this machine: a busy one inflates every figure.
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0],
+                            "cpus": os.cpu_count()},
         "engine": {"profile": profile, "time_scale": ENGINE_TIME_SCALE,
                    "output_tokens": OUTPUT_TOKENS},
         "sglang_router": sglang,
@@ -336,6 +340,9 @@ def format_report(report: dict[str, Any]) -> str:
              f"discarded), engine {report['engine']['profile']} at time scale "
              f"{report['engine']['time_scale']:g}, {report['engine']['output_tokens']} output "
              f"tokens", f"{report['sglang_router']}",
+             f"machine load average {report['load_average_1m']['before']:.2f} before, "
+             f"{report['load_average_1m']['after']:.2f} after, on "
+             f"{report['load_average_1m']['cpus']} CPUs",
              "client ACKs at once (TCP_QUICKACK)" if report["client_quickack"] else
              "client ACKs as the kernel does (delayed ACK), like any Linux HTTP client", ""]
     header = (f"{'mode':<13}{'target':<15}{'TTFT p50/p99 ms':>17}{'e2e p50/p99 ms':>17}"
