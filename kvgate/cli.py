@@ -210,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--stream", choices=["both", "on", "off"], default="both",
                    help="proxy: measure streamed requests, non-streamed ones, or both")
     b.add_argument("--client-quickack", action="store_true",
-                   help="proxy: the client ACKs every response at once (Linux TCP_QUICKACK), "
-                        "which hides sglang-router's Nagle stall")
+                   help="proxy: the client ACKs each response's headers at once "
+                        "(Linux TCP_QUICKACK), which hides sglang-router's Nagle stall")
     b.set_defaults(func=_microbench)
 
     bench = sub.add_parser(

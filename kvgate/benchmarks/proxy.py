@@ -260,7 +260,7 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
                 quickack: bool = False, profile: str = "h100-llama3-8b") -> dict[str, Any]:
     """Run the side-by-side comparison; returns a JSON-able report.
 
-    `quickack` makes the client ACK every response at once, which removes the delayed-ACK half
+    `quickack` makes the client ACK each response's headers at once, removing the delayed-ACK half
     of a Nagle stall (sglang-router 0.3.2 does not set TCP_NODELAY on its client sockets).
     """
     if stream not in STREAM_CHOICES:
