@@ -102,6 +102,7 @@ def _microbench(args: argparse.Namespace) -> int:
             format_report,
             report_errors,
         )
+        from kvgate.procs import StartupError
 
         try:
             proxy_report = bench_proxy(args.concurrency, args.rounds, args.repeats, args.stream,
@@ -109,6 +110,10 @@ def _microbench(args: argparse.Namespace) -> int:
         except ProxyBenchError as e:
             print(f"kvgate microbench proxy: {e}", file=sys.stderr)
             return 2
+        except StartupError as e:
+            print(f"kvgate microbench proxy: could not start its processes: {e}",
+                  file=sys.stderr)
+            return 1
         print(format_report(proxy_report))
         # A target that failed requests makes its latencies meaningless: say so in the status.
         failed = bool(report_errors(proxy_report))

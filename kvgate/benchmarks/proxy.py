@@ -17,6 +17,7 @@ request, and kvgate's added latency as a ratio of sglang-router's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -34,7 +35,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.procs import Child, free_port, start_gateway, start_sim
+from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim
 
 MODEL = "bench-model"
 DIRECT, KVGATE, SGLANG = "direct", "kvgate", "sglang-router"
@@ -43,6 +44,7 @@ STREAM_CHOICES = {"both": (NON_STREAMED, STREAMED), "on": (STREAMED,), "off": (N
 ENGINE_TIME_SCALE = 0.001
 OUTPUT_TOKENS = 4
 WARMUP_REQUESTS = 10
+START_ATTEMPTS = 3
 
 
 class ProxyBenchError(ValueError):
@@ -256,6 +258,30 @@ def _mode_report(samples: dict[str, Samples]) -> dict[str, Any]:
     return report
 
 
+def _engine_and_gateway(log_dir: Path, profile: str) -> tuple[Child, Child]:
+    events = f"tcp://127.0.0.1:{free_port()}"
+    sim = start_sim("sim", log_dir, ["--model", MODEL, "--profile", profile, "--time-scale",
+                                     str(ENGINE_TIME_SCALE), "--kv-events", events])
+    try:
+        gw = start_gateway([sim.url], log_dir, ["--policy", "kvgate", "--kv-events-bind", events])
+    except StartupError:
+        sim.stop()
+        raise
+    return sim, gw
+
+
+def start_engine_and_gateway(log_dir: Path, profile: str) -> tuple[Child, Child]:
+    """The fast engine, publishing KV events to a kvgate gateway in front of it.
+
+    The engine connects to the events port before the gateway binds it, so another socket can
+    take the port in between (a loopback reconnect can even self-connect): then start afresh.
+    """
+    for _ in range(START_ATTEMPTS - 1):
+        with contextlib.suppress(StartupError):
+            return _engine_and_gateway(log_dir, profile)
+    return _engine_and_gateway(log_dir, profile)
+
+
 def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, stream: str = "both",
                 quickack: bool = False, profile: str = "h100-llama3-8b") -> dict[str, Any]:
     """Run the side-by-side comparison; returns a JSON-able report.
@@ -274,12 +300,8 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-proxy-bench-"))
     children: list[Child] = []
     try:
-        events = f"tcp://127.0.0.1:{free_port()}"
-        sim = start_sim("sim", log_dir, ["--model", MODEL, "--profile", profile, "--time-scale",
-                                         str(ENGINE_TIME_SCALE), "--kv-events", events])
-        children.append(sim)
-        gw = start_gateway([sim.url], log_dir, ["--policy", "kvgate", "--kv-events-bind", events])
-        children.append(gw)
+        sim, gw = start_engine_and_gateway(log_dir, profile)
+        children += [sim, gw]
         urls = {DIRECT: sim.url, KVGATE: gw.url}
         pids = {DIRECT: sim.proc.pid, KVGATE: gw.proc.pid}
         if version is not None:
