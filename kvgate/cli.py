@@ -79,6 +79,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _microbench(args: argparse.Namespace) -> int:
     import json
 
+    failed = False
     if args.what == "placement":
         from kvgate.benchmarks.placement import compare, format_results
 
@@ -95,14 +96,32 @@ def _microbench(args: argparse.Namespace) -> int:
                   "ingest": bench_ingest()}
         print(json.dumps(report, indent=2))
     else:
-        from kvgate.benchmarks.proxy import bench_proxy
+        from kvgate.benchmarks.proxy import (
+            ProxyBenchError,
+            bench_proxy,
+            format_report,
+            report_errors,
+        )
+        from kvgate.procs import StartupError
 
-        report = bench_proxy(args.concurrency, args.rounds, args.repeats)
-        print(json.dumps(report, indent=2))
+        try:
+            proxy_report = bench_proxy(args.concurrency, args.rounds, args.repeats, args.stream,
+                                       args.client_quickack)
+        except ProxyBenchError as e:
+            print(f"kvgate microbench proxy: {e}", file=sys.stderr)
+            return 2
+        except StartupError as e:
+            print(f"kvgate microbench proxy: could not start its processes: {e}",
+                  file=sys.stderr)
+            return 1
+        print(format_report(proxy_report))
+        # A target that failed requests makes its latencies meaningless: say so in the status.
+        failed = bool(report_errors(proxy_report))
+        report = proxy_report
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 0
+    return 1 if failed else 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -187,9 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--blocks", type=int, default=1_000_000, help="index: indexed blocks")
     b.add_argument("--index-engines", type=int, default=64, help="index: engines")
     b.add_argument("--iterations", type=int, default=300, help="index: lookups timed")
-    b.add_argument("--concurrency", type=int, default=200, help="proxy: concurrent streams")
-    b.add_argument("--rounds", type=int, default=3, help="proxy: requests per stream")
-    b.add_argument("--repeats", type=int, default=2, help="proxy: direct/gateway alternations")
+    b.add_argument("--concurrency", type=int, default=1,
+                   help="proxy: concurrent clients (1 isolates overhead; more adds CPU contention)")
+    b.add_argument("--rounds", type=int, default=40,
+                   help="proxy: rounds, each visiting every target and mode (order rotated)")
+    b.add_argument("--repeats", type=int, default=10,
+                   help="proxy: requests per client to each target and mode in a round")
+    b.add_argument("--stream", choices=["both", "on", "off"], default="both",
+                   help="proxy: measure streamed requests, non-streamed ones, or both")
+    b.add_argument("--client-quickack", action="store_true",
+                   help="proxy: the client ACKs each response's headers at once "
+                        "(Linux TCP_QUICKACK), which hides sglang-router's Nagle stall")
     b.set_defaults(func=_microbench)
 
     bench = sub.add_parser(
