@@ -94,6 +94,19 @@ def test_engine_load_is_read_from_vllm_metrics_text() -> None:
         parse_engine_load("up 1\n")
 
 
+def test_engine_load_reads_only_its_metrics_by_exact_name() -> None:
+    text = (
+        '# TYPE vllm:num_requests_waiting_by_reason gauge\n'
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 7.0\n'
+        'vllm:num_requests_running{engine="0"} 1.0\n'
+        'vllm:num_requests_waiting{engine="0"} 2.0\n'
+        'vllm:e2e_request_latency_seconds_bucket{le="+Inf"} 9.0\n'
+        'process_start_time_seconds 12.5\n'
+    )
+    load = parse_engine_load(text)
+    assert (load.num_running, load.num_waiting, load.process_start_time) == (1, 2, 12.5)
+
+
 def test_every_shipped_config_validates() -> None:
     from pathlib import Path
 
