@@ -143,6 +143,7 @@ def _bench(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, workflows=args.workflows, seed=args.seed,
         mode=args.mode, json_out=args.json, plot_out=args.plot,
         progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
+        workflow_trace=args.workflow_trace,
     )
     try:
         run_bench(options)
@@ -225,8 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "prefix hits against a lower bound (see ../shared/design/BENCHMARKS.md).")
     what = bench.add_mutually_exclusive_group(required=True)
     what.add_argument("--workload", help="fanout, react, tree, debate, claude-code, "
-                                         "mooncake-conversation or mooncake-synthetic")
+                                         "mooncake-conversation, mooncake-synthetic or "
+                                         "prefix-groups")
     what.add_argument("--dag-file", help="a workflow spec (JSON or YAML) to run --workflows times")
+    what.add_argument("--workflow-trace", metavar="FILE.jsonl",
+                      help="replay agent traffic: one workflow spec per line plus its arrival_s "
+                           "(--rate rescales the arrivals)")
     bench.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="workload parameter (repeatable), e.g. width=16")
     bench.add_argument("--policy", default="kvgate,round-robin,least-loaded",

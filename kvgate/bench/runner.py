@@ -21,7 +21,14 @@ from kvgate.bench.virtual import (
     poisson_arrivals,
     trace_arrivals,
 )
-from kvgate.bench.workloads import BenchTask, BenchWorkflow, WorkloadError, build_workload
+from kvgate.bench.workloads import (
+    BenchTask,
+    BenchWorkflow,
+    Workload,
+    WorkloadError,
+    build_workload,
+    load_workflow_trace,
+)
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.policy import policy_names
@@ -29,7 +36,7 @@ from planner.profiles import get_profile
 
 LIVE_ONLY_POLICIES = ("sglang-router",)
 DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,
-                     "mooncake-synthetic": 1000}
+                     "mooncake-synthetic": 1000, "prefix-groups": 750}
 
 
 @dataclass
@@ -54,17 +61,22 @@ class BenchOptions:
     """Live mode: multiply simulated step times (None: the profile's default)."""
     fidelity: bool = False
     """Run virtual and live, report live, and add how far apart the two are."""
+    workflow_trace: str | None = None
+    """JSON Lines of workflow specs with their `arrival_s`, replayed at those times."""
 
     @property
     def name(self) -> str:
         """The workload's name in the report."""
+        if self.workflow_trace is not None:
+            return f"workflow-trace:{self.workflow_trace}"
         return self.workload or f"dag-file:{self.dag_file}"
 
 
 def check_options(o: BenchOptions) -> None:
     """Reject impossible option combinations with a message naming the option."""
-    if (o.workload is None) == (o.dag_file is None):
-        raise WorkloadError("give exactly one of --workload NAME or --dag-file FILE")
+    if [o.workload, o.dag_file, o.workflow_trace].count(None) != 2:
+        raise WorkloadError("give exactly one of --workload NAME, --dag-file FILE or "
+                            "--workflow-trace FILE")
     if o.rate is not None and o.concurrency is not None:
         raise WorkloadError("give at most one of --rate and --concurrency")
     if o.rate is not None and o.rate <= 0:
@@ -124,8 +136,13 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
     profile = get_profile(o.profile)
     max_tokens = min(profile.max_model_len, profile.num_blocks(profile.block_size)
                      * profile.block_size)
-    workload = build_workload(o.workload, o.dag_file, o.workload_args, count, MODEL, vocab,
-                              max_tokens)
+    if o.workflow_trace is not None:
+        if o.workload_args:
+            raise WorkloadError("--workflow-trace takes no --workload-arg")
+        workload = Workload(load_workflow_trace(o.workflow_trace, vocab, o.workflows))
+    else:
+        workload = build_workload(o.workload, o.dag_file, o.workload_args, count, MODEL, vocab,
+                                  max_tokens, o.seed)
     workflows = workload.workflows
     rate, concurrency = default_load(o, workflows)
     if concurrency is not None:

@@ -1,18 +1,20 @@
 """Benchmark workloads: built-in agent DAGs, workflow-spec files, and real trace replays.
 
 Every workload becomes a list of `BenchWorkflow`s. DAG workloads (`fanout`, `react`, `tree`,
-`debate`, `--dag-file`) are workflow specs (planner.workflow) whose prompts are chats; trace
-workloads (`claude-code`, `mooncake-*`) are token-block prompts sent as completions, where equal
-trace hash ids become equal synthetic blocks.
+`debate`, `--dag-file`, `--workflow-trace`) are workflow specs (planner.workflow) whose prompts are
+chats; trace workloads (`claude-code`, `mooncake-*`) and `prefix-groups` are token-block prompts
+sent as completions, where equal trace hash ids become equal synthetic blocks.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
+import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,13 @@ class WorkloadArgs:
         except ValueError:
             raise WorkloadError(f"--workload-arg {key}={raw}: expected a number") from None
 
+    def count(self, key: str, default: int) -> int:
+        """A non-negative integer argument (0 turns the feature it sizes off)."""
+        value = self.num(key, default)
+        if value != int(value) or value < 0:
+            raise WorkloadError(f"--workload-arg {key}: expected a non-negative integer")
+        return int(value)
+
     def int(self, key: str, default: int) -> int:
         """A positive integer argument."""
         value = self.num(key, default)
@@ -127,16 +136,32 @@ def _seg(kind: str, tokens: int, role: str = "system") -> dict[str, Any]:
     return {"kind": kind, "role": role, "tokens": tokens}
 
 
-def fanout_spec(a: WorkloadArgs) -> dict[str, Any]:
-    """plan -> `width` parallel researchers -> reduce, all on one static system prompt."""
+def _head(a: WorkloadArgs, agent: int, static_tokens: int) -> tuple[dict[str, Any],
+                                                                   list[dict[str, Any]]]:
+    """Segments and messages every task of a workflow starts with: agent type `agent`'s static
+    system prompt (one of `agent_types`), then the workflow's own long context (`context_tokens`:
+    a repository, a document set, a transcript; none by default)."""
+    system = "system" if a.int("agent_types", 1) == 1 else f"system{agent}"
+    segments = {system: _seg("static", a.int("static_tokens", static_tokens))}
+    messages = [{"segment": system}]
+    context = a.count("context_tokens", 0)
+    if context:
+        segments["context"] = _seg("shared", context, "user")
+        messages.append({"segment": "context"})
+    return segments, messages
+
+
+def fanout_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
+    """plan -> `width` parallel researchers -> reduce, all on one static system prompt (and the
+    workflow's shared context, if any)."""
     width = a.int("width", 8)
     think = a.num("think_s", 0.0)
     out = {"plan": a.int("plan_tokens", 128), "research": a.int("research_tokens", 256),
            "reduce": a.int("reduce_tokens", 256)}
-    segments = {"system": _seg("static", a.int("static_tokens", 4000)),
-                "question": _seg("transient", a.int("question_tokens", 200), "user"),
-                "reduce_ask": _seg("transient", 32, "user")}
-    head = [{"segment": "system"}, {"segment": "question"}]
+    segments, head = _head(a, agent, 4000)
+    segments |= {"question": _seg("transient", a.int("question_tokens", 200), "user"),
+                 "reduce_ask": _seg("transient", 32, "user")}
+    head = [*head, {"segment": "question"}]
     tasks: list[dict[str, Any]] = [{"id": "plan", "messages": head,
                                     "output_tokens": out["plan"]}]
     for i in range(width):
@@ -150,14 +175,14 @@ def fanout_spec(a: WorkloadArgs) -> dict[str, Any]:
     return {"segments": segments, "tasks": tasks}
 
 
-def react_spec(a: WorkloadArgs) -> dict[str, Any]:
+def react_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
     """One agent, `turns` tool-call turns with think time; the context grows every turn."""
     turns = a.int("turns", 8)
     think = a.num("think_s", 2.0)
     step = a.int("step_tokens", 128)
-    segments = {"system": _seg("static", a.int("static_tokens", 4000)),
-                "task": _seg("transient", a.int("task_tokens", 300), "user")}
-    history: list[dict[str, Any]] = [{"segment": "system"}, {"segment": "task"}]
+    segments, head = _head(a, agent, 4000)
+    segments["task"] = _seg("transient", a.int("task_tokens", 300), "user")
+    history: list[dict[str, Any]] = [*head, {"segment": "task"}]
     tasks: list[dict[str, Any]] = []
     for k in range(turns):
         tasks.append({"id": f"turn{k}", "messages": list(history), "output_tokens": step,
@@ -167,13 +192,13 @@ def react_spec(a: WorkloadArgs) -> dict[str, Any]:
     return {"segments": segments, "tasks": tasks}
 
 
-def tree_spec(a: WorkloadArgs) -> dict[str, Any]:
+def tree_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
     """Tree of thought: every node extends its parent's path; a vote joins the leaves."""
     branch, depth = a.int("branch", 3), a.int("depth", 3)
     thought = a.int("thought_tokens", 128)
-    segments = {"system": _seg("static", a.int("static_tokens", 4000)),
-                "problem": _seg("transient", a.int("problem_tokens", 300), "user"),
-                "vote_ask": _seg("transient", 32, "user")}
+    segments, head = _head(a, agent, 4000)
+    segments |= {"problem": _seg("transient", a.int("problem_tokens", 300), "user"),
+                 "vote_ask": _seg("transient", 32, "user")}
     for i in range(branch):
         segments[f"branch{i}"] = _seg("transient", 16, "user")
     tasks: list[dict[str, Any]] = []
@@ -188,23 +213,23 @@ def tree_spec(a: WorkloadArgs) -> dict[str, Any]:
             grow(f"{node}.{i}", [*messages, {"output_of": node}, {"segment": f"branch{i}"}],
                  level + 1)
 
-    grow("n", [{"segment": "system"}, {"segment": "problem"}], 0)
+    grow("n", [*head, {"segment": "problem"}], 0)
     tasks.append({"id": "vote", "output_tokens": a.int("vote_tokens", 256), "messages": [
-        {"segment": "system"}, {"segment": "problem"},
+        *head, {"segment": "problem"},
         *({"output_of": leaf, "role": "user"} for leaf in leaves), {"segment": "vote_ask"}]})
     return {"segments": segments, "tasks": tasks}
 
 
-def debate_spec(a: WorkloadArgs) -> dict[str, Any]:
+def debate_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
     """`agents` x `rounds` on a shared transcript (each agent's persona last), then a judge."""
     agents, rounds = a.int("agents", 3), a.int("rounds", 3)
     turn = a.int("turn_tokens", 256)
-    segments = {"system": _seg("static", a.int("static_tokens", 3000)),
-                "topic": _seg("transient", a.int("topic_tokens", 500), "user"),
-                "judge_ask": _seg("transient", 64, "user")}
+    segments, head = _head(a, agent, 3000)
+    segments |= {"topic": _seg("transient", a.int("topic_tokens", 500), "user"),
+                 "judge_ask": _seg("transient", 64, "user")}
     for m in range(agents):
         segments[f"persona{m}"] = _seg("transient", a.int("persona_tokens", 200), "user")
-    transcript: list[dict[str, Any]] = [{"segment": "system"}, {"segment": "topic"}]
+    transcript: list[dict[str, Any]] = [*head, {"segment": "topic"}]
     tasks: list[dict[str, Any]] = []
     for r in range(rounds):
         ids = [f"r{r}a{m}" for m in range(agents)]
@@ -217,7 +242,7 @@ def debate_spec(a: WorkloadArgs) -> dict[str, Any]:
     return {"segments": segments, "tasks": tasks}
 
 
-DAG_WORKLOADS: dict[str, Callable[[WorkloadArgs], dict[str, Any]]] = {
+DAG_WORKLOADS: dict[str, Callable[[WorkloadArgs, int], dict[str, Any]]] = {
     "fanout": fanout_spec, "react": react_spec, "tree": tree_spec, "debate": debate_spec,
 }
 
@@ -238,6 +263,47 @@ def load_dag_file(path: str | Path) -> Workflow:
         return load_workflow(data, str(p))
     except ValueError as e:
         raise WorkloadError(str(e)) from None
+
+
+def load_workflow_trace(path: str | Path, vocab: Vocabulary,
+                        limit: int | None = None) -> list[BenchWorkflow]:
+    """`--workflow-trace`: JSON Lines, each a workflow spec plus its `arrival_s` (the first
+    `limit` lines); WorkloadError names the file, the line and the problem."""
+    p = Path(path)
+    try:
+        lines = p.read_text().splitlines()
+    except OSError as e:
+        raise WorkloadError(f"cannot read --workflow-trace {p}: {e.strerror}") from None
+    out: list[BenchWorkflow] = []
+    for n, line in enumerate(lines, 1):
+        if limit is not None and len(out) >= limit:
+            break
+        if not line.strip():
+            continue
+        where = f"{p}:{n}"
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WorkloadError(f"{where}: not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise WorkloadError(f"{where}: a line must be a JSON object (a workflow spec "
+                                "plus arrival_s)")
+        arrival = data.pop("arrival_s", None)
+        if arrival is None:
+            raise WorkloadError(f"{where}: missing arrival_s (seconds from the trace's start)")
+        if isinstance(arrival, bool) or not isinstance(arrival, int | float) or \
+                not math.isfinite(arrival) or arrival < 0:
+            raise WorkloadError(f"{where}: arrival_s must be a non-negative number of seconds, "
+                                f"not {arrival!r}")
+        try:
+            spec = load_workflow(data, where)
+        except ValueError as e:
+            raise WorkloadError(str(e)) from None
+        wf = compile_workflow(spec, f"{spec.id or 'workflow'}-L{n}", vocab)
+        out.append(replace(wf, arrival_s=float(arrival)))
+    if not out:
+        raise WorkloadError(f"{p}: no workflows (one JSON workflow spec per line)")
+    return out
 
 
 def compile_workflow(spec: Workflow, wf_id: str, vocab: Vocabulary,
@@ -393,8 +459,28 @@ def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int,
     return out, rp.clipped
 
 
+def prefix_groups(a: WorkloadArgs, vocab: Vocabulary, limit: int,
+                  seed: int) -> list[BenchWorkflow]:
+    """llm-d's published benchmark shape (inference-perf's shared-prefix data): `groups` x
+    `users` prompts, each its group's system prompt then the user's question, shuffled by the
+    seed; request i (its own workflow) sends prompt i modulo their number."""
+    groups, users = a.int("groups", 150), a.int("users", 5)
+    system, question = a.int("system_tokens", 6000), a.int("question_tokens", 1200)
+    output = a.int("output_tokens", 1000)
+    prompts = [(g, u) for g in range(groups) for u in range(users)]
+    random.Random(f"prefix-groups:{seed}").shuffle(prompts)
+    out = []
+    for i in range(limit):
+        g, u = prompts[i % len(prompts)]
+        blocks = (vocab.piece(f"pg:system:{g}", system), vocab.piece(f"pg:question:{g}:{u}",
+                                                                     question))
+        out.append(BenchWorkflow(f"prefix-groups-{i}", None,
+                                 (BenchTask("r", (), output, blocks=blocks),)))
+    return out
+
+
 TRACE_WORKLOADS = ("claude-code", "mooncake-conversation", "mooncake-synthetic")
-WORKLOADS = (*DAG_WORKLOADS, *TRACE_WORKLOADS)
+WORKLOADS = (*DAG_WORKLOADS, *TRACE_WORKLOADS, "prefix-groups")
 
 
 @dataclass
@@ -408,9 +494,10 @@ class Workload:
 
 def build_workload(name: str | None, dag_file: str | None, args: dict[str, str],
                    workflows: int, model: str, vocab: Vocabulary,
-                   max_tokens: int = 1 << 30) -> Workload:
-    """`workflows` copies of a DAG, or the first `workflows` of a trace; trace requests longer
-    than `max_tokens` (prompt + output) are clipped."""
+                   max_tokens: int = 1 << 30, seed: int = 0) -> Workload:
+    """`workflows` copies of a DAG (each of an agent type drawn by `seed`), or the first
+    `workflows` of a trace; trace requests longer than `max_tokens` (prompt + output) are
+    clipped."""
     a = WorkloadArgs(args)
     if dag_file is not None:
         spec = load_dag_file(dag_file)
@@ -418,11 +505,18 @@ def build_workload(name: str | None, dag_file: str | None, args: dict[str, str],
         return Workload([compile_workflow(spec, f"{spec.id or 'dag'}-{i}", vocab)
                          for i in range(workflows)])
     if name in DAG_WORKLOADS:
-        doc = DAG_WORKLOADS[name](a)
+        agent_types = a.int("agent_types", 1)
+        specs = [load_workflow({"model": model, **DAG_WORKLOADS[name](a, k)}, name)
+                 for k in range(agent_types)]
         a.check_all_used(name)
-        spec = load_workflow({"model": model, **doc}, name)
-        return Workload([compile_workflow(spec, f"{name}-{i}", vocab) for i in range(workflows)])
-    if name == "claude-code":
+        # A stream of its own, so agent types do not follow the Poisson gaps of the same seed.
+        pick = random.Random(f"agent-types:{seed}")
+        return Workload([compile_workflow(
+            specs[pick.randrange(agent_types) if agent_types > 1 else 0], f"{name}-{i}", vocab)
+            for i in range(workflows)])
+    if name == "prefix-groups":
+        result = Workload(prefix_groups(a, vocab, workflows, seed))
+    elif name == "claude-code":
         result = Workload(*claude_code(a, vocab, workflows, max_tokens))
     elif name in ("mooncake-conversation", "mooncake-synthetic"):
         result = Workload(*mooncake(name, a, vocab, workflows, max_tokens))
