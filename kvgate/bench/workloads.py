@@ -397,7 +397,7 @@ def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int,
     rp = _Replay(vocab, a.num("think_scale", 1.0), a.num("max_think_s", 60.0), max_tokens)
     only_subagents = _cc_sessions(a) == "subagents"
     files = sorted(_trace_file("weka-claude-code").glob("trace_*.json.gz"))
-    out = []
+    out: list[BenchWorkflow] = []
     for f in files:
         if len(out) >= limit:
             break
