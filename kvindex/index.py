@@ -9,11 +9,11 @@ is also usable synchronously by the sans-IO planner and the virtual-time benchma
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import and_, is_not, not_, or_
+from itertools import repeat
+from operator import or_
 from typing import Protocol
 
 BlockKey = int
@@ -108,15 +108,6 @@ _BYTE_ENGINES = 0xFF
 """Engines whose bits fit in a byte: the masks of a walk restricted to them are bytes."""
 
 
-def _consume(it: Iterable[object]) -> None:
-    """Run an iterator of side effects to its end at C speed."""
-    deque(it, maxlen=0)
-
-
-def _distinct(keys: Sequence[BlockKey]) -> bool:
-    return len(set(keys)) == len(keys)
-
-
 def _first_lacking(
     masks: bytes, bits: int, offset: int, out: dict[int, int]
 ) -> int:
@@ -180,17 +171,6 @@ class InMemoryIndex:
         mask = 1 << bit
         table = self._tiers.setdefault(tier.upper(), {})
         spec = self._spec.get(bit)
-        if len(keys) > 1 and _distinct(keys):
-            masks = list(map(table.get, keys, repeat(0)))
-            if not any(map(mask.__and__, masks)):
-                # No key is held yet: every one becomes a first copy, in one C-level pass.
-                table.update(zip(keys, map(mask.__or__, masks), strict=True))
-                if spec:
-                    popped = compress(keys, map(is_not, map(spec.pop, keys, repeat(None)),
-                                                repeat(None)))
-                    for k in list(popped):
-                        self._spec_drop(bit, k)
-                return
         for k in keys:
             held = table.get(k, 0)
             if held & mask:
@@ -209,22 +189,6 @@ class InMemoryIndex:
         mask = 1 << bit
         table = self._tiers.get(tier.upper())
         spec = self._spec.get(bit)
-        if not self._extra_copies and len(keys) > 1 and _distinct(keys):
-            # No key has a second copy: drop the engine's bit from every key in C-level passes.
-            if spec:
-                popped = compress(keys, map(is_not, map(spec.pop, keys, repeat(None)),
-                                            repeat(None)))
-                for k in list(popped):
-                    self._spec_drop(bit, k)
-            if table is None:
-                return
-            masks = list(map(table.get, keys, repeat(0)))
-            hit = list(map(mask.__and__, masks))
-            hit_keys = list(compress(keys, hit))
-            left = list(map(and_, compress(masks, hit), repeat(~mask)))
-            table.update(zip(compress(hit_keys, left), compress(left, left), strict=True))
-            _consume(map(table.__delitem__, compress(hit_keys, map(not_, left))))
-            return
         for k in keys:
             if spec is not None and spec.pop(k, None) is not None:
                 self._spec_drop(bit, k)
@@ -283,15 +247,6 @@ class InMemoryIndex:
         if expires < self._spec_latest.get(bit, expires):
             self._spec_unordered.add(bit)
         self._spec_latest[bit] = max(expires, self._spec_latest.get(bit, expires))
-        if _distinct(keys):
-            # Same effect as the loop below, in C-level passes: each new key moves to the end.
-            todo = list(compress(keys, map(not_, map(mask.__and__, map(gpu.get, keys,
-                                                                        repeat(0))))))
-            _consume(map(spec.pop, todo, repeat(None)))
-            spec.update(zip(todo, repeat(expires)))
-            spec_mask.update(
-                zip(todo, map(mask.__or__, map(spec_mask.get, todo, repeat(0))), strict=True))
-            return
         for k in keys:
             if gpu.get(k, 0) & mask:
                 continue
@@ -338,10 +293,7 @@ class InMemoryIndex:
         penalty: dict[int, float] = {}
         # After `_expire`, entries of an engine whose entries are in expiry order are all live.
         spec_live = not any((alive >> bit) & 1 for bit in self._spec_unordered)
-        if not lower and alive <= _BYTE_ENGINES and (spec_live or not specs):
-            self._match_bytes(keys, alive, gpu, self._spec_mask if specs else None, length,
-                              confirmed_len)
-        elif not lower and not specs:
+        if not lower and not specs:
             # Hot path: one dict lookup and two int operations per block.
             get = gpu.get
             n = len(keys)
@@ -358,6 +310,8 @@ class InMemoryIndex:
             for bit in _bits(alive):
                 length[bit] = n
             confirmed_len = length
+        elif not lower and alive <= _BYTE_ENGINES and spec_live:
+            self._match_bytes(keys, alive, gpu, self._spec_mask, length, confirmed_len)
         else:
             self._match_general(keys, now, alive, gpu, lower, length, confirmed_len, penalty)
         out: dict[str, EngineMatch] = {}
@@ -375,22 +329,19 @@ class InMemoryIndex:
     @staticmethod
     def _match_bytes(
         keys: Sequence[BlockKey], alive: int, gpu: dict[BlockKey, int],
-        spec_mask: dict[BlockKey, int] | None, length: dict[int, int],
-        confirmed_len: dict[int, int],
+        spec_mask: dict[BlockKey, int], length: dict[int, int], confirmed_len: dict[int, int],
     ) -> None:
-        """The walk over the GPU tier (and live speculative entries) for engines whose bits fit
-        in a byte: masks of growing chunks of keys as bytes, searched per engine at C speed.
-        Same result as the per-block walks."""
+        """`_match_general` without lower tiers, when every speculative entry is live and the
+        engines' bits fit in a byte: masks of growing chunks of keys as bytes, searched per
+        engine at C speed (a long prompt's unconfirmed tail made the per-block walk slow)."""
         n = len(keys)
         start, chunk = 0, 64
         confirmed = alive
         while alive and start < n:
             part = keys[start : start + chunk]
             held = bytes(map(alive.__and__, map(gpu.get, part, repeat(0))))
-            present = held
-            if spec_mask is not None:
-                spec = bytes(map(alive.__and__, map(spec_mask.get, part, repeat(0))))
-                present = bytes(map(or_, held, spec))
+            spec = bytes(map(alive.__and__, map(spec_mask.get, part, repeat(0))))
+            present = bytes(map(or_, held, spec))
             confirmed = _first_lacking(held, confirmed, start, confirmed_len)
             alive = _first_lacking(present, alive, start, length)
             start += len(part)

@@ -14,8 +14,8 @@ import struct
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, islice, repeat, takewhile
-from operator import add, attrgetter, is_not, not_, sub
+from itertools import islice, takewhile
+from operator import attrgetter
 from typing import NamedTuple, cast
 
 from planner.profiles import EngineProfile
@@ -72,8 +72,6 @@ class KVBlock:
 
 
 _REF_CNT = attrgetter("ref_cnt")
-_BLOCK_ID = attrgetter("block_id")
-_BLOCK_HASH = attrgetter("block_hash")
 
 
 _REMOVAL_LOG = 1 << 16
@@ -196,14 +194,13 @@ class BlockPool:
         return list(map(next, map(iter, map(dict.values, runs))))
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
-        """Take a reference on cached blocks a request reuses (they leave the free queue).
-
-        The blocks are distinct (a request never holds one block twice).
-        """
+        """Take a reference on cached blocks a request reuses (they leave the free queue)."""
         self.ref_changes += 1
-        refs = list(map(_REF_CNT, blocks))
-        _consume(map(self._free.__delitem__, compress(map(_BLOCK_ID, blocks), map(not_, refs))))
-        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, refs, repeat(1))))
+        free = self._free
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del free[b.block_id]
+            b.ref_cnt += 1
 
     def allocate(self, n: int) -> list[KVBlock]:
         """Take `n` blocks from the front of the free queue, evicting their cached contents."""
@@ -215,29 +212,27 @@ class BlockPool:
         ids = list(islice(free, n))
         _consume(map(free.__delitem__, ids))
         out = list(map(self.blocks.__getitem__, ids))
-        for b in compress(out, map(is_not, map(_BLOCK_HASH, out), repeat(None))):
+        for b in out:
             block_hash = b.block_hash
-            assert block_hash is not None
-            copies = self._cached[block_hash]
-            del copies[b.block_id]
-            if not copies:
-                del self._cached[block_hash]
-            self._log_removal(block_hash)
-            self.events.append(BlockRemoved((block_hash,)))
-            b.block_hash = None
-        _consume(map(setattr, out, repeat("ref_cnt"), repeat(1, n)))
+            if block_hash is not None:
+                copies = self._cached[block_hash]
+                del copies[b.block_id]
+                if not copies:
+                    del self._cached[block_hash]
+                self._log_removal(block_hash)
+                self.events.append(BlockRemoved((block_hash,)))
+                b.block_hash = None
+            b.ref_cnt = 1
         return out
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
-        """Drop a request's references; tail blocks are queued first so they are evicted first.
-
-        The blocks are distinct (a request never holds one block twice).
-        """
+        """Drop a request's references; tail blocks are queued first so they are evicted first."""
         self.ref_changes += 1
-        tail_first = blocks[::-1]
-        refs = list(map(sub, map(_REF_CNT, tail_first), repeat(1)))
-        _consume(map(setattr, tail_first, repeat("ref_cnt"), refs))
-        self._free.update(dict.fromkeys(compress(map(_BLOCK_ID, tail_first), map(not_, refs))))
+        free = self._free
+        for b in reversed(blocks):
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                free[b.block_id] = None
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (another copy may already be cached)."""
