@@ -97,8 +97,7 @@ class _PrefixMemo:
 
 
 def _consume(it: Iterable[object]) -> None:
-    """Run an iterator of side effects to its end at C speed (long prompts touch thousands of
-    blocks per request, so per-block Python loops dominate the run time)."""
+    """Run an iterator of side effects to its end at C speed."""
     deque(it, maxlen=0)
 
 
@@ -142,7 +141,7 @@ class BlockPool:
         self._cached: dict[BlockHash, dict[int, KVBlock]] = {}
         self.events: list[KVEvent] = []
         # Hashes that lost a cached copy since `_removed_epoch` began, and a count of ref-count
-        # changes by `touch` and `free`: what `PrefixMark` compares to reuse an earlier lookup.
+        # changes by `touch` and `free`: what lets the engine reuse its waiting head's lookup.
         self._removed: list[BlockHash] = []
         self._removed_epoch = 0
         self.ref_changes = 0
