@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import or_
 from typing import Protocol
 
 BlockKey = int
@@ -99,6 +101,26 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
+# Per engine bit below 8: a byte table mapping an engine mask to 1 if it holds that bit, else 0,
+# so "first block an engine lacks" is `bytes.translate` + `find`, at C speed over long prompts.
+_HAS_BIT = tuple(bytes((v >> bit) & 1 for v in range(256)) for bit in range(8))
+_BYTE_ENGINES = 0xFF
+"""Engines whose bits fit in a byte: the masks of a walk restricted to them are bytes."""
+
+
+def _first_lacking(
+    masks: bytes, bits: int, offset: int, out: dict[int, int]
+) -> int:
+    """For each of `bits` the first position (plus `offset`) of `masks` that lacks it, into
+    `out`; returns the bits that no position lacks."""
+    for bit in _bits(bits):
+        at = masks.translate(_HAS_BIT[bit]).find(0)
+        if at >= 0:
+            out[bit] = offset + at
+            bits &= ~(1 << bit)
+    return bits
+
+
 class InMemoryIndex:
     """Dict-of-bitmask index: one int per key whose bit i says engine i holds it (per tier).
 
@@ -115,6 +137,10 @@ class InMemoryIndex:
         # key the bits of engines with an entry, so a match costs one lookup per block for all.
         self._spec: dict[int, OrderedDict[BlockKey, float]] = {}
         self._spec_mask: dict[BlockKey, int] = {}
+        # Per engine bit, the latest expiry inserted, and the bits whose entries may not be in
+        # expiry order (a shorter TTL after a longer one): only those need per-entry checks.
+        self._spec_latest: dict[int, float] = {}
+        self._spec_unordered: set[int] = set()
 
     def _spec_drop(self, bit: int, key: BlockKey) -> None:
         mask = self._spec_mask.get(key, 0) & ~(1 << bit)
@@ -201,6 +227,8 @@ class InMemoryIndex:
             del self._extra_copies[ck]
         for k in self._spec.pop(bit, {}):
             self._spec_drop(bit, k)
+        self._spec_latest.pop(bit, None)
+        self._spec_unordered.discard(bit)
         self._free_bits.append(bit)
 
     def add_speculative_sync(
@@ -213,6 +241,12 @@ class InMemoryIndex:
         spec = self._spec.setdefault(bit, OrderedDict())
         expires = now + ttl_s
         spec_mask = self._spec_mask
+        if not spec:
+            self._spec_latest.pop(bit, None)
+            self._spec_unordered.discard(bit)
+        if expires < self._spec_latest.get(bit, expires):
+            self._spec_unordered.add(bit)
+        self._spec_latest[bit] = max(expires, self._spec_latest.get(bit, expires))
         for k in keys:
             if gpu.get(k, 0) & mask:
                 continue
@@ -257,6 +291,8 @@ class InMemoryIndex:
         length: dict[int, int] = {}
         confirmed_len: dict[int, int] = {}
         penalty: dict[int, float] = {}
+        # After `_expire`, entries of an engine whose entries are in expiry order are all live.
+        spec_live = not any((alive >> bit) & 1 for bit in self._spec_unordered)
         if not lower and not specs:
             # Hot path: one dict lookup and two int operations per block.
             get = gpu.get
@@ -274,6 +310,8 @@ class InMemoryIndex:
             for bit in _bits(alive):
                 length[bit] = n
             confirmed_len = length
+        elif not lower and alive <= _BYTE_ENGINES and spec_live:
+            self._match_bytes(keys, alive, gpu, self._spec_mask, length, confirmed_len)
         else:
             self._match_general(keys, now, alive, gpu, lower, length, confirmed_len, penalty)
         out: dict[str, EngineMatch] = {}
@@ -287,6 +325,31 @@ class InMemoryIndex:
                     weighted_blocks=blocks - penalty.get(bit, 0.0),
                 )
         return out
+
+    @staticmethod
+    def _match_bytes(
+        keys: Sequence[BlockKey], alive: int, gpu: dict[BlockKey, int],
+        spec_mask: dict[BlockKey, int], length: dict[int, int], confirmed_len: dict[int, int],
+    ) -> None:
+        """`_match_general` without lower tiers, when every speculative entry is live and the
+        engines' bits fit in a byte: masks of growing chunks of keys as bytes, searched per
+        engine at C speed (a long prompt's unconfirmed tail made the per-block walk slow)."""
+        n = len(keys)
+        start, chunk = 0, 64
+        confirmed = alive
+        while alive and start < n:
+            part = keys[start : start + chunk]
+            held = bytes(map(alive.__and__, map(gpu.get, part, repeat(0))))
+            spec = bytes(map(alive.__and__, map(spec_mask.get, part, repeat(0))))
+            present = bytes(map(or_, held, spec))
+            confirmed = _first_lacking(held, confirmed, start, confirmed_len)
+            alive = _first_lacking(present, alive, start, length)
+            start += len(part)
+            chunk = min(2 * chunk, 8192)
+        for bit in _bits(alive):
+            length[bit] = n
+        for bit in _bits(confirmed):
+            confirmed_len[bit] = n
 
     def _match_general(
         self, keys: Sequence[BlockKey], now: float, alive: int, gpu: dict[BlockKey, int],

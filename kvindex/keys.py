@@ -21,10 +21,11 @@ import re
 import sys
 import threading
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import chain, pairwise
+from operator import attrgetter
 from typing import Any
 
 from xxhash import xxh3_64_intdigest
@@ -331,6 +332,9 @@ class _Node:
         self.cost = _NODE_BYTES + len(segment) + _ITEM_BYTES * (len(ids) + len(keys))
 
 
+_NODE_IDS = attrgetter("ids")
+_NODE_KEYS = attrgetter("keys")
+
 # Rough memory per cached node and per cached id or key (a pointer plus an int object).
 _NODE_BYTES = 200
 _ITEM_BYTES = 36
@@ -459,17 +463,18 @@ class PromptKeyer:
         extras = root_key[3]
         with self._lock:
             node = root = self._root(root_key, pre)
-            ids = list(node.ids)
-            keys = list(node.keys)
             path: list[_Node] = []
             for segment in segments:
                 child = node.children.get(segment)
                 if child is None:
                     break
-                ids.extend(child.ids)
-                keys.extend(child.keys)
                 path.append(child)
                 node = child
+            # Long prompts walk thousands of nodes: concatenate their state in C-level passes.
+            ids = list(root.ids)
+            ids.extend(chain.from_iterable(map(_NODE_IDS, path)))
+            keys = list(root.keys)
+            keys.extend(chain.from_iterable(map(_NODE_KEYS, path)))
             rest = segments[len(path) :]
             for segment, segment_ids in zip(rest, encode(rest) if rest else [], strict=True):
                 ids.extend(segment_ids)
@@ -481,10 +486,9 @@ class PromptKeyer:
                 self._used += child.cost
                 path.append(child)
                 node = child
-            for visited in reversed(path):
-                # Leaf first, so a node is always more recent than its descendants and the
-                # least recently used node is a leaf.
-                self._lru.move_to_end(visited)
+            # Leaf first, so a node is always more recent than its descendants and the least
+            # recently used node is a leaf.
+            deque(map(self._lru.move_to_end, reversed(path)), maxlen=0)
             self._evict()
             if not root.children:
                 self._drop_root(root)

@@ -294,3 +294,23 @@ def test_closed_form_decode_step_equals_the_general_step_time(batch: int, contex
     for profile in PROFILES.values():
         general = profile.step_time([ScheduledChunk(1, context)] * batch)
         assert abs(profile.decode_step_time(batch, context) - general) <= 1e-12 + general * 1e-9
+
+
+def test_a_waiting_request_loses_cached_blocks_evicted_while_it_waits() -> None:
+    engine = make_engine(num_blocks=16)
+    shared = list(range(9000, 9000 + 64))
+    engine.add_request(request("a", shared, max_tokens=1))
+    now = run_to_completion(engine)
+    # The hog grows to 13 of the 16 blocks: the free queue gives up its never-used blocks, then
+    # the last block of a's cached prefix (a's blocks were freed last block first).
+    engine.add_request(request("hog", list(range(20000, 20000 + 128)), max_tokens=80))
+    now += engine.step(now).duration
+    engine.add_request(request("b", [*shared, *range(30000, 30000 + 100)], max_tokens=1))
+    waited = False
+    while engine.has_work():
+        waited = waited or bool(engine.waiting)
+        now += engine.step(now).duration
+    b = engine.requests.get("b")
+    assert b is None and waited
+    # Only a's first three blocks were still cached when b got in.
+    assert engine.stats.prefix_cache_hits == 48

@@ -12,9 +12,11 @@ import enum
 import hashlib
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from itertools import islice, takewhile
+from operator import attrgetter
+from typing import NamedTuple, cast
 
 from planner.profiles import EngineProfile
 
@@ -60,13 +62,43 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(slots=True)
 class KVBlock:
     """One physical KV block: a ref count and, once full and cached, its chained hash."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+
+
+_REF_CNT = attrgetter("ref_cnt")
+
+
+_REMOVAL_LOG = 1 << 16
+"""Removals a pool remembers before it starts a new epoch (older marks then count as stale)."""
+
+
+@dataclass(slots=True)
+class _PrefixMemo:
+    """The waiting head's prefix-cache lookup, reused while nothing it found was evicted.
+
+    A waiting request that does not fit is looked up again every step; with 100k-token prompts
+    that lookup dominated the run. Hits only shrink when a copy is removed (logged by the pool)
+    and only grow at their end, so the memo is exact: same blocks as a fresh lookup.
+    """
+
+    req: SimRequest
+    max_blocks: int
+    mark: tuple[int, int]
+    hashes: set[BlockHash]
+    hits: list[KVBlock]
+    ref_changes: int
+    reusable_free: int
+
+
+def _consume(it: Iterable[object]) -> None:
+    """Run an iterator of side effects to its end at C speed."""
+    deque(it, maxlen=0)
 
 
 @dataclass(frozen=True)
@@ -108,6 +140,11 @@ class BlockPool:
         # block at once both hold a cached copy, each announced and each removed on its own.
         self._cached: dict[BlockHash, dict[int, KVBlock]] = {}
         self.events: list[KVEvent] = []
+        # Hashes that lost a cached copy since `_removed_epoch` began, and a count of ref-count
+        # changes by `touch` and `free`: what lets the engine reuse its waiting head's lookup.
+        self._removed: list[BlockHash] = []
+        self._removed_epoch = 0
+        self.ref_changes = 0
 
     @property
     def num_blocks(self) -> int:
@@ -129,43 +166,88 @@ class BlockPool:
         copies = self._cached.get(block_hash)
         return next(iter(copies.values())) if copies else None
 
+    def mark(self) -> tuple[int, int]:
+        """A point in the pool's history of cached-copy removals (see `removed_since`)."""
+        return self._removed_epoch, len(self._removed)
+
+    def removed_since(self, mark: tuple[int, int], hashes: set[BlockHash]) -> bool:
+        """Whether any of `hashes` may have lost a cached copy since `mark` (True when the
+        history no longer reaches back that far)."""
+        epoch, at = mark
+        if epoch != self._removed_epoch:
+            return True
+        return not hashes.isdisjoint(self._removed[at:])
+
+    def _log_removal(self, block_hash: BlockHash) -> None:
+        if len(self._removed) >= _REMOVAL_LOG:
+            self._removed.clear()
+            self._removed_epoch += 1
+        self._removed.append(block_hash)
+
+    def cached_run(self, block_hashes: Iterable[BlockHash]) -> list[KVBlock]:
+        """Cached blocks of the longest leading run of `block_hashes` that are all cached (the
+        first copy of each, as `lookup` gives it)."""
+        # A hash's copies dict is never left empty, so truthiness is "cached".
+        found = map(self._cached.get, block_hashes)
+        runs = cast("Iterable[dict[int, KVBlock]]", takewhile(bool, found))
+        return list(map(next, map(iter, map(dict.values, runs))))
+
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on cached blocks a request reuses (they leave the free queue)."""
+        self.ref_changes += 1
+        free = self._free
         for b in blocks:
             if b.ref_cnt == 0:
-                del self._free[b.block_id]
+                del free[b.block_id]
             b.ref_cnt += 1
 
     def allocate(self, n: int) -> list[KVBlock]:
         """Take `n` blocks from the front of the free queue, evicting their cached contents."""
-        if n > len(self._free):
-            raise ValueError(f"cannot allocate {n} blocks, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
-            b = self.blocks[block_id]
-            if b.block_hash is not None:
-                copies = self._cached[b.block_hash]
+        free = self._free
+        if n > len(free):
+            raise ValueError(f"cannot allocate {n} blocks, {len(free)} free")
+        if n == 0:
+            return []
+        ids = list(islice(free, n))
+        _consume(map(free.__delitem__, ids))
+        out = list(map(self.blocks.__getitem__, ids))
+        for b in out:
+            block_hash = b.block_hash
+            if block_hash is not None:
+                copies = self._cached[block_hash]
                 del copies[b.block_id]
                 if not copies:
-                    del self._cached[b.block_hash]
-                self.events.append(BlockRemoved((b.block_hash,)))
+                    del self._cached[block_hash]
+                self._log_removal(block_hash)
+                self.events.append(BlockRemoved((block_hash,)))
                 b.block_hash = None
             b.ref_cnt = 1
-            out.append(b)
         return out
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop a request's references; tail blocks are queued first so they are evicted first."""
+        self.ref_changes += 1
+        free = self._free
         for b in reversed(blocks):
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self._free[b.block_id] = None
+                free[b.block_id] = None
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (another copy may already be cached)."""
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, {})[block.block_id] = block
+
+    def cache_all(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash]) -> None:
+        """`cache` each block under the hash at the same position."""
+        cached = self._cached
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            block.block_hash = block_hash
+            copies = cached.get(block_hash)
+            if copies is None:
+                cached[block_hash] = {block.block_id: block}
+            else:
+                copies[block.block_id] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no request holds a block."""
@@ -175,6 +257,8 @@ class BlockPool:
             for b in copies.values():
                 b.block_hash = None
         self._cached.clear()
+        self._removed.clear()
+        self._removed_epoch += 1
         self.events.append(AllBlocksCleared())
         return True
 
@@ -306,6 +390,7 @@ class EngineModel:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.stats = EngineStats()
+        self._prefix_memo: _PrefixMemo | None = None
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -384,19 +469,32 @@ class EngineModel:
             tokens = req.tokens_between(i * bs, (i + 1) * bs)
             req.block_hashes.append(self.hasher(parent, tokens, self._extra_keys(req, i)))
 
-    def _cached_prefix(self, req: SimRequest) -> list[KVBlock]:
-        """Longest run of cached blocks; the last prompt token is always recomputed."""
+    def _cached_prefix(self, req: SimRequest) -> tuple[list[KVBlock], int]:
+        """Longest run of cached blocks (the last prompt token is always recomputed), and how
+        many of them sit in the free queue."""
         if not self.config.enable_prefix_caching:
-            return []
+            return [], 0
         self._extend_block_hashes(req, req.num_tokens)
         max_blocks = (req.num_tokens - 1) // self.config.block_size
-        hits: list[KVBlock] = []
-        for h in req.block_hashes[:max_blocks]:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        pool = self.pool
+        memo = self._prefix_memo
+        if (memo is None or memo.req is not req or memo.max_blocks != max_blocks
+                or pool.removed_since(memo.mark, memo.hashes)):
+            hits = pool.cached_run(req.block_hashes[:max_blocks])
+            memo = _PrefixMemo(req, max_blocks, pool.mark(), set(req.block_hashes[: len(hits)]),
+                               hits, pool.ref_changes, list(map(_REF_CNT, hits)).count(0))
+            self._prefix_memo = memo
+            return hits, memo.reusable_free
+        known = len(memo.hits)
+        more = pool.cached_run(islice(req.block_hashes, known, max_blocks))
+        if more:
+            memo.hits = memo.hits + more
+            memo.hashes.update(req.block_hashes[known : len(memo.hits)])
+        memo.mark = pool.mark()
+        if more or memo.ref_changes != pool.ref_changes:
+            memo.ref_changes = pool.ref_changes
+            memo.reusable_free = list(map(_REF_CNT, memo.hits)).count(0)
+        return memo.hits, memo.reusable_free
 
     def _cache_full_blocks(self, req: SimRequest, num_tokens: int) -> None:
         """Register the blocks that are full once `num_tokens` are computed, and announce them.
@@ -411,16 +509,19 @@ class EngineModel:
         if full <= first:
             return
         self._extend_block_hashes(req, full * bs)
-        for i in range(first, full):
-            self.pool.cache(req.blocks[i], req.block_hashes[i])
+        hashes = tuple(req.block_hashes[first:full])
+        self.pool.cache_all(req.blocks[first:full], hashes)
         req.num_cached_blocks = full
+        # Extra keys differ only on block 0 (the salt); every later block has the same ones.
+        head = tuple(self._event_extra_keys(req, i) for i in range(first, min(full, 1)))
+        later = (self._event_extra_keys(req, 1),) * (full - max(first, 1))
         self.pool.events.append(BlockStored(
-            block_hashes=tuple(req.block_hashes[first:full]),
+            block_hashes=hashes,
             parent_block_hash=req.block_hashes[first - 1] if first > 0 else None,
             token_ids=tuple(req.tokens_between(first * bs, full * bs)),
             block_size=bs,
             lora_name=req.lora_name,
-            extra_keys=tuple(self._event_extra_keys(req, i) for i in range(first, full)),
+            extra_keys=head + later,
         ))
 
     def reset_prefix_cache(self) -> bool:
@@ -487,16 +588,17 @@ class EngineModel:
         ):
             req = self.waiting[0]
             hits: list[KVBlock] = []
+            # Reusing a cached block that sits in the free queue takes it out of the free count.
+            reusable_free = 0
             if req.num_computed_tokens == 0:
-                hits = self._cached_prefix(req)
+                hits, reusable_free = self._cached_prefix(req)
             num_cached = len(hits) * self.config.block_size
             n = min(req.num_tokens - num_cached, budget)
-            # Reusing a cached block that sits in the free queue takes it out of the free count.
-            reusable_free = sum(1 for b in hits if b.ref_cnt == 0)
             need = -(-(num_cached + n) // self.config.block_size) - len(hits)
             if need > self.pool.num_free - reusable_free:
                 break
             self.waiting.popleft()
+            self._prefix_memo = None
             self.pool.touch(hits)
             req.blocks = list(hits)
             req.blocks.extend(self.pool.allocate(need))

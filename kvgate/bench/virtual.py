@@ -16,7 +16,14 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from adapters.sim.model import EngineConfig, EngineModel, SimRequest, StepOutput
+from adapters.sim.model import (
+    BlockRemoved,
+    EngineConfig,
+    EngineModel,
+    KVEvent,
+    SimRequest,
+    StepOutput,
+)
 from adapters.sim.publisher import encode_events
 from gateway.config import GatewayConfig, IndexSettings
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Piece, Vocabulary
@@ -116,6 +123,29 @@ def _engine_hasher(
     if extra:
         flat = tuple(str(x) for pair in extra if isinstance(pair, tuple) for x in pair)
     return block_key(parent, tokens, flat)
+
+
+def _merged_removals(events: list[KVEvent]) -> list[KVEvent]:
+    """A step's events with each run of consecutive BlockRemoved merged into one event.
+
+    The engine announces every evicted block on its own, as vLLM does; the ingestor turns a run
+    of removals into one index operation whichever way they are packed, so the index sees the
+    same operations. Under eviction, encoding and decoding thousands of one-block events per
+    step was a large share of a long-context run.
+    """
+    out: list[KVEvent] = []
+    run: list[int] = []
+    for event in events:
+        if type(event) is BlockRemoved:
+            run.extend(event.block_hashes)
+            continue
+        if run:
+            out.append(BlockRemoved(tuple(run)))
+            run = []
+        out.append(event)
+    if run:
+        out.append(BlockRemoved(tuple(run)))
+    return out
 
 
 @dataclass
@@ -414,8 +444,8 @@ class VirtualRun:
         e.busy = False
         self._dirty.append(e)
         if out.kv_events:
-            result = self.ingestor.on_message(e.name, e.seq, encode_events(out.kv_events,
-                                                                            self.now))
+            payload = encode_events(_merged_removals(out.kv_events), self.now)
+            result = self.ingestor.on_message(e.name, e.seq, payload)
             e.seq += 1
             apply_ops_sync(self.index, result.ops)
         finished = 0

@@ -440,6 +440,20 @@ def _cc_requests(entries: list[dict[str, Any]], session: str, rp: _Replay, stati
     return last
 
 
+_CC_SESSIONS = ("all", "subagents")
+
+
+def _cc_sessions(a: WorkloadArgs) -> str:
+    """`sessions=all` (every session, the default) or `subagents` (only sessions that fork
+    sub-agents: 17 of the 77)."""
+    a.used.add("sessions")
+    value = a.values.get("sessions", "all")
+    if value not in _CC_SESSIONS:
+        raise WorkloadError(f"--workload-arg sessions={value}: expected one of "
+                            f"{', '.join(_CC_SESSIONS)}")
+    return value
+
+
 def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int,
                 max_tokens: int) -> tuple[list[BenchWorkflow], int]:
     """Each Claude Code session a workflow: turns chained by think time, sub-agents fork/join.
@@ -447,11 +461,16 @@ def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int,
     Returns the workflows and how many requests were clipped to `max_tokens` (prompt+output).
     """
     rp = _Replay(vocab, a.num("think_scale", 1.0), a.num("max_think_s", 60.0), max_tokens)
+    only_subagents = _cc_sessions(a) == "subagents"
     files = sorted(_trace_file("weka-claude-code").glob("trace_*.json.gz"))
-    out = []
-    for f in files[:limit]:
+    out: list[BenchWorkflow] = []
+    for f in files:
+        if len(out) >= limit:
+            break
         with gzip.open(f, "rt") as fh:
             doc = json.load(fh)
+        if only_subagents and not any(r.get("type") == "subagent" for r in doc["requests"]):
+            continue
         static = int(doc.get("tool_tokens", 0)) + int(doc.get("system_tokens", 0))
         tasks: list[BenchTask] = []
         _cc_requests(doc["requests"], doc["id"], rp, static, tasks, (), "")
