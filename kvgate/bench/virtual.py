@@ -31,6 +31,7 @@ from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef
 from kvindex.index import InMemoryIndex
 from kvindex.ingest import EventIngestor, apply_ops_sync
 from kvindex.keys import KeyExtras, PromptKeyer, block_key
+from planner.dag import DagNode, DagRun, Wakeup
 from planner.ledger import Dispatch, GatewayLoad, close_dispatch, open_dispatch, prefill_done
 from planner.policy import EngineView, NoEngineAvailable, PolicyContext, RouteRequest, make_policy
 from planner.profiles import EngineProfile
@@ -266,9 +267,7 @@ class VirtualRun:
         self._live: dict[str, _Live] = {}
         self._dirty: list[_Engine] = []
         self._over = 0
-        self._pending: dict[str, dict[str, int]] = {}
-        self._successors: dict[str, dict[str, list[BenchTask]]] = {}
-        self._done_tasks: dict[str, int] = {}
+        self._runs: dict[str, DagRun] = {}
         self._rid = itertools.count()
         self.records: list[RequestRecord] = []
         self.wf_records: dict[str, WorkflowRecord] = {}
@@ -377,18 +376,16 @@ class VirtualRun:
 
     def _arrive(self, wf: BenchWorkflow) -> None:
         self.wf_records[wf.id] = WorkflowRecord(wf.id, self.now)
-        self._pending[wf.id] = {t.id: len(t.after) for t in wf.tasks}
-        successors: dict[str, list[BenchTask]] = {}
-        for t in wf.tasks:
-            for dep in t.after:
-                successors.setdefault(dep, []).append(t)
-        self._successors[wf.id] = successors
-        self._done_tasks[wf.id] = 0
-        for t in wf.tasks:
-            if not t.after:
-                self._push(self.now + t.think_time_s, "ready", (wf, t))
+        run = DagRun(wf.id, [DagNode(t.id, t.after, t.think_time_s) for t in wf.tasks])
+        self._runs[wf.id] = run
+        self._wake(wf, run.start(self.now))
+
+    def _wake(self, wf: BenchWorkflow, wakeups: list[Wakeup]) -> None:
+        for w in wakeups:
+            self._push(w.at, "ready", (wf, wf.task(w.task)))
 
     def _ready(self, wf: BenchWorkflow, task: BenchTask) -> None:
+        self._runs[wf.id].wake(task.id, self.now)
         record = RequestRecord(wf.id, task.id, self.now)
         self.records.append(record)
         pieces = self.builder.pieces(wf, task)
@@ -398,7 +395,7 @@ class VirtualRun:
         if keys.num_tokens + task.output_tokens > self.config.max_model_len:
             record.failed = (f"prompt of {keys.num_tokens} tokens plus {task.output_tokens} "
                              f"output tokens exceeds max_model_len {self.config.max_model_len}")
-            self._task_failed(wf, task)
+            self._task_failed(wf, task, record.failed)
             return
         rid = f"{wf.id}/{task.id}#{next(self._rid)}"
         text = "".join([p.text for p in pieces]) if self._needs_text else ""
@@ -412,7 +409,7 @@ class VirtualRun:
             engine_name = self.policy.choose(route, views, self.now)
         except NoEngineAvailable as exc:
             record.failed = str(exc)
-            self._task_failed(wf, task)
+            self._task_failed(wf, task, record.failed)
             return
         e = self.engines[engine_name]
         self._dirty.append(e)
@@ -423,6 +420,7 @@ class VirtualRun:
                                             self.speculative_ttl_s)
         record.dispatched_s = self.now
         record.engine = engine_name
+        self._runs[wf.id].dispatched(task.id, self.now)
         out_piece = self.builder.output_piece(wf, task)
         self._live[rid] = _Live(record, wf, task, route, d, out_piece.ids, out_piece)
         same_blocks = self.config.block_size == self.block_size
@@ -478,42 +476,21 @@ class VirtualRun:
         return self._task_done(live.wf, live.task)
 
     def _task_done(self, wf: BenchWorkflow, task: BenchTask) -> int:
-        self._done_tasks[wf.id] += 1
-        pending = self._pending[wf.id]
-        for t in self._successors[wf.id].get(task.id, ()):
-            pending[t.id] -= 1
-            if pending[t.id] == 0:
-                self._push(self.now + t.think_time_s, "ready", (wf, t))
-        if self._done_tasks[wf.id] == len(wf.tasks):
-            return self._workflow_over(wf)
-        return 0
+        run = self._runs[wf.id]
+        self._wake(wf, run.finished(task.id, self.now))
+        return self._workflow_over(wf) if run.over else 0
 
-    def _task_failed(self, wf: BenchWorkflow, task: BenchTask) -> None:
-        """A failed task fails its workflow: its dependents can never run."""
-        rec = self.wf_records[wf.id]
-        if not rec.failed:
-            rec.failed = True
-        self._done_tasks[wf.id] += 1
-        # Dependents are skipped; the workflow ends once nothing of it is in flight.
-        skipped = self._descendants(wf, task.id)
-        self._done_tasks[wf.id] += len(skipped)
-        for t in skipped:
-            self._pending[wf.id][t] = -1
-        if self._done_tasks[wf.id] >= len(wf.tasks):
+    def _task_failed(self, wf: BenchWorkflow, task: BenchTask, error: str) -> None:
+        """A failed task fails its workflow: its dependents are skipped, and the workflow ends
+        once nothing of it is in flight."""
+        self.wf_records[wf.id].failed = True
+        run = self._runs[wf.id]
+        run.fail(task.id, self.now, error)
+        if run.over:
             self._workflow_over(wf)
 
-    def _descendants(self, wf: BenchWorkflow, task_id: str) -> set[str]:
-        out: set[str] = set()
-        frontier = [task_id]
-        while frontier:
-            cur = frontier.pop()
-            for t in self._successors[wf.id].get(cur, ()):
-                if t.id not in out and self._pending[wf.id][t.id] >= 0:
-                    out.add(t.id)
-                    frontier.append(t.id)
-        return out
-
     def _workflow_over(self, wf: BenchWorkflow) -> int:
+        del self._runs[wf.id]
         self.wf_records[wf.id].finished_s = self.now
         self._over += 1
         if self._queue:
