@@ -31,6 +31,7 @@ from kvgate.bench.workloads import (
 )
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
+from planner.dag import DagNode, topological_order
 from planner.policy import policy_names
 from planner.profiles import get_profile
 
@@ -164,22 +165,12 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
 
 
 def _topological(wf: BenchWorkflow) -> list[BenchTask]:
-    """The workflow's tasks, each after the tasks it depends on."""
-    done: set[str] = set()
-    out: list[BenchTask] = []
-    remaining = list(wf.tasks)
-    while remaining:
-        rest = []
-        for t in remaining:
-            if all(d in done for d in t.after):
-                out.append(t)
-                done.add(t.id)
-            else:
-                rest.append(t)
-        if len(rest) == len(remaining):
-            raise WorkloadError(f"workflow {wf.id}: tasks wait on each other in a cycle")
-        remaining = rest
-    return out
+    """The workflow's tasks, each after the tasks it depends on (the DAG runtime's order)."""
+    try:
+        order = topological_order([DagNode(t.id, t.after) for t in wf.tasks])
+    except ValueError as e:
+        raise WorkloadError(f"workflow {wf.id}: {e}") from None
+    return [wf.task(n.id) for n in order]
 
 
 def progress_bar(label: str, stream: Any = sys.stderr) -> Callable[[int, int], None]:
