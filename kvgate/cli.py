@@ -143,7 +143,8 @@ def _bench(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, workflows=args.workflows, seed=args.seed,
         mode=args.mode, json_out=args.json, plot_out=args.plot,
         progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
-        workflow_trace=args.workflow_trace,
+        workflow_trace=args.workflow_trace, goodput=args.goodput, slo_jct=args.slo_jct,
+        goodput_precision=args.goodput_precision,
     )
     try:
         run_bench(options)
@@ -252,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "0.1 for GPU profiles)")
     bench.add_argument("--fidelity", action="store_true",
                        help="with --mode live: also run virtual and report how far apart they are")
+    bench.add_argument("--goodput", action="store_true",
+                       help="also search each policy's goodput: the highest Poisson workflow "
+                            "rate whose mean JCT stays within --slo-jct x the lower bound")
+    bench.add_argument("--slo-jct", type=float, metavar="X",
+                       help="goodput SLO: mean JCT <= X x lower bound (default 1.5)")
+    bench.add_argument("--goodput-precision", type=float, default=0.05, metavar="P",
+                       help="stop bisecting when the rates are within P of each other "
+                            "(relative; default 0.05)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 

@@ -77,10 +77,14 @@ class EngineProfile:
         memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
         return self.step_overhead_s + max(compute_s, memory_s)
 
+    def step_flops(self, new_tokens: float, attended: float) -> float:
+        """FLOPs of a step with `new_tokens` and attention sum `attended` (as `step_time_of`)."""
+        return 2.0 * self.params * new_tokens + 4.0 * self.layers * self.hidden * attended
+
     def step_time_of(self, new_tokens: float, attended: float, kv_tokens: float) -> float:
         """`step_time` from the chunks' sums: new tokens, sum of new_tokens x (context +
         (new_tokens + 1) / 2), and context plus new tokens (for a step with work)."""
-        flops = 2.0 * self.params * new_tokens + 4.0 * self.layers * self.hidden * attended
+        flops = self.step_flops(new_tokens, attended)
         compute_s = flops / (self.peak_flops * self.mfu)
         memory_s = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (
             self.mem_bandwidth * self.mbu)

@@ -349,6 +349,8 @@ class EngineStats:
     num_preemptions: int = 0
     steps: int = 0
     busy_time: float = 0.0
+    flops: float = 0.0
+    """Model FLOPs executed (the roofline's count), for compute utilisation."""
 
 
 @dataclass(frozen=True)
@@ -668,6 +670,7 @@ class EngineModel:
         stats.generation_tokens += len(outputs)
         stats.steps += 1
         stats.busy_time += duration
+        stats.flops += self.profile.step_flops(new_tokens, attended)
         return StepOutput(duration, outputs, finished, kv_events, int(new_tokens))
 
     def _finish(self, req: SimRequest, reason: FinishReason, now: float) -> None:

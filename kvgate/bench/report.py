@@ -52,10 +52,20 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "recomputed_prompt_tokens": run.computed_prompt_tokens,
         "transferred_bytes": run.transferred_bytes,
         "gateway_wait_p50_s": percentile(waits, 50),
+        "compute_utilisation": _compute_utilisation(run, engines, makespan),
         # Live runs cannot see engine busy time: null, not a made-up zero.
         "engine_busy_ratio": busy / (engines * makespan) if engines and makespan > 0 else None,
         "requests_per_engine": _per_engine(ok, sorted(run.busy_s)),
     }
+
+
+def _compute_utilisation(run: RunResult, engines: int, makespan: float) -> float | None:
+    """Model FLOPs executed / (peak FLOP/s x engines x makespan): one sequence decoding per
+    engine reads near 0, a pool saturated with prefill near the profile's MFU. Null where the
+    FLOPs are not seen (live mode)."""
+    if run.flops is None or engines == 0 or makespan <= 0 or run.peak_flops <= 0:
+        return None
+    return run.flops / (run.peak_flops * engines * makespan)
 
 
 def _per_engine(records: Sequence[Any], engines: list[str]) -> list[int]:
@@ -102,7 +112,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"lower bound: JCT mean {lb['jct_mean_s']:.3f} s, makespan {lb['makespan_s']:.2f} s",
         "",
         f"{'policy':<16}{'JCT mean':>10}{'x bound':>8}{'JCT p99':>10}{'TTFT p50':>10}"
-        f"{'TTFT p90':>10}{'TTFT p99':>10}{'out tok/s':>11}{'hit %':>7}{'busy %':>7}"
+        f"{'TTFT p90':>10}{'TTFT p99':>10}{'out tok/s':>11}{'hit %':>7}{'util %':>7}"
         f"{'failed':>7}",
     ]
     for name, r in report["results"].items():
@@ -111,7 +121,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{name:<16}{r['jct_mean_s']:>10.3f}{ratio:>8.2f}{r['jct_p99_s']:>10.3f}"
             f"{r['ttft_p50_s']:>10.3f}{r['ttft_p90_s']:>10.3f}{r['ttft_p99_s']:>10.3f}"
             f"{r['output_tokens_per_s']:>11.0f}{100 * r['prefix_hit_ratio']:>7.1f}"
-            f"{_pct(r.get('engine_busy_ratio')):>7}{r['failed']:>7}")
+            f"{_pct(r.get('compute_utilisation')):>7}{r['failed']:>7}")
     return "\n".join(lines)
 
 
@@ -156,6 +166,57 @@ def plot(report: dict[str, Any], runs: dict[str, RunResult], path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"{report['workload']}: {report['engines']} x {report['profile']} "
                  f"({report['mode']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def format_goodput(report: dict[str, Any]) -> str:
+    """The goodput table: each policy's rate, its ratio to the best other policy's, and the
+    JCT/bound at that rate."""
+    section = report["goodput"]
+    slo = section["slo_jct_x_bound"]
+    policies = {k: v for k, v in section.items() if isinstance(v, dict)}
+    lines = [f"goodput: highest Poisson workflow rate with mean JCT <= {slo:g} x bound and no "
+             "failed workflow",
+             f"{'policy':<18}{'workflows/s':>12}{'vs best other':>15}{'x bound':>9}{'probes':>8}"]
+    for name, g in sorted(policies.items(), key=lambda kv: -kv[1]["rate"]):
+        best_other = max((v["rate"] for k, v in policies.items() if k != name), default=0.0)
+        ratio = f"{g['rate'] / best_other:.2f}x" if best_other > 0 else "-"
+        at = [p["x_bound"] for p in g["points"] if p["rate"] == g["rate"]]
+        x = f"{at[0]:.2f}" if at else "-"
+        rate = f"{g['rate']:.4g}" if g["rate"] > 0 else "none met"
+        lines.append(f"{name:<18}{rate:>12}{ratio:>15}{x:>9}{len(g['points']):>8}")
+    return "\n".join(lines)
+
+
+def goodput_plot_path(plot_path: str) -> str:
+    """Where `--plot OUT.png` puts the goodput curves: `OUT-goodput.png`."""
+    stem, dot, ext = plot_path.rpartition(".")
+    return f"{stem}-goodput.{ext}" if dot else f"{plot_path}-goodput"
+
+
+def plot_goodput(report: dict[str, Any], path: str) -> None:
+    """JCT / bound against the Poisson rate, one line per policy, with the SLO drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    section = report["goodput"]
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    for name, g in section.items():
+        if not isinstance(g, dict):
+            continue
+        points = [p for p in g["points"] if p["failed"] == 0]
+        ax.plot([p["rate"] for p in points], [p["x_bound"] for p in points], marker="o",
+                label=f"{name} ({g['rate']:.3g}/s)")
+    ax.axhline(section["slo_jct_x_bound"], color="grey", linestyle=":", label="SLO")
+    ax.set(title=f"{report['workload']}: {report['engines']} x {report['profile']}",
+           xlabel="workflows per second (Poisson)", ylabel="mean JCT / lower bound",
+           ylim=(1.0, None))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

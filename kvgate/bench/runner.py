@@ -10,8 +10,23 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvgate.bench.bound import LowerBound, TaskShape, lower_bound
+from kvgate.bench.goodput import (
+    DEFAULT_PRECISION,
+    DEFAULT_SLO,
+    GoodputPoint,
+    search_goodput,
+    start_rate,
+)
 from kvgate.bench.prompts import ChatRenderer, Vocabulary
-from kvgate.bench.report import build_report, format_table, plot, summarise
+from kvgate.bench.report import (
+    build_report,
+    format_goodput,
+    format_table,
+    goodput_plot_path,
+    plot,
+    plot_goodput,
+    summarise,
+)
 from kvgate.bench.virtual import (
     MODEL,
     Load,
@@ -64,6 +79,12 @@ class BenchOptions:
     """Run virtual and live, report live, and add how far apart the two are."""
     workflow_trace: str | None = None
     """JSON Lines of workflow specs with their `arrival_s`, replayed at those times."""
+    goodput: bool = False
+    """Also search each policy's goodput (BENCHMARKS.md)."""
+    slo_jct: float | None = None
+    """The goodput SLO: mean JCT at most this many times the bound (default 1.5)."""
+    goodput_precision: float = DEFAULT_PRECISION
+    """Bisect until the passing and failing rates are this close (relative)."""
 
     @property
     def name(self) -> str:
@@ -92,6 +113,15 @@ def check_options(o: BenchOptions) -> None:
         raise WorkloadError(f"--mode must be virtual or live, not {o.mode!r}")
     if o.fidelity and o.mode != "live":
         raise WorkloadError("--fidelity runs both modes: use it with --mode live")
+    if o.slo_jct is not None and not o.goodput:
+        raise WorkloadError("--slo-jct sets the goodput SLO: use it with --goodput")
+    if o.slo_jct is not None and o.slo_jct <= 1.0:
+        raise WorkloadError("--slo-jct must be above 1 (no policy beats the lower bound)")
+    if o.goodput and o.mode != "virtual":
+        raise WorkloadError("--goodput searches rates in virtual time: use it with --mode "
+                            "virtual")
+    if not 0 < o.goodput_precision < 1:
+        raise WorkloadError("--goodput-precision must be between 0 and 1")
     try:
         get_profile(o.profile)
     except ValueError as e:
@@ -208,6 +238,30 @@ def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     return runs
 
 
+def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
+    """Each policy's goodput: the report's `goodput` section."""
+    profile = get_profile(o.profile)
+    slo = o.slo_jct if o.slo_jct is not None else DEFAULT_SLO
+    bound = prepared.bound
+    first = start_rate(len(prepared.workflows), o.engines, sum(bound.jct_s.values()))
+    section: dict[str, Any] = {"slo_jct_x_bound": slo}
+    for policy in o.policies:
+        def probe(rate: float, policy: str = policy) -> GoodputPoint:
+            load = Load(arrivals=poisson_arrivals(prepared.workflows, rate, o.seed))
+            run = VirtualRun(policy, prepared.workflows, load, profile, o.engines,
+                             prepared.builder, seed=o.seed).run()
+            jct = summarise(run)["jct_mean_s"]
+            failed = sum(1 for w in run.workflows if w.failed or w.finished_s is None)
+            x = jct / bound.jct_mean_s if bound.jct_mean_s > 0 else float("inf")
+            if o.progress:
+                print(f"goodput {policy}: rate {rate:.4g}/s -> {x:.2f} x bound, "
+                      f"{failed} failed", file=sys.stderr)
+            return GoodputPoint(rate, jct, x, failed)
+
+        section[policy] = search_goodput(probe, first, slo, o.goodput_precision).as_json()
+    return section
+
+
 def fidelity(virtual: dict[str, dict[str, Any]],
              live: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per policy run in both modes: mean JCT and TTFT p50 of each, and the relative gap of the
@@ -243,6 +297,8 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
             virtual = {name: summarise(run)
                        for name, run in run_virtual(in_virtual, prepared).items()}
             extra["fidelity"] = fidelity(virtual, {n: summarise(r) for n, r in runs.items()})
+    if o.goodput:
+        extra["goodput"] = run_goodput(o, prepared)
     elapsed = time.monotonic() - started
     results = {name: summarise(run) for name, run in runs.items()}
     report = build_report(
@@ -251,6 +307,8 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
         workflows=len(prepared.workflows), bound=prepared.bound, results=results, extra=extra,
     )
     print(format_table(report), file=out)
+    if "goodput" in report:
+        print(format_goodput(report), file=out)
     for name, f in extra.get("fidelity", {}).items():
         print(f"fidelity {name}: JCT mean virtual {f['jct_mean_virtual_s']:.3f} s, live "
               f"{f['jct_mean_live_s']:.3f} s ({100 * f['jct_mean_diff']:+.1f}%); TTFT p50 "
@@ -263,5 +321,7 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
             f.write("\n")
     if o.plot_out:
         plot(report, runs, o.plot_out)
+        if "goodput" in report:
+            plot_goodput(report, goodput_plot_path(o.plot_out))
     return report
 

@@ -82,6 +82,10 @@ class RunResult:
     """Prompt tokens the engines computed rather than served from cache (their prefix-cache
     queries minus hits)."""
     transferred_bytes: int = 0
+    flops: float | None = None
+    """Model FLOPs the engines executed (None where the driver cannot see them: live mode)."""
+    peak_flops: float = 0.0
+    """One engine's peak FLOP/s, for compute utilisation."""
 
 
 @dataclass
@@ -339,7 +343,9 @@ class VirtualRun:
             e.model.stats.prefix_cache_queries - e.model.stats.prefix_cache_hits
             for e in self.engines.values())
         return RunResult(self.policy_name, self.records, list(self.wf_records.values()), busy,
-                         self.utilisation, self.bucket_s, self.computed_prompt_tokens)
+                         self.utilisation, self.bucket_s, self.computed_prompt_tokens,
+                         flops=sum(e.model.stats.flops for e in self.engines.values()),
+                         peak_flops=self.profile.peak_flops)
 
     def _scrape(self) -> None:
         for e in self.engines.values():

@@ -1,0 +1,94 @@
+"""Goodput at an SLO: the highest Poisson workflow rate a policy sustains (BENCHMARKS.md).
+
+The SLO holds at a rate when the mean workflow completion time is at most `slo` times the lower
+bound's mean and no workflow failed. The search brackets (doubling or halving from a start rate
+until one rate passes and a higher one fails) and then bisects to a relative precision. Every
+probe is a whole virtual run with the same seed and workflows, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_SLO = 1.5
+DEFAULT_PRECISION = 0.05
+MAX_PROBES = 14
+
+
+@dataclass(frozen=True)
+class GoodputPoint:
+    """One probe: the rate tried, the mean JCT it gave, that as a multiple of the bound, and
+    how many workflows failed."""
+
+    rate: float
+    jct_mean_s: float
+    x_bound: float
+    failed: int
+
+    def meets(self, slo: float) -> bool:
+        """The SLO holds at this rate."""
+        return self.failed == 0 and self.x_bound <= slo
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """A policy's goodput (0.0 when no rate tried met the SLO) and every probe, by rate."""
+
+    rate: float
+    points: tuple[GoodputPoint, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        """The report's `goodput.<policy>` object."""
+        return {"rate": self.rate, "points": [asdict(p) for p in self.points]}
+
+
+def search_goodput(
+    probe: Callable[[float], GoodputPoint],
+    start_rate: float,
+    slo: float = DEFAULT_SLO,
+    precision: float = DEFAULT_PRECISION,
+    max_probes: int = MAX_PROBES,
+) -> Goodput:
+    """Bracket, then bisect until the passing and failing rates are within `precision` of each
+    other (relative), or `max_probes` runs were spent."""
+    if start_rate <= 0:
+        raise ValueError("the start rate must be positive")
+    seen: dict[float, GoodputPoint] = {}
+
+    def run(rate: float) -> GoodputPoint:
+        if rate not in seen:
+            seen[rate] = probe(rate)
+        return seen[rate]
+
+    passing: float | None = None
+    failing: float | None = None
+    rate = start_rate
+    while len(seen) < max_probes:
+        if run(rate).meets(slo):
+            passing = rate
+            if failing is not None:
+                break
+            rate *= 2.0
+        else:
+            failing = rate
+            if passing is not None:
+                break
+            rate /= 2.0
+    while (passing is not None and failing is not None and len(seen) < max_probes
+           and failing - passing > precision * passing):
+        mid = (passing + failing) / 2.0
+        if run(mid).meets(slo):
+            passing = mid
+        else:
+            failing = mid
+    points = tuple(seen[r] for r in sorted(seen))
+    return Goodput(passing if passing is not None else 0.0, points)
+
+
+def start_rate(workflows: int, engines: int, bound_jct_sum_s: float) -> float:
+    """A first rate to try: every engine finishing one workflow per bound-length interval."""
+    if bound_jct_sum_s <= 0:
+        return 1.0
+    return workflows * engines / bound_jct_sum_s

@@ -1,0 +1,100 @@
+"""Goodput at an SLO (kvgate/bench/goodput.py) and compute utilisation in bench reports."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate.bench.goodput import GoodputPoint, search_goodput
+from kvgate.bench.runner import BenchOptions, run_bench
+
+
+def linear_probe(threshold: float, calls: list[float]) -> Any:
+    """A system whose JCT/bound grows linearly with rate and crosses 1.5 at `threshold`."""
+
+    def probe(rate: float) -> GoodputPoint:
+        calls.append(rate)
+        x = 1.0 + 0.5 * rate / threshold
+        return GoodputPoint(rate, x, x, 0)
+
+    return probe
+
+
+@pytest.mark.parametrize("start", [0.01, 1.0, 37.0])
+def test_search_brackets_then_bisects_to_the_precision(start: float) -> None:
+    calls: list[float] = []
+    g = search_goodput(linear_probe(2.0, calls), start, slo=1.5, precision=0.05,
+                       max_probes=40)
+    assert g.rate <= 2.0
+    failing_above = min(p.rate for p in g.points if not p.meets(1.5))
+    assert failing_above > 2.0
+    assert failing_above - g.rate <= 0.05 * g.rate
+    assert [p.rate for p in g.points] == sorted(set(calls))
+
+
+def test_search_is_deterministic_and_bounded_in_probes() -> None:
+    a = search_goodput(linear_probe(3.0, []), 1.0, max_probes=6)
+    b = search_goodput(linear_probe(3.0, []), 1.0, max_probes=6)
+    assert a == b and len(a.points) <= 6
+
+
+def test_no_rate_meeting_the_slo_gives_zero() -> None:
+    def never(rate: float) -> GoodputPoint:
+        return GoodputPoint(rate, 9.0, 9.0, 0)
+
+    g = search_goodput(never, 1.0, max_probes=5)
+    assert g.rate == 0.0 and len(g.points) == 5
+
+
+def test_a_failed_workflow_fails_the_slo_whatever_the_jct() -> None:
+    assert not GoodputPoint(1.0, 1.0, 1.0, failed=1).meets(1.5)
+
+
+def small(**kw: object) -> dict[str, Any]:
+    options = BenchOptions(workload="fanout", workflows=8, engines=2, progress=False,
+                           workload_args={"width": "3", "static_tokens": "500"},
+                           **kw)  # type: ignore[arg-type]
+    return run_bench(options, out=io.StringIO())
+
+
+def test_goodput_section_has_the_contract_shape_and_repeats_exactly(tmp_path: Path) -> None:
+    plot = tmp_path / "run.png"
+    first = small(policies=["round-robin", "least-loaded"], goodput=True, slo_jct=1.5,
+                  plot_out=str(plot))
+    again = small(policies=["round-robin", "least-loaded"], goodput=True, slo_jct=1.5)
+    section = first["goodput"]
+    assert section == again["goodput"]
+    assert section["slo_jct_x_bound"] == 1.5
+    for policy in ("round-robin", "least-loaded"):
+        g = section[policy]
+        assert g["rate"] > 0
+        rates = [p["rate"] for p in g["points"]]
+        assert rates == sorted(rates)
+        assert set(g["points"][0]) == {"rate", "jct_mean_s", "x_bound", "failed"}
+        passing = [p for p in g["points"] if p["rate"] == g["rate"]][0]
+        assert passing["x_bound"] <= 1.5 and passing["failed"] == 0
+    assert plot.exists() and (tmp_path / "run-goodput.png").stat().st_size > 0
+
+
+def test_compute_utilisation_is_a_fraction_that_grows_with_load() -> None:
+    light = small(policies=["round-robin"], rate=0.05)["results"]["round-robin"]
+    heavy = small(policies=["round-robin"], concurrency=8)["results"]["round-robin"]
+    assert 0 < light["compute_utilisation"] < heavy["compute_utilisation"] < 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--slo-jct", "2"], "--slo-jct sets the goodput SLO"),
+    (["--goodput", "--slo-jct", "0"], "--slo-jct must be above 1"),
+    (["--goodput", "--mode", "live"], "--goodput searches rates in virtual time"),
+    (["--goodput", "--goodput-precision", "2"], "--goodput-precision must be between"),
+])
+def test_goodput_option_errors_name_the_option_and_exit_2(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvgate.cli", "bench", "--workload", "fanout",
+                           "--no-progress", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
