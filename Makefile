@@ -27,3 +27,39 @@ test: lint
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The README's result tables: every report under bench-results/, then the markdown tables.
+# `make -j2 bench-tables` runs two reports at a time (about 40 minutes on 2 cores).
+POLICIES := kvgate,round-robin,least-loaded,session,sglang-like,llmd-like,llmd-approx-like,dynamo-like
+BENCH := $(VENV)/bin/kvgate bench --no-progress --policy $(POLICIES)
+LONG := --profile h100x4-llama3-70b --workload-arg context_tokens=32000 --workload-arg agent_types=4
+R := bench-results
+REPORTS := $(R)/fanout.json $(R)/react.json $(R)/tree.json $(R)/debate.json \
+	$(R)/fanout-long.json $(R)/react-long.json $(R)/tree-long.json $(R)/debate-long.json \
+	$(R)/claude-code.json $(R)/mooncake-conversation.json $(R)/mooncake-synthetic.json \
+	$(R)/prefix-groups.json
+
+.PHONY: bench-tables
+bench-tables: $(REPORTS)
+	$(PY) -m kvgate.bench.tables $(REPORTS) > $(R)/tables.md
+	@echo "tables in $(R)/tables.md"
+
+$(R)/%.json: $(VENV)/.dev
+	@mkdir -p $(R)
+	$(BENCH) --workload $* --workflows 100 --goodput --json $@ > $(R)/$*.txt
+
+$(R)/%-long.json: $(VENV)/.dev
+	@mkdir -p $(R)
+	$(BENCH) --workload $* $(LONG) --workflows 24 --goodput --goodput-precision 0.1 --json $@ > $(R)/$*-long.txt
+
+$(R)/claude-code.json: $(VENV)/.dev
+	@mkdir -p $(R)
+	$(BENCH) --workload claude-code --workload-arg sessions=subagents --workflows 4 --engines 4 --json $@ > $(R)/claude-code.txt
+
+$(R)/mooncake-%.json: $(VENV)/.dev
+	@mkdir -p $(R)
+	$(BENCH) --workload mooncake-$* --workflows 300 --goodput --goodput-precision 0.1 --json $@ > $(R)/mooncake-$*.txt
+
+$(R)/prefix-groups.json: $(VENV)/.dev
+	@mkdir -p $(R)
+	$(BENCH) --workload prefix-groups --profile h200-qwen3-32b --rate 6 --workflows 750 --json $@ > $(R)/prefix-groups.txt
