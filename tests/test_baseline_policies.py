@@ -174,14 +174,32 @@ def test_sglang_finished_requests_stop_counting_as_load() -> None:
     assert policy.choose(request(text=SYSTEM + "?"), pool, 2.0) == "a"
 
 
-def test_sglang_match_rate_at_or_below_threshold_goes_to_the_smallest_tree() -> None:
+def test_sglang_match_rate_at_or_below_threshold_goes_to_the_least_loaded_worker() -> None:
     policy = SglangCacheAware()
     route(policy, request("1", text="x" * 100), [engine("a")])
     route(policy, request("2", text="y" * 10), [engine("b")])
+    route(policy, request("2b", text="y" * 11), [engine("b")])
     route(policy, request("3", text="z" * 50), [engine("c")])
+    policy.on_finish("3", "c", 0.5)
     pool = [engine(n) for n in "abc"]
-    assert policy.choose(request(text="x" * 30 + "w" * 70), pool, 1.0) == "b"
+    # c holds the most text but nothing in flight; b's tree is the smallest but it is busiest.
+    assert policy.choose(request(text="x" * 30 + "w" * 70), pool, 1.0) == "c"
     assert policy.choose(request(text="x" * 31 + "w" * 69), pool, 1.0) == "a"
+
+
+def test_sglang_least_loaded_ties_go_to_the_first_worker_in_pool_order() -> None:
+    policy = SglangCacheAware()
+    route(policy, request("1", text="x" * 100), [engine("a")])
+    pool = [engine(n) for n in "abc"]
+    assert policy.choose(request(text="unrelated"), pool, 1.0) == "b"
+
+
+def test_sglang_equal_matches_go_to_the_worker_that_cached_the_prefix_last() -> None:
+    policy = SglangCacheAware()
+    route(policy, request("1", text=SYSTEM + "1"), [engine("a")], 0.0)
+    route(policy, request("2", text=SYSTEM + "2"), [engine("b")], 1.0)
+    pool = [engine("a"), engine("b")]
+    assert policy.choose(request(text=SYSTEM + "3"), pool, 2.0) == "b"
 
 
 def test_sglang_eviction_tick_drops_least_recently_used_text_beyond_the_size_bound() -> None:
