@@ -117,6 +117,15 @@ class RoutingPolicy(Protocol):
         ...
 
 
+def scrape_interval(policy: RoutingPolicy, default_s: float) -> float:
+    """How often drivers refresh engine metrics for `policy`: its peer's own refresh interval
+    (a `metrics_interval_s` attribute) when it declares a fresher one, else `default_s`."""
+    declared = getattr(policy, "metrics_interval_s", None)
+    if isinstance(declared, int | float) and 0 < declared < default_s:
+        return float(declared)
+    return default_s
+
+
 class StatelessPolicy:
     """Base for policies that keep no per-request state."""
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvindex.index import EngineMatch
 from planner.policies.dynamo_like import DynamoKvRouter
-from planner.policies.llmd_like import LlmdPreciseScheduler
+from planner.policies.llmd_like import LlmdPreciseScheduler, precise_prefix_scores
 from planner.policies.session import SessionAffinity
 from planner.policies.sglang_like import CharRadixTree, SglangCacheAware
 from planner.policy import (
@@ -20,6 +20,7 @@ from planner.policy import (
     RouteRequest,
     RoutingPolicy,
     make_policy,
+    scrape_interval,
 )
 
 MODEL = "m"
@@ -242,15 +243,50 @@ def test_llmd_prefix_beats_an_idle_engine_only_when_weights_favour_it() -> None:
 
 
 def test_llmd_a_sole_prefix_hit_earns_the_full_prefix_score() -> None:
-    req = request(keys=range(100), matches={"a": hit("a", 1)})
+    req = request(keys=range(100), matches={"a": hit("a", 4)})
     scores = LlmdPreciseScheduler().scores(req, [engine("a"), engine("b")])
     assert scores == pytest.approx({"a": 4.0, "b": 2.0})
 
 
-def test_llmd_queue_counts_requests_sent_since_the_last_scrape() -> None:
+def test_llmd_a_pod_without_the_first_64_token_block_scores_zero() -> None:
+    # 3 index blocks of 16 tokens are less than llm-d's first 64-token block.
+    req = request(keys=range(20), matches={"a": hit("a", 3), "b": hit("b", 8)})
+    scores = precise_prefix_scores(req, [engine("a"), engine("b"), engine("c")])
+    assert scores == {"a": 0.0, "b": 1.0, "c": 0.0}
+
+
+def test_llmd_prefix_runs_are_min_max_normalised_over_the_holders() -> None:
+    req = request(keys=range(40), matches={"a": hit("a", 4), "b": hit("b", 8),
+                                           "c": hit("c", 16)})
+    scores = precise_prefix_scores(req, [engine(n) for n in "abcd"])
+    assert scores == pytest.approx({"a": 0.0, "b": 1 / 3, "c": 1.0, "d": 0.0})
+
+
+def test_llmd_ignores_speculative_index_entries() -> None:
+    req = request(keys=range(20), matches={"a": hit("a", 8, confirmed=0), "b": hit("b", 4)})
+    assert precise_prefix_scores(req, [engine("a"), engine("b")]) == {"a": 0.0, "b": 1.0}
+
+
+def test_llmd_queue_reads_only_the_scraped_waiting_count() -> None:
     policy = LlmdPreciseScheduler()
-    pool = [engine("a", running=1, in_flight=5), engine("b", waiting=1, running=1, in_flight=2)]
-    assert policy.choose(request(), pool, 0.0) == "b"
+    pool = [engine("a", running=1, in_flight=9), engine("b", waiting=1, running=1, in_flight=2)]
+    assert policy.choose(request(), pool, 0.0) == "a"
+
+
+def test_llmd_a_sole_holder_keeps_the_traffic_however_long_its_queue() -> None:
+    policy = LlmdPreciseScheduler()
+    req = request(keys=range(20), matches={"a": hit("a", 16)})
+    # a: 2 x 1 + (1 - usage) + 0 against an idle b: 0 + 1 + 1 = 2; only a full KV cache ties.
+    pool = [engine("a", waiting=50, kv_usage=0.99), engine("b")]
+    assert policy.choose(req, pool, 0.0) == "a"
+    pool = [engine("a", waiting=50, kv_usage=1.0), engine("b")]
+    assert {policy.choose(req, pool, 0.0) for _ in range(40)} == {"a", "b"}
+
+
+def test_llmd_asks_drivers_for_its_peers_50_ms_metrics_refresh() -> None:
+    assert scrape_interval(LlmdPreciseScheduler(), 0.5) == 0.05
+    assert scrape_interval(LlmdPreciseScheduler(), 0.01) == 0.01
+    assert scrape_interval(DynamoKvRouter(), 0.5) == 0.5
 
 
 def test_llmd_ties_are_broken_at_random() -> None:

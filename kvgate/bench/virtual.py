@@ -25,7 +25,14 @@ from kvindex.index import InMemoryIndex
 from kvindex.ingest import EventIngestor, apply_ops_sync
 from kvindex.keys import KeyExtras, PromptKeyer, block_key
 from planner.ledger import Dispatch, GatewayLoad, close_dispatch, open_dispatch, prefill_done
-from planner.policy import EngineView, NoEngineAvailable, PolicyContext, RouteRequest, make_policy
+from planner.policy import (
+    EngineView,
+    NoEngineAvailable,
+    PolicyContext,
+    RouteRequest,
+    make_policy,
+    scrape_interval,
+)
 from planner.profiles import EngineProfile
 
 MODEL = "kvgate-bench"
@@ -214,6 +221,7 @@ class VirtualRun:
                             block_size=self.block_size, seed=seed)
         self.policy = make_policy(policy, ctx)
         self.policy_name = policy
+        self.scrape_s = scrape_interval(self.policy, self.scrape_s)
         if not self.policy.speculative_entries:
             self.speculative_ttl_s = 0.0
         # Only character-level policies read the prompt text; building it costs a join.
