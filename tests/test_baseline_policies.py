@@ -1,4 +1,5 @@
-"""The peer baselines (session, sglang-like, llmd-like, dynamo-like) follow their peers' rules."""
+"""The peer baselines (session, sglang-like, llmd-like, llmd-approx-like, dynamo-like) follow
+their peers' rules."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvindex.index import EngineMatch
 from planner.policies.dynamo_like import DynamoKvRouter
+from planner.policies.llmd_approx_like import LlmdApproximateScheduler
 from planner.policies.llmd_like import LlmdPreciseScheduler, precise_prefix_scores
 from planner.policies.session import SessionAffinity
 from planner.policies.sglang_like import CharRadixTree, SglangCacheAware
@@ -24,7 +26,7 @@ from planner.policy import (
 )
 
 MODEL = "m"
-BASELINES = ["session", "sglang-like", "llmd-like", "dynamo-like"]
+BASELINES = ["session", "sglang-like", "llmd-like", "llmd-approx-like", "dynamo-like"]
 SYSTEM = "You are a meticulous assistant. Follow the tool schema exactly. " * 20
 
 
@@ -293,6 +295,70 @@ def test_llmd_ties_are_broken_at_random() -> None:
     policy = LlmdPreciseScheduler(PolicyContext(seed=3))
     pool = [engine(n) for n in "abc"]
     assert {policy.choose(request(), pool, 0.0) for _ in range(50)} == {"a", "b", "c"}
+
+
+# -- llmd-approx-like --------------------------------------------------------------------------
+
+def test_llmd_approx_scores_matched_over_total_16_token_blocks_it_routed_itself() -> None:
+    policy = LlmdApproximateScheduler()
+    pool = [engine("a"), engine("b")]
+    policy.on_dispatch(request("1", keys=range(8)), "a", 0.0)
+    # 8 index blocks of 16 tokens; the 16-token prompt blocks are the same keys.
+    req = request(keys=[0, 1, 2, 3, 90, 91, 92, 93])
+    assert policy.prefix_matches(policy.prompt_hashes(req)) == {"a": 4}
+    # a: 3 x 4/8 + queue 2 + kv 2 + no-hit-lru 2 x 0.5 (warm); b: 0 + 2 + 2 + 1
+    assert policy.scores(req, pool) == pytest.approx({"a": 6.5, "b": 5.0})
+
+
+def test_llmd_approx_learns_only_from_its_own_routing_not_the_kv_index() -> None:
+    policy = LlmdApproximateScheduler()
+    pool = [engine("a"), engine("b"), engine("c")]
+    req = request("1", keys=range(8), matches={"c": hit("c", 8)})
+    first = route(policy, req, pool)
+    for i in range(5):
+        assert route(policy, request(f"again{i}", keys=range(8), matches={"c": hit("c", 8)}),
+                     pool) == first
+
+
+def test_llmd_approx_matches_at_most_the_first_256_blocks() -> None:
+    policy = LlmdApproximateScheduler()
+    policy.on_dispatch(request("1", keys=range(300)), "a", 0.0)
+    req = request(keys=[*range(256), *range(1000, 1044)])
+    assert len(policy.prompt_hashes(req)) == 256
+    assert policy.prefix_matches(policy.prompt_hashes(req)) == {"a": 256}
+
+
+def test_llmd_approx_spreads_cold_requests_over_the_least_recently_used_pods() -> None:
+    policy = LlmdApproximateScheduler()
+    pool = [engine(n) for n in "abcd"]
+    choices = [route(policy, request(f"cold{i}", keys=[1000 * i + j for j in range(4)]), pool)
+               for i in range(8)]
+    assert choices == ["a", "b", "c", "d", "a", "b", "c", "d"]
+
+
+def test_llmd_approx_no_hit_lru_ranks_never_used_pods_first_then_oldest() -> None:
+    policy = LlmdApproximateScheduler()
+    pool = [engine(n) for n in "abcd"]
+    policy.on_dispatch(request("1", keys=[1]), "c", 0.0)
+    policy.on_dispatch(request("2", keys=[2]), "a", 0.0)
+    scores = policy.no_hit_lru_scores(pool)
+    # never used: b, d (ranks 0, 1); then c (oldest, rank 2) and a (rank 3)
+    assert scores == pytest.approx({"b": 1.0, "d": 2 / 3, "c": 1 / 3, "a": 0.0})
+
+
+def test_llmd_approx_warm_requests_leave_the_no_hit_lru_alone() -> None:
+    policy = LlmdApproximateScheduler()
+    policy.on_dispatch(request("1", keys=range(4)), "a", 0.0)
+    policy.on_dispatch(request("2", keys=range(4)), "b", 0.0)
+    assert list(policy.cold_lru) == ["a"]
+
+
+def test_llmd_approx_pod_record_forgets_the_least_recently_routed_blocks() -> None:
+    policy = LlmdApproximateScheduler(lru_capacity_per_pod=8)
+    policy.on_dispatch(request("1", keys=range(8)), "a", 0.0)
+    policy.on_dispatch(request("2", keys=range(100, 104)), "a", 1.0)
+    assert policy.prefix_matches(policy.prompt_hashes(request(keys=range(8)))) == {}
+    assert policy.prefix_matches(policy.prompt_hashes(request(keys=range(100, 104)))) == {"a": 4}
 
 
 # -- dynamo-like -------------------------------------------------------------------------------
