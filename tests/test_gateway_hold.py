@@ -19,13 +19,14 @@ from aiohttp import web
 from gateway.errors import EngineTimeout
 from gateway.proxy import Proxy
 from kvgate.procs import Child, wait_healthy
+from planner.policies.dynamo_like import DynamoKvRouter
 from planner.policy import Hold, RouteRequest
 from planner.profiles import get_profile
 from tests.conftest import ThreadedServer
 
-# Two 9,000-token prompts put more than 4.0 x cpu-tiny's 4,096 batched tokens of prefill on the
-# only engine: every engine is backed up, so the next request is held.
-PROMPT_TOKENS = 9000
+# Two 40,000-token prompts put more than dynamo's queue threshold (16) x cpu-tiny's 4,096 batched
+# tokens of prefill on the only engine: every engine is backed up, so the next request is held.
+PROMPT_TOKENS = 40_000
 
 
 class GatedEngine:
@@ -92,7 +93,10 @@ def gated_gateway(
         wait_healthy(gw)
         return engine, gw
 
-    assert 2 * PROMPT_TOKENS > 4.0 * get_profile("cpu-tiny").max_num_batched_tokens > PROMPT_TOKENS
+    threshold = DynamoKvRouter().queue_threshold
+    assert threshold is not None
+    budget = get_profile("cpu-tiny").max_num_batched_tokens
+    assert 2 * PROMPT_TOKENS > threshold * budget > PROMPT_TOKENS
     return start
 
 

@@ -62,10 +62,10 @@ def backed_up(name: str, tokens: int) -> EngineView:
 def test_dynamo_holds_while_every_worker_is_over_the_threshold() -> None:
     policy = DynamoKvRouter(PolicyContext(default_profile=get_profile("h100-llama3-8b")))
     req = RouteRequest(request_id="r", model="m", prompt_tokens=100)
-    over = 4 * BUDGET + 1
+    limit = 16 * BUDGET
     with pytest.raises(Hold):
-        policy.choose(req, [backed_up("a", over), backed_up("b", over)], 0.0)
-    assert policy.choose(req, [backed_up("a", over), backed_up("b", 4 * BUDGET)], 0.0) == "b"
+        policy.choose(req, [backed_up("a", limit + 1), backed_up("b", limit + 1)], 0.0)
+    assert policy.choose(req, [backed_up("a", limit + 1), backed_up("b", limit)], 0.0) == "b"
 
 
 def test_dynamo_queue_can_be_turned_off() -> None:

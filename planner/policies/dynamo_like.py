@@ -24,16 +24,17 @@ How Dynamo's terms map onto what the gateway knows (blocks at `request.block_siz
 - overlap_score_weight (default 1.0) is named `prefill_load_scale` here.
 
 Router queue (`lib/kv-router/src/scheduling/queue.rs`, `SchedulerQueue`; `router_queue_threshold`
-4.0 in `KvRouterConfig::default`, `lib/kv-router/src/scheduling/config.rs`): while *every*
-worker's active prefill tokens exceed threshold x its `max_num_batched_tokens`, the router keeps
-the request itself (`choose` raises `Hold`; the driver parks it in a
-`planner.holding.HoldQueue`). Upstream drains its queue on each prefill completion and each
-finish, oldest first (FCFS), scheduling while some worker is under the threshold: the drivers
-offer held requests again on the same events (and on metrics scrapes), oldest first, stopping at
-the first one held still. A new arrival that finds a worker under the threshold is scheduled at
-once, as upstream. Active prefill tokens are `EngineView.queued_prefill_tokens`, as in the cost
-above; `max_num_batched_tokens` comes from the engine's profile. `queue_threshold=None` turns the
-queue off.
+16.0 in `KvRouterConfig::default`, `lib/kv-router/src/scheduling/config.rs` as of ai-dynamo 1.6,
+the release that splits `overlap_score_credit` from `prefill_load_scale`; earlier releases had 4.0,
+and no queue before that): while *every* worker's active prefill tokens exceed threshold x its
+`max_num_batched_tokens`, the router keeps the request itself (`choose` raises `Hold`; the driver
+parks it in a `planner.holding.HoldQueue`). Upstream drains its queue on each prefill completion
+and each finish, oldest first (FCFS), scheduling while some worker is under the threshold: the
+drivers offer held requests again on the same events (and on metrics scrapes), oldest first,
+stopping at the first one held still. A new arrival that finds a worker under the threshold is
+scheduled at once, as upstream. Active prefill tokens are `EngineView.queued_prefill_tokens`, as in
+the cost above; `max_num_batched_tokens` comes from the engine's profile. `queue_threshold=None`
+turns the queue off.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class DynamoKvRouter:
         context: PolicyContext | None = None,
         *,
         prefill_load_scale: float = 1.0,
-        queue_threshold: float | None = 4.0,
+        queue_threshold: float | None = 16.0,
     ) -> None:
         self.context = context or PolicyContext()
         self.prefill_load_scale = prefill_load_scale
