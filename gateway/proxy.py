@@ -7,10 +7,12 @@ another engine; one whose engine dies mid-stream ends with an OpenAI-shaped erro
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -29,8 +31,9 @@ from gateway.errors import (
 from gateway.state import GatewayState
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
+from planner.holding import HoldQueue
 from planner.ledger import Dispatch, close_dispatch, open_dispatch, prefill_done
-from planner.policy import NoEngineAvailable, RouteRequest
+from planner.policy import Hold, NoEngineAvailable, RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +114,22 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
     return None
 
 
+@dataclass
+class _Held:
+    """A request the policy holds: its handler awaits `placed` (the dispatch once sent)."""
+
+    route_req: RouteRequest
+    exclude: set[str]
+    placed: asyncio.Future[Dispatch]
+
+
 class Proxy:
     """Forwards OpenAI calls to the engine the policy picks."""
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
+        self.held: HoldQueue[_Held] = HoldQueue()
+        """Requests the policy holds at the gateway, offered again when load changes."""
 
     def _choose(self, route_req: RouteRequest, exclude: set[str]) -> str:
         state = self.state
@@ -180,11 +194,11 @@ class Proxy:
         tried: set[str] = set()
         last_error = ""
         for _ in range(state.config.retries + 1):
-            engine = self._choose(route_req, tried)
+            d = await self._place(route_req, tried)
+            engine = d.engine
             tried.add(engine)
             try:
-                return await self._forward(request, route, route_req, engine, raw, headers,
-                                           arrived)
+                return await self._forward(request, route, route_req, d, raw, headers, arrived)
             except _RetryableFailure as e:
                 last_error = str(e)
                 state.metrics.retries.labels(engine).inc()
@@ -194,6 +208,59 @@ class Proxy:
             f"every engine tried failed before answering ({', '.join(sorted(tried))}); "
             f"last error: {last_error}"
         )
+
+    # -- placing and holding --------------------------------------------------------------------
+
+    async def _place(self, route_req: RouteRequest, exclude: set[str]) -> Dispatch:
+        """Choose an engine and count the request against it; a request the policy holds waits
+        here until it is placed, its client goes away, or `request_timeout_s` passes (504)."""
+        try:
+            engine = self._choose(route_req, exclude)
+        except Hold as hold:
+            return await self._wait_held(route_req, exclude, hold)
+        return self._dispatched(route_req, engine)
+
+    async def _wait_held(self, route_req: RouteRequest, exclude: set[str], hold: Hold) -> Dispatch:
+        timeout_s = self.state.config.request_timeout_s
+        held = _Held(route_req, exclude, asyncio.get_running_loop().create_future())
+        self.held.hold(route_req.request_id, held)
+        log.debug("request %s held at the gateway: %s", route_req.request_id, hold.reason)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await held.placed
+        except BaseException as exc:
+            self.held.discard(route_req.request_id)
+            placed = held.placed
+            if placed.done() and not placed.cancelled() and placed.exception() is None:
+                # Placed just as the wait ended: the engine never sees it, so undo the count.
+                self._finished(route_req, placed.result())
+            else:
+                placed.cancel()
+            if isinstance(exc, TimeoutError):
+                raise EngineTimeout(
+                    f"request held at the gateway for request_timeout_s={timeout_s:g} "
+                    f"({hold.reason})"
+                ) from None
+            raise
+
+    def _offer(self, held: _Held) -> bool:
+        """Offer a held request to the policy again; False if it holds it still."""
+        if held.placed.done():
+            return True  # its client went away or its wait timed out
+        try:
+            engine = self._choose(held.route_req, held.exclude)
+        except Hold:
+            return False
+        except GatewayError as e:
+            held.placed.set_exception(e)
+            return True
+        held.placed.set_result(self._dispatched(held.route_req, engine))
+        return True
+
+    def _release_held(self) -> None:
+        """Load changed: offer the held requests again, oldest first."""
+        if self.held:
+            self.held.release(self._offer)
 
     # -- accounting -----------------------------------------------------------------------------
 
@@ -212,8 +279,10 @@ class Proxy:
         return d
 
     def _first_token(self, route_req: RouteRequest, d: Dispatch, observed: bool) -> None:
-        if prefill_done(d) and observed:
-            self.state.policy.on_first_token(route_req.request_id, d.engine, self.state.now())
+        if prefill_done(d):
+            if observed:
+                self.state.policy.on_first_token(route_req.request_id, d.engine, self.state.now())
+            self._release_held()
 
     def _finished(self, route_req: RouteRequest, d: Dispatch) -> None:
         """Undo the dispatch accounting and tell the policy (with the streamed token count)."""
@@ -223,6 +292,7 @@ class Proxy:
         if close_dispatch(d):
             state.metrics.in_flight.labels(d.engine).dec()
             state.policy.on_finish(route_req.request_id, d.engine, state.now(), d.streamed_tokens)
+            self._release_held()
 
     # -- forwarding -----------------------------------------------------------------------------
 
@@ -231,21 +301,22 @@ class Proxy:
         request: web.Request,
         route: str,
         route_req: RouteRequest,
-        engine: str,
+        d: Dispatch,
         raw: bytes,
         headers: CIMultiDict[str],
         arrived: float,
     ) -> web.StreamResponse:
+        """Send the placed request (`d`, closed here whatever happens) and relay the answer."""
         state = self.state
-        assert state.pool is not None and state.session is not None
-        url = state.pool.engines[engine].url
+        engine = d.engine
         metrics = state.metrics
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=state.config.connect_timeout_s,
-            sock_read=state.config.request_timeout_s,
-        )
-        d = self._dispatched(route_req, engine)
         try:
+            assert state.pool is not None and state.session is not None
+            url = state.pool.engines[engine].url
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=state.config.connect_timeout_s,
+                sock_read=state.config.request_timeout_s,
+            )
             if (route_req.block_keys and state.config.index.speculative_ttl_s > 0
                     and state.policy.speculative_entries):
                 await state.index.add_speculative(engine, route_req.block_keys, state.now(),

@@ -15,7 +15,7 @@ from kvindex.index import InMemoryIndex, KVIndexBackend
 from kvindex.ingest import EventIngestor
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
-from planner.policy import PolicyContext, RoutingPolicy, make_policy
+from planner.policy import PolicyContext, RoutingPolicy, make_policy, scrape_interval
 from planner.profiles import get_profile
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,9 @@ class GatewayState:
             connector=connector, auto_decompress=False, skip_auto_headers={"Accept-Encoding"},
             timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s),
         )
-        self.pool = EnginePool(c.engines, self.session, c.scrape_interval_s, c.health_interval_s)
+        self.pool = EnginePool(c.engines, self.session, scrape_interval(self.policy,
+                                                                        c.scrape_interval_s),
+                               c.health_interval_s)
         self.pool.on_restart = self.engine_restarted
         self.pool.block_size_of = self.ingestor.engine_block_size
         await self.pool.start()

@@ -88,6 +88,15 @@ class NoEngineAvailable(Exception):
         self.reason = reason
 
 
+class Hold(Exception):
+    """The policy keeps the request at the gateway for now: drivers park it in a
+    `planner.holding.HoldQueue` and offer it again when load changes."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class RoutingPolicy(Protocol):
     """Chooses one engine for a request; told when its choices start and finish."""
 
@@ -98,7 +107,8 @@ class RoutingPolicy(Protocol):
     never gets a mechanism its peer does not ship by default."""
 
     def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
-        """Return the chosen engine's name; raise NoEngineAvailable if none can serve."""
+        """Return the chosen engine's name; raise NoEngineAvailable if none can serve, or Hold
+        to keep the request at the gateway until load changes."""
         ...
 
     def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
@@ -115,6 +125,15 @@ class RoutingPolicy(Protocol):
         """The request finished (or failed) at `engine`; `output_tokens` if the gateway saw them
         stream (0 when unknown)."""
         ...
+
+
+def scrape_interval(policy: RoutingPolicy, default_s: float) -> float:
+    """How often drivers refresh engine metrics for `policy`: its peer's own refresh interval
+    (a `metrics_interval_s` attribute) when it declares a fresher one, else `default_s`."""
+    declared = getattr(policy, "metrics_interval_s", None)
+    if isinstance(declared, int | float) and 0 < declared < default_s:
+        return float(declared)
+    return default_s
 
 
 class StatelessPolicy:

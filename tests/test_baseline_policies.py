@@ -1,4 +1,5 @@
-"""The peer baselines (session, sglang-like, llmd-like, dynamo-like) follow their peers' rules."""
+"""The peer baselines (session, sglang-like, llmd-like, llmd-approx-like, dynamo-like) follow
+their peers' rules."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from hypothesis import strategies as st
 
 from kvindex.index import EngineMatch
 from planner.policies.dynamo_like import DynamoKvRouter
-from planner.policies.llmd_like import LlmdPreciseScheduler
+from planner.policies.llmd_approx_like import LlmdApproximateScheduler
+from planner.policies.llmd_like import LlmdPreciseScheduler, precise_prefix_scores
 from planner.policies.session import SessionAffinity
 from planner.policies.sglang_like import CharRadixTree, SglangCacheAware
 from planner.policy import (
@@ -20,10 +22,11 @@ from planner.policy import (
     RouteRequest,
     RoutingPolicy,
     make_policy,
+    scrape_interval,
 )
 
 MODEL = "m"
-BASELINES = ["session", "sglang-like", "llmd-like", "dynamo-like"]
+BASELINES = ["session", "sglang-like", "llmd-like", "llmd-approx-like", "dynamo-like"]
 SYSTEM = "You are a meticulous assistant. Follow the tool schema exactly. " * 20
 
 
@@ -174,14 +177,32 @@ def test_sglang_finished_requests_stop_counting_as_load() -> None:
     assert policy.choose(request(text=SYSTEM + "?"), pool, 2.0) == "a"
 
 
-def test_sglang_match_rate_at_or_below_threshold_goes_to_the_smallest_tree() -> None:
+def test_sglang_match_rate_at_or_below_threshold_goes_to_the_least_loaded_worker() -> None:
     policy = SglangCacheAware()
     route(policy, request("1", text="x" * 100), [engine("a")])
     route(policy, request("2", text="y" * 10), [engine("b")])
+    route(policy, request("2b", text="y" * 11), [engine("b")])
     route(policy, request("3", text="z" * 50), [engine("c")])
+    policy.on_finish("3", "c", 0.5)
     pool = [engine(n) for n in "abc"]
-    assert policy.choose(request(text="x" * 30 + "w" * 70), pool, 1.0) == "b"
+    # c holds the most text but nothing in flight; b's tree is the smallest but it is busiest.
+    assert policy.choose(request(text="x" * 30 + "w" * 70), pool, 1.0) == "c"
     assert policy.choose(request(text="x" * 31 + "w" * 69), pool, 1.0) == "a"
+
+
+def test_sglang_least_loaded_ties_go_to_the_first_worker_in_pool_order() -> None:
+    policy = SglangCacheAware()
+    route(policy, request("1", text="x" * 100), [engine("a")])
+    pool = [engine(n) for n in "abc"]
+    assert policy.choose(request(text="unrelated"), pool, 1.0) == "b"
+
+
+def test_sglang_equal_matches_go_to_the_worker_that_cached_the_prefix_last() -> None:
+    policy = SglangCacheAware()
+    route(policy, request("1", text=SYSTEM + "1"), [engine("a")], 0.0)
+    route(policy, request("2", text=SYSTEM + "2"), [engine("b")], 1.0)
+    pool = [engine("a"), engine("b")]
+    assert policy.choose(request(text=SYSTEM + "3"), pool, 2.0) == "b"
 
 
 def test_sglang_eviction_tick_drops_least_recently_used_text_beyond_the_size_bound() -> None:
@@ -224,21 +245,120 @@ def test_llmd_prefix_beats_an_idle_engine_only_when_weights_favour_it() -> None:
 
 
 def test_llmd_a_sole_prefix_hit_earns_the_full_prefix_score() -> None:
-    req = request(keys=range(100), matches={"a": hit("a", 1)})
+    req = request(keys=range(100), matches={"a": hit("a", 4)})
     scores = LlmdPreciseScheduler().scores(req, [engine("a"), engine("b")])
     assert scores == pytest.approx({"a": 4.0, "b": 2.0})
 
 
-def test_llmd_queue_counts_requests_sent_since_the_last_scrape() -> None:
+def test_llmd_a_pod_without_the_first_64_token_block_scores_zero() -> None:
+    # 3 index blocks of 16 tokens are less than llm-d's first 64-token block.
+    req = request(keys=range(20), matches={"a": hit("a", 3), "b": hit("b", 8)})
+    scores = precise_prefix_scores(req, [engine("a"), engine("b"), engine("c")])
+    assert scores == {"a": 0.0, "b": 1.0, "c": 0.0}
+
+
+def test_llmd_prefix_runs_are_min_max_normalised_over_the_holders() -> None:
+    req = request(keys=range(40), matches={"a": hit("a", 4), "b": hit("b", 8),
+                                           "c": hit("c", 16)})
+    scores = precise_prefix_scores(req, [engine(n) for n in "abcd"])
+    assert scores == pytest.approx({"a": 0.0, "b": 1 / 3, "c": 1.0, "d": 0.0})
+
+
+def test_llmd_ignores_speculative_index_entries() -> None:
+    req = request(keys=range(20), matches={"a": hit("a", 8, confirmed=0), "b": hit("b", 4)})
+    assert precise_prefix_scores(req, [engine("a"), engine("b")]) == {"a": 0.0, "b": 1.0}
+
+
+def test_llmd_queue_reads_only_the_scraped_waiting_count() -> None:
     policy = LlmdPreciseScheduler()
-    pool = [engine("a", running=1, in_flight=5), engine("b", waiting=1, running=1, in_flight=2)]
-    assert policy.choose(request(), pool, 0.0) == "b"
+    pool = [engine("a", running=1, in_flight=9), engine("b", waiting=1, running=1, in_flight=2)]
+    assert policy.choose(request(), pool, 0.0) == "a"
+
+
+def test_llmd_a_sole_holder_keeps_the_traffic_however_long_its_queue() -> None:
+    policy = LlmdPreciseScheduler()
+    req = request(keys=range(20), matches={"a": hit("a", 16)})
+    # a: 2 x 1 + (1 - usage) + 0 against an idle b: 0 + 1 + 1 = 2; only a full KV cache ties.
+    pool = [engine("a", waiting=50, kv_usage=0.99), engine("b")]
+    assert policy.choose(req, pool, 0.0) == "a"
+    pool = [engine("a", waiting=50, kv_usage=1.0), engine("b")]
+    assert {policy.choose(req, pool, 0.0) for _ in range(40)} == {"a", "b"}
+
+
+def test_llmd_asks_drivers_for_its_peers_50_ms_metrics_refresh() -> None:
+    assert scrape_interval(LlmdPreciseScheduler(), 0.5) == 0.05
+    assert scrape_interval(LlmdPreciseScheduler(), 0.01) == 0.01
+    assert scrape_interval(DynamoKvRouter(), 0.5) == 0.5
 
 
 def test_llmd_ties_are_broken_at_random() -> None:
     policy = LlmdPreciseScheduler(PolicyContext(seed=3))
     pool = [engine(n) for n in "abc"]
     assert {policy.choose(request(), pool, 0.0) for _ in range(50)} == {"a", "b", "c"}
+
+
+# -- llmd-approx-like --------------------------------------------------------------------------
+
+def test_llmd_approx_scores_matched_over_total_16_token_blocks_it_routed_itself() -> None:
+    policy = LlmdApproximateScheduler()
+    pool = [engine("a"), engine("b")]
+    policy.on_dispatch(request("1", keys=range(8)), "a", 0.0)
+    # 8 index blocks of 16 tokens; the 16-token prompt blocks are the same keys.
+    req = request(keys=[0, 1, 2, 3, 90, 91, 92, 93])
+    assert policy.prefix_matches(policy.prompt_hashes(req)) == {"a": 4}
+    # a: 3 x 4/8 + queue 2 + kv 2 + no-hit-lru 2 x 0.5 (warm); b: 0 + 2 + 2 + 1
+    assert policy.scores(req, pool) == pytest.approx({"a": 6.5, "b": 5.0})
+
+
+def test_llmd_approx_learns_only_from_its_own_routing_not_the_kv_index() -> None:
+    policy = LlmdApproximateScheduler()
+    pool = [engine("a"), engine("b"), engine("c")]
+    req = request("1", keys=range(8), matches={"c": hit("c", 8)})
+    first = route(policy, req, pool)
+    for i in range(5):
+        assert route(policy, request(f"again{i}", keys=range(8), matches={"c": hit("c", 8)}),
+                     pool) == first
+
+
+def test_llmd_approx_matches_at_most_the_first_256_blocks() -> None:
+    policy = LlmdApproximateScheduler()
+    policy.on_dispatch(request("1", keys=range(300)), "a", 0.0)
+    req = request(keys=[*range(256), *range(1000, 1044)])
+    assert len(policy.prompt_hashes(req)) == 256
+    assert policy.prefix_matches(policy.prompt_hashes(req)) == {"a": 256}
+
+
+def test_llmd_approx_spreads_cold_requests_over_the_least_recently_used_pods() -> None:
+    policy = LlmdApproximateScheduler()
+    pool = [engine(n) for n in "abcd"]
+    choices = [route(policy, request(f"cold{i}", keys=[1000 * i + j for j in range(4)]), pool)
+               for i in range(8)]
+    assert choices == ["a", "b", "c", "d", "a", "b", "c", "d"]
+
+
+def test_llmd_approx_no_hit_lru_ranks_never_used_pods_first_then_oldest() -> None:
+    policy = LlmdApproximateScheduler()
+    pool = [engine(n) for n in "abcd"]
+    policy.on_dispatch(request("1", keys=[1]), "c", 0.0)
+    policy.on_dispatch(request("2", keys=[2]), "a", 0.0)
+    scores = policy.no_hit_lru_scores(pool)
+    # never used: b, d (ranks 0, 1); then c (oldest, rank 2) and a (rank 3)
+    assert scores == pytest.approx({"b": 1.0, "d": 2 / 3, "c": 1 / 3, "a": 0.0})
+
+
+def test_llmd_approx_warm_requests_leave_the_no_hit_lru_alone() -> None:
+    policy = LlmdApproximateScheduler()
+    policy.on_dispatch(request("1", keys=range(4)), "a", 0.0)
+    policy.on_dispatch(request("2", keys=range(4)), "b", 0.0)
+    assert list(policy.cold_lru) == ["a"]
+
+
+def test_llmd_approx_pod_record_forgets_the_least_recently_routed_blocks() -> None:
+    policy = LlmdApproximateScheduler(lru_capacity_per_pod=8)
+    policy.on_dispatch(request("1", keys=range(8)), "a", 0.0)
+    policy.on_dispatch(request("2", keys=range(100, 104)), "a", 1.0)
+    assert policy.prefix_matches(policy.prompt_hashes(request(keys=range(8)))) == {}
+    assert policy.prefix_matches(policy.prompt_hashes(request(keys=range(100, 104)))) == {"a": 4}
 
 
 # -- dynamo-like -------------------------------------------------------------------------------

@@ -32,8 +32,17 @@ from kvindex.index import InMemoryIndex
 from kvindex.ingest import EventIngestor, apply_ops_sync
 from kvindex.keys import KeyExtras, PromptKeyer, block_key
 from planner.dag import DagNode, DagRun, Wakeup
+from planner.holding import HoldQueue
 from planner.ledger import Dispatch, GatewayLoad, close_dispatch, open_dispatch, prefill_done
-from planner.policy import EngineView, NoEngineAvailable, PolicyContext, RouteRequest, make_policy
+from planner.policy import (
+    EngineView,
+    Hold,
+    NoEngineAvailable,
+    PolicyContext,
+    RouteRequest,
+    make_policy,
+    scrape_interval,
+)
 from planner.profiles import EngineProfile
 
 MODEL = "kvgate-bench"
@@ -178,6 +187,17 @@ class _Live:
     output_piece: Piece
 
 
+@dataclass
+class _Waiting:
+    """A ready request not sent yet (the policy may hold it at the gateway)."""
+
+    record: RequestRecord
+    wf: BenchWorkflow
+    task: BenchTask
+    route: RouteRequest
+    token_ids: Sequence[int]
+
+
 class PromptBuilder:
     """Materialises task prompts (with their parents' outputs) as pieces, text and keys."""
 
@@ -249,6 +269,7 @@ class VirtualRun:
                             block_size=self.block_size, seed=seed)
         self.policy = make_policy(policy, ctx)
         self.policy_name = policy
+        self.scrape_s = scrape_interval(self.policy, self.scrape_s)
         if not self.policy.speculative_entries:
             self.speculative_ttl_s = 0.0
         # Only character-level policies read the prompt text; building it costs a join.
@@ -269,6 +290,7 @@ class VirtualRun:
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self._live: dict[str, _Live] = {}
+        self._held: HoldQueue[_Waiting] = HoldQueue()
         self._dirty: list[_Engine] = []
         self._over = 0
         self._runs: dict[str, DagRun] = {}
@@ -331,6 +353,7 @@ class VirtualRun:
                     self.progress(finished, total)
             elif kind == "scrape":
                 self._scrape()
+                self._release_held()
                 # Keep scraping while any workflow is still to come or unfinished (engines may
                 # be idle during think time and busy again after it).
                 if self._over < total:
@@ -410,19 +433,29 @@ class VirtualRun:
             block_keys=keys.keys, block_size=self.block_size,
             matches=self.index.match_sync(keys.keys, self.now), prompt_text=text,
             max_tokens=task.output_tokens)
+        waiting = _Waiting(record, wf, task, route, keys.token_ids)
+        if not self._place(waiting):
+            self._held.hold(rid, waiting)
+
+    def _place(self, w: _Waiting) -> bool:
+        """Let the policy place a ready request and send it; False if the policy holds it."""
+        record, wf, task, route = w.record, w.wf, w.task, w.route
+        rid = route.request_id
         views = [self._view(e) for e in self.engines.values()]
         try:
             engine_name = self.policy.choose(route, views, self.now)
+        except Hold:
+            return False
         except NoEngineAvailable as exc:
             record.failed = str(exc)
             self._task_failed(wf, task, record.failed)
-            return
+            return True
         e = self.engines[engine_name]
         self._dirty.append(e)
         d = open_dispatch(route, engine_name, e.load, self.config.block_size)
         self.policy.on_dispatch(route, engine_name, self.now)
-        if self.speculative_ttl_s > 0 and keys.keys:
-            self.index.add_speculative_sync(engine_name, keys.keys, self.now,
+        if self.speculative_ttl_s > 0 and route.block_keys:
+            self.index.add_speculative_sync(engine_name, route.block_keys, self.now,
                                             self.speculative_ttl_s)
         record.dispatched_s = self.now
         record.engine = engine_name
@@ -431,10 +464,16 @@ class VirtualRun:
         self._live[rid] = _Live(record, wf, task, route, d, out_piece.ids, out_piece)
         same_blocks = self.config.block_size == self.block_size
         e.model.add_request(SimRequest(
-            request_id=rid, prompt_token_ids=list(keys.token_ids), max_tokens=task.output_tokens,
+            request_id=rid, prompt_token_ids=list(w.token_ids), max_tokens=task.output_tokens,
             arrival_time=self.now, ignore_eos=True, natural_output_len=task.output_tokens,
             cache_salt=wf.tenant, priority=task.priority,
-            block_hashes=list(keys.keys) if same_blocks else []))
+            block_hashes=list(route.block_keys) if same_blocks else []))
+        return True
+
+    def _release_held(self) -> None:
+        """Load changed: offer the requests the policy holds again, oldest first."""
+        if self._held:
+            self._held.release(self._place)
 
     def _view(self, e: _Engine) -> EngineView:
         return EngineView(
@@ -471,6 +510,7 @@ class VirtualRun:
                     self.policy.on_first_token(o.request_id, e.name, self.now)
             if o.finish_reason is not None:
                 finished += self._request_done(e, live)
+        self._release_held()
         return finished
 
     def _request_done(self, e: _Engine, live: _Live) -> int:

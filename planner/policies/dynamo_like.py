@@ -22,6 +22,19 @@ How Dynamo's terms map onto what the gateway knows (blocks at `request.block_siz
   policy remembers the block keys it dispatched to subtract blocks counted more than once, and
   counts as new only the request's blocks no in-flight request at the engine holds.
 - overlap_score_weight (default 1.0) is named `prefill_load_scale` here.
+
+Router queue (`lib/kv-router/src/scheduling/queue.rs`, `SchedulerQueue`; `router_queue_threshold`
+16.0 in `KvRouterConfig::default`, `lib/kv-router/src/scheduling/config.rs` as of ai-dynamo 1.6,
+the release that splits `overlap_score_credit` from `prefill_load_scale`; earlier releases had 4.0,
+and no queue before that): while *every* worker's active prefill tokens exceed threshold x its
+`max_num_batched_tokens`, the router keeps the request itself (`choose` raises `Hold`; the driver
+parks it in a `planner.holding.HoldQueue`). Upstream drains its queue on each prefill completion
+and each finish, oldest first (FCFS), scheduling while some worker is under the threshold: the
+drivers offer held requests again on the same events (and on metrics scrapes), oldest first,
+stopping at the first one held still. A new arrival that finds a worker under the threshold is
+scheduled at once, as upstream. Active prefill tokens are `EngineView.queued_prefill_tokens`, as in
+the cost above; `max_num_batched_tokens` comes from the engine's profile. `queue_threshold=None`
+turns the queue off.
 """
 
 from __future__ import annotations
@@ -30,7 +43,14 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvindex.index import BlockKey
-from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, register
+from planner.policy import (
+    EngineView,
+    Hold,
+    PolicyContext,
+    RouteRequest,
+    candidates,
+    register,
+)
 
 
 class _ActiveBlocks:
@@ -71,9 +91,15 @@ class DynamoKvRouter:
     speculative_entries = False
 
     def __init__(
-        self, context: PolicyContext | None = None, *, prefill_load_scale: float = 1.0
+        self,
+        context: PolicyContext | None = None,
+        *,
+        prefill_load_scale: float = 1.0,
+        queue_threshold: float | None = 16.0,
     ) -> None:
+        self.context = context or PolicyContext()
         self.prefill_load_scale = prefill_load_scale
+        self.queue_threshold = queue_threshold
         self._active: dict[str, _ActiveBlocks] = {}
         self._routed: dict[str, tuple[str, tuple[BlockKey, ...]]] = {}
 
@@ -92,9 +118,24 @@ class DynamoKvRouter:
             costs[e.name] = self.prefill_load_scale * prefill_blocks + decode_blocks
         return costs
 
+    def all_backed_up(self, engines: Sequence[EngineView]) -> bool:
+        """Every engine's active prefill tokens exceed the queue threshold's share of its
+        batched-token budget (never true with the queue off or no engines)."""
+        if self.queue_threshold is None or not engines:
+            return False
+        return all(
+            e.queued_prefill_tokens
+            > self.queue_threshold * self.context.profile(e.name).max_num_batched_tokens
+            for e in engines)
+
     def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
-        """The engine with the lowest cost, the first in pool order on ties."""
+        """Hold while every engine is backed up on prefill; else the lowest cost, the first in
+        pool order on ties."""
         costs = self.costs(request, engines)
+        eligible = [e for e in engines if e.name in costs]
+        if self.all_backed_up(eligible):
+            raise Hold(f"every engine has more than {self.queue_threshold:g} x its batched-token "
+                       f"budget of prefill queued")
         return min(costs, key=costs.__getitem__)
 
     def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:

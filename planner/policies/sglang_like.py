@@ -2,16 +2,18 @@
 
 Peer rule (sgl-router `policies/cache_aware.rs` and `tree.rs`, CLI defaults):
 - load = the router's own in-flight count per worker. If (max - min) > balance_abs_threshold (64)
-  *and* max > balance_rel_threshold (1.5) x min: the least-loaded worker (first in pool order).
+  *and* max > balance_rel_threshold (1.5) x min: the least-loaded worker (`min_by_key` over the
+  worker list: the first in pool order on ties).
 - Otherwise the longest character-level prefix match of the prompt text over the per-worker
-  approximate trees; if matched chars / prompt chars > cache_threshold (0.3): that worker. Else the
-  worker whose tree holds the fewest characters ("most available cache"), which is what the peer
-  does, not the least-loaded one.
+  approximate trees; if matched chars / prompt chars > cache_threshold (0.3): that worker. When
+  several workers match equally far, the one that cached the matched node last wins (the peer's
+  node keeps per-tenant last-access times). Else (a miss) the least-loaded worker, as above:
+  sglang-router 0.3.2 has this since smg #14650 (2025-12); older releases sent a miss to the
+  worker with the smallest tree.
 - Each tree is built only from the router's own routing: the chosen worker's tree gets the prompt.
   Nodes carry a last-access time (set by inserts and by the winning match). Every
   eviction_interval (60 s) each tree is trimmed, least recently used leaves first, to
   max_tree_chars (2**26): entries are not expired by age, only by size.
-Ties that the peer leaves to hash-map order are broken by pool order here.
 """
 
 from __future__ import annotations
@@ -153,14 +155,15 @@ class SglangCacheAware:
 
     def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
         """Least-loaded when imbalanced, else the longest match if good enough, else the
-        smallest tree."""
+        least-loaded."""
         eligible = candidates(request, engines)
         self._evict_if_due(now)
         loads = [self.loads.get(e.name, 0) for e in eligible]
         most, least = max(loads), min(loads)
+        least_loaded = eligible[loads.index(least)].name
         if (most - least > self.balance_abs_threshold
                 and most > least * self.balance_rel_threshold):
-            return eligible[loads.index(least)].name
+            return least_loaded
 
         text = request.prompt_text
         best: str | None = None
@@ -171,13 +174,15 @@ class SglangCacheAware:
             if tree is None:
                 continue
             length, node = tree.match(text)
-            if length > best_len:
+            if length > best_len or (
+                    length == best_len and best_node is not None
+                    and node.last_access > best_node.last_access):
                 best, best_len, best_node = e.name, length, node
-        if best is not None and best_node is not None:
+        if best is not None and best_node is not None and best_len > 0:
             self.trees[best].touch(best_node, now)
             if best_len / len(text) > self.cache_threshold:
                 return best
-        return min(eligible, key=lambda e: self._tree_chars(e.name)).name
+        return least_loaded
 
     def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
         """The chosen worker's tree learns the prompt; its in-flight count goes up."""
@@ -195,10 +200,6 @@ class SglangCacheAware:
         routed = self._routed.pop(request_id, None)
         if routed is not None:
             self.loads[routed] -= 1
-
-    def _tree_chars(self, engine: str) -> int:
-        tree = self.trees.get(engine)
-        return tree.chars if tree is not None else 0
 
     def _evict_if_due(self, now: float) -> None:
         # The peer's eviction thread ticks every interval from start-up; ticks missed between

@@ -1,0 +1,104 @@
+"""Requests a policy holds wait at the gateway and are offered again, oldest first."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.bench.prompts import ChatRenderer, Vocabulary
+from kvgate.bench.virtual import MODEL, Load, PromptBuilder, VirtualRun
+from kvgate.bench.workloads import build_workload
+from kvindex.keys import PromptKeyer
+from kvindex.tokenizer import Tokenizer
+from planner.holding import HoldQueue
+from planner.policies.dynamo_like import DynamoKvRouter
+from planner.policy import EngineView, Hold, PolicyContext, RouteRequest
+from planner.profiles import get_profile
+
+
+def test_release_offers_oldest_first_and_stops_at_the_first_still_held() -> None:
+    queue: HoldQueue[str] = HoldQueue()
+    for rid in ("r1", "r2", "r3"):
+        queue.hold(rid, rid)
+    offered: list[str] = []
+
+    def offer(token: str) -> bool:
+        offered.append(token)
+        return token != "r2"
+
+    assert queue.release(offer) == 1
+    assert offered == ["r1", "r2"]
+    assert len(queue) == 2
+
+
+def test_discarded_requests_are_never_offered() -> None:
+    queue: HoldQueue[str] = HoldQueue()
+    queue.hold("r1", "r1")
+    queue.hold("r2", "r2")
+    assert queue.discard("r1")
+    assert not queue.discard("r1")
+    offered: list[str] = []
+    queue.release(lambda token: offered.append(token) is None)
+    assert offered == ["r2"]
+    assert len(queue) == 0
+
+
+def test_a_request_cannot_be_held_twice() -> None:
+    queue: HoldQueue[str] = HoldQueue()
+    queue.hold("r1", "r1")
+    with pytest.raises(ValueError, match="already held"):
+        queue.hold("r1", "again")
+
+
+# -- dynamo-like's router queue -----------------------------------------------------------------
+
+BUDGET = get_profile("h100-llama3-8b").max_num_batched_tokens
+
+
+def backed_up(name: str, tokens: int) -> EngineView:
+    return EngineView(name=name, healthy=True, models=frozenset({"m"}),
+                      queued_prefill_tokens=tokens, in_flight=1, prefilling=1)
+
+
+def test_dynamo_holds_while_every_worker_is_over_the_threshold() -> None:
+    policy = DynamoKvRouter(PolicyContext(default_profile=get_profile("h100-llama3-8b")))
+    req = RouteRequest(request_id="r", model="m", prompt_tokens=100)
+    limit = 16 * BUDGET
+    with pytest.raises(Hold):
+        policy.choose(req, [backed_up("a", limit + 1), backed_up("b", limit + 1)], 0.0)
+    assert policy.choose(req, [backed_up("a", limit + 1), backed_up("b", limit)], 0.0) == "b"
+
+
+def test_dynamo_queue_can_be_turned_off() -> None:
+    policy = DynamoKvRouter(PolicyContext(default_profile=get_profile("h100-llama3-8b")),
+                            queue_threshold=None)
+    req = RouteRequest(request_id="r", model="m", prompt_tokens=100)
+    over = 100 * BUDGET
+    assert policy.choose(req, [backed_up("a", over), backed_up("b", over + 1)], 0.0) == "a"
+
+
+# -- the virtual driver -------------------------------------------------------------------------
+
+def one_engine_flood(policy: str) -> VirtualRun:
+    """32 fan-out workflows with 8k-token system prompts arriving at once on one engine."""
+    tok = Tokenizer.load()
+    vocab = Vocabulary(tok)
+    profile = get_profile("h100-llama3-8b")
+    workload = build_workload("fanout", None, {"static_tokens": "8000", "width": "2"}, 32, MODEL,
+                              vocab, profile.max_model_len)
+    builder = PromptBuilder(vocab, ChatRenderer(tok, vocab), PromptKeyer(tok, 16))
+    return VirtualRun(policy, workload.workflows, Load(concurrency=32), profile, 1, builder)
+
+
+def test_virtual_held_requests_wait_at_the_gateway_and_leave_in_arrival_order() -> None:
+    result = one_engine_flood("dynamo-like").run()
+    assert all(w.finished_s is not None and not w.failed for w in result.workflows)
+    plans = [r for r in result.requests if r.task == "plan"]
+    held = [r for r in plans if r.dispatched_s > r.ready_s]
+    assert held, "the flood never backed the engine up"
+    order = sorted(plans, key=lambda r: r.dispatched_s)
+    assert [r.workflow for r in order] == [r.workflow for r in plans]
+
+
+def test_virtual_policies_that_never_hold_dispatch_when_ready() -> None:
+    result = one_engine_flood("least-loaded").run()
+    assert all(r.dispatched_s == r.ready_s for r in result.requests)
