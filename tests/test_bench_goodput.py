@@ -45,10 +45,36 @@ def test_search_is_deterministic_and_bounded_in_probes() -> None:
 
 def test_no_rate_meeting_the_slo_gives_zero() -> None:
     def never(rate: float) -> GoodputPoint:
-        return GoodputPoint(rate, 9.0, 9.0, 0)
+        return GoodputPoint(rate, 2.0 + 10 * rate, 2.0 + 10 * rate, 0)
 
     g = search_goodput(never, 1.0, max_probes=5)
     assert g.rate == 0.0 and len(g.points) == 5
+
+
+def test_halving_stops_once_lower_load_no_longer_shortens_jct() -> None:
+    calls: list[float] = []
+
+    def saturated(rate: float) -> GoodputPoint:
+        calls.append(rate)
+        x = 1.8 + 0.01 * rate
+        return GoodputPoint(rate, x, x, 0)
+
+    g = search_goodput(saturated, 8.0, slo=1.5, precision=0.05)
+    assert g.rate == 0.0
+    assert calls == [8.0, 4.0]
+
+
+def test_halving_goes_on_while_it_still_shortens_jct() -> None:
+    # Light-load JCT falls ever more slowly towards 1.008 x bound; an SLO of 1.01 holds at last.
+    g = search_goodput(lambda r: GoodputPoint(r, 1.0, 1.008 + 0.1 * r, 0), 1.0, slo=1.01,
+                       precision=0.05, max_probes=40)
+    assert 0.0 < g.rate <= 0.02
+
+
+def test_doubling_stops_past_the_burst_rate() -> None:
+    g = search_goodput(lambda r: GoodputPoint(r, 1.0, 1.0, 0), 1.0, max_rate=10.0)
+    assert g.rate == 16.0
+    assert [p.rate for p in g.points] == [1.0, 2.0, 4.0, 8.0, 16.0]
 
 
 def test_a_failed_workflow_fails_the_slo_whatever_the_jct() -> None:
@@ -98,3 +124,29 @@ def test_goodput_option_errors_name_the_option_and_exit_2(args: list[str], messa
                            "--no-progress", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_search_in_a_run_meets_the_slo_and_the_lowest_failing_rate_above_does_not() -> None:
+    options = BenchOptions(workload="fanout", workflows=10, engines=2, progress=False,
+                           profile="cpu-tiny", workload_args={"width": "4"},
+                           policies=["round-robin"], goodput=True, slo_jct=1.3,
+                           goodput_precision=0.1)
+    out = io.StringIO()
+    g = run_bench(options, out=out)["goodput"]["round-robin"]
+    passing = next(p for p in g["points"] if p["rate"] == g["rate"])
+    failing = min((p for p in g["points"] if p["rate"] > g["rate"]), key=lambda p: p["rate"])
+    assert passing["x_bound"] <= 1.3 and passing["failed"] == 0
+    assert failing["x_bound"] > 1.3 or failing["failed"] > 0
+    assert failing["rate"] - g["rate"] <= 0.1 * g["rate"]
+    assert "arrive as one burst" not in out.getvalue()
+
+
+def test_too_few_workflows_to_load_the_pool_are_reported_as_a_burst() -> None:
+    out = io.StringIO()
+    options = BenchOptions(workload="fanout", workflows=4, engines=2, progress=False,
+                           workload_args={"width": "3", "static_tokens": "500"},
+                           policies=["round-robin"], goodput=True)
+    g = run_bench(options, out=out)["goodput"]["round-robin"]
+    assert all(p["x_bound"] <= 1.5 for p in g["points"])
+    assert len(g["points"]) < 14
+    assert "round-robin: every rate tried met the SLO" in out.getvalue()

@@ -4,6 +4,9 @@ The SLO holds at a rate when the mean workflow completion time is at most `slo` 
 bound's mean and no workflow failed. The search brackets (doubling or halving from a start rate
 until one rate passes and a higher one fails) and then bisects to a relative precision. Every
 probe is a whole virtual run with the same seed and workflows, so the result is deterministic.
+Two ends stop the bracketing early: doubling past the burst rate (all workflows arrive at once,
+so no higher rate loads the pool more) and halving that no longer shrinks the JCT's excess over
+the bound nor failures (no rate meets the SLO).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from kvgate.bench.virtual import poisson_arrivals
+from kvgate.bench.workloads import BenchWorkflow
 
 DEFAULT_SLO = 1.5
 DEFAULT_PRECISION = 0.05
@@ -50,9 +56,11 @@ def search_goodput(
     slo: float = DEFAULT_SLO,
     precision: float = DEFAULT_PRECISION,
     max_probes: int = MAX_PROBES,
+    max_rate: float = float("inf"),
 ) -> Goodput:
-    """Bracket, then bisect until the passing and failing rates are within `precision` of each
-    other (relative), or `max_probes` runs were spent."""
+    """Bracket (doubling no further than past `max_rate`), then bisect until the passing and
+    failing rates are within `precision` of each other (relative), or `max_probes` runs were
+    spent."""
     if start_rate <= 0:
         raise ValueError("the start rate must be positive")
     seen: dict[float, GoodputPoint] = {}
@@ -65,16 +73,20 @@ def search_goodput(
     passing: float | None = None
     failing: float | None = None
     rate = start_rate
+    missed: GoodputPoint | None = None
     while len(seen) < max_probes:
-        if run(rate).meets(slo):
+        point = run(rate)
+        if point.meets(slo):
             passing = rate
-            if failing is not None:
+            if failing is not None or rate >= max_rate:
                 break
             rate *= 2.0
         else:
             failing = rate
-            if passing is not None:
+            if passing is not None or (missed is not None and _load_stopped_mattering(
+                    missed, point, precision)):
                 break
+            missed = point
             rate /= 2.0
     while (passing is not None and failing is not None and len(seen) < max_probes
            and failing - passing > precision * passing):
@@ -85,6 +97,24 @@ def search_goodput(
             failing = mid
     points = tuple(seen[r] for r in sorted(seen))
     return Goodput(passing if passing is not None else 0.0, points)
+
+
+def _load_stopped_mattering(higher: GoodputPoint, lower: GoodputPoint, precision: float) -> bool:
+    """Halving the rate cut neither the JCT's excess over the bound by `precision` (relative)
+    nor failures: queueing is gone, and no lower rate will meet the SLO."""
+    return lower.failed >= higher.failed and (
+        lower.x_bound - 1 >= (higher.x_bound - 1) * (1 - precision))
+
+
+def burst_rate(workflows: list[BenchWorkflow], bound_jct_mean_s: float, seed: int,
+               precision: float) -> float:
+    """The rate at which all the workflows' arrivals fall within `precision` of the bound's mean
+    JCT: they come as one burst, and no higher rate loads the pool more."""
+    arrivals = poisson_arrivals(workflows, 1.0, seed).values()
+    span = max(arrivals, default=0.0) - min(arrivals, default=0.0)
+    if bound_jct_mean_s <= 0 or span <= 0:
+        return float("inf")
+    return span / (precision * bound_jct_mean_s)
 
 
 def start_rate(workflows: int, engines: int, bound_jct_sum_s: float) -> float:

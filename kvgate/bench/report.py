@@ -173,7 +173,7 @@ def plot(report: dict[str, Any], runs: dict[str, RunResult], path: str) -> None:
 
 def format_goodput(report: dict[str, Any]) -> str:
     """The goodput table: each policy's rate, its ratio to the best other policy's, and the
-    JCT/bound at that rate."""
+    JCT/bound at that rate; then a line for each policy whose search found no bracket."""
     section = report["goodput"]
     slo = section["slo_jct_x_bound"]
     policies = {k: v for k, v in section.items() if isinstance(v, dict)}
@@ -187,7 +187,21 @@ def format_goodput(report: dict[str, Any]) -> str:
         x = f"{at[0]:.2f}" if at else "-"
         rate = f"{g['rate']:.4g}" if g["rate"] > 0 else "none met"
         lines.append(f"{name:<18}{rate:>12}{ratio:>15}{x:>9}{len(g['points']):>8}")
-    return "\n".join(lines)
+    return "\n".join(lines + [note for name, g in policies.items()
+                              if (note := _unbracketed(name, g, slo))])
+
+
+def _unbracketed(name: str, g: dict[str, Any], slo: float) -> str:
+    """Why a policy's goodput is no bracketed figure ("" when it is)."""
+    if g["rate"] <= 0:
+        low = g["points"][0]
+        return (f"{name}: no rate tried met the SLO (at {low['rate']:.3g}/s: "
+                f"{low['x_bound']:.3f} x bound, {low['failed']} failed workflows)")
+    if not any(p["rate"] > g["rate"] for p in g["points"]):
+        return (f"{name}: every rate tried met the SLO, up to {g['rate']:.4g}/s where the "
+                "workflows arrive as one burst (or the probe cap): goodput is at least that; "
+                "more --workflows load the pool further")
+    return ""
 
 
 def goodput_plot_path(plot_path: str) -> str:

@@ -14,6 +14,7 @@ from kvgate.bench.goodput import (
     DEFAULT_PRECISION,
     DEFAULT_SLO,
     GoodputPoint,
+    burst_rate,
     search_goodput,
     start_rate,
 )
@@ -244,6 +245,7 @@ def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
     slo = o.slo_jct if o.slo_jct is not None else DEFAULT_SLO
     bound = prepared.bound
     first = start_rate(len(prepared.workflows), o.engines, sum(bound.jct_s.values()))
+    burst = burst_rate(prepared.workflows, bound.jct_mean_s, o.seed, o.goodput_precision)
     section: dict[str, Any] = {"slo_jct_x_bound": slo}
     for policy in o.policies:
         def probe(rate: float, policy: str = policy) -> GoodputPoint:
@@ -258,7 +260,8 @@ def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
                       f"{failed} failed", file=sys.stderr)
             return GoodputPoint(rate, jct, x, failed)
 
-        section[policy] = search_goodput(probe, first, slo, o.goodput_precision).as_json()
+        section[policy] = search_goodput(probe, first, slo, o.goodput_precision,
+                                         max_rate=burst).as_json()
     return section
 
 
