@@ -21,7 +21,7 @@ from planner.policy import policy_names
 REPORT_KEYS = {"workflows", "requests", "failed", "jct_mean_s", "jct_p50_s", "jct_p99_s",
                "makespan_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "output_tokens_per_s",
                "prefix_hit_ratio", "recomputed_prompt_tokens", "transferred_bytes",
-               "gateway_wait_p50_s"}
+               "gateway_wait_p50_s", "compute_utilisation"}
 SMALL = {"static_tokens": "600"}
 
 
