@@ -364,11 +364,20 @@ class Proxy:
         metrics.time_to_first_byte.labels(route).observe(time.monotonic() - arrived)
         out_headers = forward_headers(upstream.headers)
         out_headers[ENGINE_HEADER] = engine
-        resp = web.StreamResponse(status=upstream.status, headers=out_headers)
         is_sse = upstream.content_type == "text/event-stream"
         if not is_sse:
-            # A JSON response arrives whole: the engine is done with the prompt by now.
+            # A JSON response arrives whole: the engine is done with the prompt by now. It is
+            # relayed as one body with a length (one write, no chunked framing), and an engine
+            # that dies before it is whole gets the client a clear 502 rather than a cut body.
             self._first_token(route_req, d, observed=False)
+            try:
+                body = await upstream.read()
+            except (TimeoutError, aiohttp.ClientPayloadError,
+                    aiohttp.ClientConnectionError) as e:
+                raise self._engine_failure(engine, e) from None
+            metrics.requests.labels(route, str(upstream.status)).inc()
+            return web.Response(status=upstream.status, body=body, headers=out_headers)
+        resp = web.StreamResponse(status=upstream.status, headers=out_headers)
         # SSE is forwarded in whole events only, so an error event can follow cleanly if the
         # engine dies mid-event; the incomplete tail waits for the rest of its event.
         tail = b""
@@ -379,7 +388,7 @@ class Proxy:
                     chunk = await upstream.content.readany()
                 except (TimeoutError, aiohttp.ClientPayloadError,
                         aiohttp.ClientConnectionError) as e:
-                    await self._engine_died(request, resp, engine, e, is_sse)
+                    await self._engine_died(resp, engine, e)
                     metrics.requests.labels(route, "502").inc()
                     return resp
                 if not chunk:
@@ -404,29 +413,24 @@ class Proxy:
         metrics.requests.labels(route, str(upstream.status)).inc()
         return resp
 
-    async def _engine_died(
-        self, request: web.Request, resp: web.StreamResponse, engine: str,
-        error: BaseException, is_sse: bool,
-    ) -> None:
-        """The engine failed after the response started: tell the client as clearly as we can."""
+    def _engine_failure(self, engine: str, error: BaseException) -> GatewayError:
+        """The engine failed mid-response: count it, take it out of rotation unless it was only
+        slow, and return the error that names it to the client."""
         state = self.state
         assert state.pool is not None
         timed_out = isinstance(error, TimeoutError)
         state.metrics.upstream_errors.labels(engine, "timeout" if timed_out else "mid-stream").inc()
-        if not timed_out:
-            state.pool.mark_failed(engine, repr(error))
         log.warning("engine %s failed mid-response: %r", engine, error)
-        if not is_sse:
-            # A JSON body cannot carry an error once it started: cut the connection so the
-            # client sees a broken response, never a well-formed truncated one.
-            if request.transport is not None:
-                request.transport.abort()
-            return
-        err: GatewayError = (
-            EngineTimeout(f"engine {engine} timed out mid-response")
-            if timed_out
-            else EngineFailed(f"engine {engine} failed mid-stream: {error!r}")
-        )
+        if timed_out:
+            return EngineTimeout(f"engine {engine} timed out mid-response")
+        state.pool.mark_failed(engine, repr(error))
+        return EngineFailed(f"engine {engine} failed mid-stream: {error!r}")
+
+    async def _engine_died(
+        self, resp: web.StreamResponse, engine: str, error: BaseException
+    ) -> None:
+        """The engine failed mid-stream: end the stream with an error event naming it."""
+        err = self._engine_failure(engine, error)
         await resp.write(err.sse_event())
         await resp.write_eof()
 

@@ -301,3 +301,50 @@ def test_client_hanging_up_aborts_the_request_at_the_engine(
             break
         threading.Event().wait(0.1)
     assert engine_counts() == (1.0, 0.0)
+
+
+class CutJsonEngine:
+    """An upstream whose JSON completion promises 400 bytes and dies after 20."""
+
+    def __init__(self) -> None:
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.ok)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_post("/v1/completions", self.complete)
+
+    async def ok(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "cut", "object": "model"}]})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json",
+                                           "Content-Length": "400"})
+        await resp.prepare(request)
+        await resp.write(b'{"id": "cmpl-1", "ob')
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+
+def test_engine_dying_mid_json_body_is_a_502_naming_the_engine(
+    threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    server = threaded_server(CutJsonEngine().app)
+    gw = spawn_gateway({"engines": [{"url": server.url, "name": "cutter"}], "retries": 0})
+    wait_healthy(gw)
+    body = json.dumps({"model": "cut", "prompt": "hello", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{gw.url}/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(req, timeout=30)
+    assert caught.value.code == 502
+    error = json.loads(caught.value.read())["error"]
+    assert "cutter" in error["message"] and error["code"] == "engine_failed"
