@@ -116,3 +116,8 @@ def test_sim_cli_rejects_bad_profile_file_with_exit_2(tmp_path: Path) -> None:
                          timeout=60)
     assert run.returncode == 2
     assert "unknown key(s) colour" in run.stderr
+
+
+def test_shipped_cpu_tiny_file_matches_the_built_in_profile() -> None:
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "cpu-tiny.yaml"
+    assert load_profile_file(shipped) == PROFILES["cpu-tiny"]
