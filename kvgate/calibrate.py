@@ -5,7 +5,8 @@ prompts of several lengths (prefill), the inter-token gaps of concurrent streame
 batch sizes and context lengths (decode), and a repeated prompt that must raise
 `vllm:prefix_cache_hits_total`. Between probes the prefix cache is reset (`POST
 /reset_prefix_cache`, vLLM needs VLLM_SERVER_DEV_MODE=1) or, where that is unavailable, every prompt
-starts with a token no other prompt starts with.
+starts with a token no other prompt starts with. Each probe runs `repeats` times and keeps the
+fastest: other work on the machine only ever adds time, so the minimum is the engine's own cost.
 
 The fit (`fit_roofline`, pure) treats each sample as one engine step of the base profile's model:
 step = overhead + max(flops x c, bytes x m); it picks each sample's bound, solves the linear least
@@ -20,7 +21,6 @@ import asyncio
 import dataclasses
 import json
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +48,7 @@ class CalibrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class PrefillSample:
-    """Median TTFT of a single request prefilling `tokens` new tokens on an idle engine."""
+    """TTFT of a single request prefilling `tokens` new tokens on an idle engine."""
 
     tokens: int
     ttft_s: float
@@ -56,7 +56,7 @@ class PrefillSample:
 
 @dataclass(frozen=True)
 class DecodeSample:
-    """Median inter-token gap with `batch` sequences decoding at about `context` tokens each."""
+    """Seconds per decode step with `batch` sequences at about `context` tokens each."""
 
     batch: int
     context: int
@@ -249,14 +249,14 @@ class Prober:
 
 
 async def measure_prefill(p: Prober, lengths: Sequence[int], repeats: int) -> list[PrefillSample]:
-    """Median TTFT per prompt length, each request alone on a cold cache."""
+    """Fastest TTFT per prompt length, each request alone on a cold cache."""
     samples = []
     for n in lengths:
         ttfts = []
         for _ in range(repeats):
             await p.reset_cache()
             ttfts.append((await p.stream(p.prompt(n), 1)).ttft_s)
-        samples.append(PrefillSample(n, statistics.median(ttfts)))
+        samples.append(PrefillSample(n, min(ttfts)))
     return samples
 
 
@@ -277,8 +277,7 @@ async def measure_decode(p: Prober, shapes: Sequence[tuple[int, int]], tokens: i
                 start = time.perf_counter()
                 await asyncio.gather(*(p.complete(p.prompt(context), n) for _ in range(batch)))
                 times.append(time.perf_counter() - start)
-        step = (statistics.median(walls[SHORT_OUTPUT + tokens])
-                - statistics.median(walls[SHORT_OUTPUT])) / tokens
+        step = (min(walls[SHORT_OUTPUT + tokens]) - min(walls[SHORT_OUTPUT])) / tokens
         samples.append(DecodeSample(batch, context + SHORT_OUTPUT + tokens // 2, step))
     return samples
 

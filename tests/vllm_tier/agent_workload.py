@@ -101,14 +101,22 @@ async def reset_prefix_cache(session: aiohttp.ClientSession, url: str) -> None:
         r.raise_for_status()
 
 
-async def measure(url: str, model: str, concurrency: int, repeats: int) -> RunStats:
-    """Median of `repeats` cold-cache runs, per statistic."""
-    runs = []
-    for _ in range(repeats):
-        async with aiohttp.ClientSession() as session:
-            await reset_prefix_cache(session, url)
-        runs.append(await run_workload(url, model, concurrency))
+def median_stats(runs: list[RunStats]) -> RunStats:
+    """Per-statistic medians of several runs of the same workload."""
     return RunStats(statistics.median(r.mean_ttft_s for r in runs),
                     statistics.median(r.mean_e2e_s for r in runs),
                     statistics.median(r.makespan_s for r in runs),
                     runs[0].prompt_tokens, runs[0].completion_tokens)
+
+
+async def compare(urls: list[str], model: str, concurrency: int,
+                  repeats: int) -> list[RunStats]:
+    """Cold-cache runs on each engine in turn, `repeats` rounds (so a busy spell on a shared
+    machine hits every engine alike); the medians per engine."""
+    runs: list[list[RunStats]] = [[] for _ in urls]
+    for _ in range(repeats):
+        for url, mine in zip(urls, runs, strict=True):
+            async with aiohttp.ClientSession() as session:
+                await reset_prefix_cache(session, url)
+            mine.append(await run_workload(url, model, concurrency))
+    return [median_stats(r) for r in runs]

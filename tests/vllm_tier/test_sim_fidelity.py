@@ -2,10 +2,10 @@
 
 One real engine (one core, --enforce-eager, block size 32, the tiny random model) and one
 `kvgate sim --profile cpu-tiny` run the same small agent workload (tests/vllm_tier/
-agent_workload.py) at concurrency 1 and 4, each from a cold prefix cache, three times
-(medians). Mean TTFT, mean end-to-end latency and makespan must agree within TOLERANCE. The
-profile's constants were fitted with `kvgate calibrate` (configs/cpu-tiny.yaml); if vLLM or
-the machine changes, refit and update planner/profiles.py.
+agent_workload.py) at concurrency 1 and 4, each run from a cold prefix cache, three rounds
+alternating the engines (medians). Mean TTFT, mean end-to-end latency and makespan must agree
+within TOLERANCE. The profile's constants were fitted with `kvgate calibrate`
+(configs/cpu-tiny.yaml); if vLLM or the machine changes, refit and update planner/profiles.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvgate.procs import Child, start_sim
-from tests.vllm_tier.agent_workload import RunStats, measure
+from tests.vllm_tier.agent_workload import RunStats, compare
 from tests.vllm_tier.engine import (
     Engine,
     EngineStartError,
@@ -66,8 +66,7 @@ def ratios(sim: RunStats, real: RunStats) -> dict[str, float]:
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_cpu_tiny_sim_tracks_real_vllm(engines: tuple[Engine, Child], concurrency: int) -> None:
     engine, sim = engines
-    real = asyncio.run(measure(engine.url, SERVED, concurrency, REPEATS))
-    simulated = asyncio.run(measure(sim.url, SERVED, concurrency, REPEATS))
+    real, simulated = asyncio.run(compare([engine.url, sim.url], SERVED, concurrency, REPEATS))
     assert (simulated.prompt_tokens, simulated.completion_tokens) == (
         real.prompt_tokens, real.completion_tokens)
     r = ratios(simulated, real)
