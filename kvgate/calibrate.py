@@ -228,18 +228,6 @@ class Prober:
             raise CalibrationError("a streamed completion returned no tokens")
         return t
 
-    async def complete(self, prompt: list[int], max_tokens: int) -> float:
-        """Seconds for one non-streamed completion of exactly `max_tokens` tokens."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
-        start = time.perf_counter()
-        async with self.session.post(self.url + "/v1/completions", json=body) as r:
-            text = await r.text()
-            if r.status != 200:
-                raise CalibrationError(f"POST {self.url}/v1/completions -> {r.status}: "
-                                       f"{text[:500]}")
-        return time.perf_counter() - start
-
     async def counter(self, name: str) -> float:
         """Sum of a counter over its label sets on /metrics."""
         async with self.session.get(self.url + "/metrics") as r:
@@ -264,9 +252,10 @@ async def measure_decode(p: Prober, shapes: Sequence[tuple[int, int]], tokens: i
                          repeats: int) -> list[DecodeSample]:
     """Seconds per decode step of `batch` concurrent requests over prompts of `context` tokens.
 
-    The slope of the batch's wall time between SHORT_OUTPUT and SHORT_OUTPUT + `tokens` output
-    tokens: prefill and request costs cancel, and streamed chunks (which vLLM holds back while
-    the text is not valid UTF-8, as a random model's often is not) are not needed.
+    The slope of the batch's wall time between SHORT_OUTPUT and SHORT_OUTPUT + `tokens` streamed
+    output tokens (streamed, as agents read them, so the server's per-chunk cost is in it):
+    prefill and request costs cancel, and single chunk gaps are not needed (vLLM holds text back
+    while it is not valid UTF-8, as a random model's often is not, and sends it in bursts).
     """
     samples = []
     for batch, context in shapes:
@@ -275,7 +264,7 @@ async def measure_decode(p: Prober, shapes: Sequence[tuple[int, int]], tokens: i
             for n, times in walls.items():
                 await p.reset_cache()
                 start = time.perf_counter()
-                await asyncio.gather(*(p.complete(p.prompt(context), n) for _ in range(batch)))
+                await asyncio.gather(*(p.stream(p.prompt(context), n) for _ in range(batch)))
                 times.append(time.perf_counter() - start)
         step = (min(walls[SHORT_OUTPUT + tokens]) - min(walls[SHORT_OUTPUT])) / tokens
         samples.append(DecodeSample(batch, context + SHORT_OUTPUT + tokens // 2, step))
