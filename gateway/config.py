@@ -7,10 +7,19 @@ from typing import Any, Literal
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from planner.policy import policy_names
-from planner.profiles import DEFAULT_PROFILE, PROFILES
+from planner.profile_file import ProfileFileError, load_profile_file
+from planner.profiles import DEFAULT_PROFILE, PROFILES, EngineProfile, get_profile
 
 
 class ConfigError(ValueError):
@@ -34,11 +43,14 @@ class EngineEntry(BaseModel):
     """One upstream engine (a vLLM server or a `kvgate sim`)."""
 
     model_config = ConfigDict(extra="forbid")
+    _profile: EngineProfile | None = PrivateAttr(default=None)
 
     url: str
     name: str | None = None
     profile: str = DEFAULT_PROFILE
     """Roofline profile the cost model uses for this engine."""
+    profile_file: str | None = None
+    """A profile YAML (e.g. from `kvgate calibrate`) that replaces `profile` for the cost model."""
     kv_events: str | None = None
     """Connect mode: the engine's bound PUB endpoint (e.g. tcp://10.0.0.5:5557)."""
     kv_replay: str | None = None
@@ -60,6 +72,20 @@ class EngineEntry(BaseModel):
         if v not in PROFILES:
             raise ValueError(f"unknown profile {v!r}; known: {', '.join(sorted(PROFILES))}")
         return v
+
+    @model_validator(mode="after")
+    def _readable_profile_file(self) -> EngineEntry:
+        if self.profile_file is not None:
+            try:
+                self._profile = load_profile_file(self.profile_file)
+            except ProfileFileError as e:
+                raise ValueError(f"profile_file: {e}") from None
+        return self
+
+    @property
+    def engine_profile(self) -> EngineProfile:
+        """The profile the cost model uses: the loaded profile_file, else the named profile."""
+        return self._profile if self._profile is not None else get_profile(self.profile)
 
     @field_validator("kv_events", "kv_replay")
     @classmethod
@@ -172,7 +198,16 @@ def load_config(path: str | Path, **overrides: Any) -> GatewayConfig:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     if isinstance(data, dict):
         apply_overrides(data, overrides)
+        _profile_files_relative_to(data, p.parent)
     return parse_config(data, str(p))
+
+
+def _profile_files_relative_to(data: dict[str, Any], directory: Path) -> None:
+    """A relative `profile_file:` names a file next to the config, wherever kvgate runs."""
+    engines = data.get("engines")
+    for e in engines if isinstance(engines, list) else []:
+        if isinstance(e, dict) and isinstance(e.get("profile_file"), str):
+            e["profile_file"] = str(directory / e["profile_file"])
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

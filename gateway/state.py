@@ -16,7 +16,6 @@ from kvindex.ingest import EventIngestor
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.policy import PolicyContext, RoutingPolicy, make_policy, scrape_interval
-from planner.profiles import get_profile
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,7 @@ class GatewayState:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.policy_context = PolicyContext(
-            profiles={e.engine_name: get_profile(e.profile) for e in config.engines},
+            profiles={e.engine_name: e.engine_profile for e in config.engines},
             block_size=config.index.block_size,
         )
         self.policy: RoutingPolicy = make_policy(config.policy, self.policy_context)
@@ -104,7 +103,7 @@ class GatewayState:
         assert self.pool is not None and self.listener is not None
         self.listener.add_source(event_source(entry))  # raises on a topic already in use
         self.pool.add(entry)
-        self.policy_context.profiles[entry.engine_name] = get_profile(entry.profile)
+        self.policy_context.profiles[entry.engine_name] = entry.engine_profile
         await self.pool.refresh(entry.engine_name)
 
     async def remove_engine(self, name: str) -> bool:

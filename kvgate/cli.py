@@ -1,4 +1,4 @@
-"""The `kvgate` command line: `serve`, `sim`, `bench`, `microbench` and `demo`."""
+"""The `kvgate` command line: `serve`, `sim`, `bench`, `microbench`, `calibrate` and `demo`."""
 
 from __future__ import annotations
 
@@ -38,10 +38,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     from adapters.sim.server import SimSettings, run
+    from planner.profile_file import load_profile_file
     from planner.profiles import get_profile
 
     try:
-        profile = get_profile(args.profile)
+        profile = (load_profile_file(args.profile_file) if args.profile_file
+                   else get_profile(args.profile))
     except ValueError as e:
         print(f"kvgate sim: {e}", file=sys.stderr)
         return 2
@@ -139,7 +141,8 @@ def _bench(args: argparse.Namespace) -> int:
     options = BenchOptions(
         workload=args.workload, dag_file=args.dag_file, workload_args=workload_args,
         policies=[p.strip() for p in args.policy.split(",") if p.strip()],
-        engines=args.engines, profile=args.profile, rate=args.rate,
+        engines=args.engines, profile=args.profile, profile_file=args.profile_file,
+        rate=args.rate,
         concurrency=args.concurrency, workflows=args.workflows, seed=args.seed,
         mode=args.mode, json_out=args.json, plot_out=args.plot,
         progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
@@ -151,6 +154,35 @@ def _bench(args: argparse.Namespace) -> int:
     except WorkloadError as e:
         print(f"kvgate bench: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvgate.calibrate import CalibrationError, calibrate
+    from planner.profile_file import profile_to_yaml
+    from planner.profiles import get_profile
+
+    try:
+        base = get_profile(args.base_profile)
+    except ValueError as e:
+        print(f"kvgate calibrate: {e}", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print("kvgate calibrate: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        profile, record = calibrate(args.engine, args.model or base.model, base,
+                                    name=args.name, repeats=args.repeats)
+    except CalibrationError as e:
+        print(f"kvgate calibrate: {e}", file=sys.stderr)
+        return 1
+    Path(args.out).write_text(profile_to_yaml(profile, record))
+    print(f"step_overhead_s {profile.step_overhead_s:.6f}  effective FLOP/s "
+          f"{profile.peak_flops * profile.mfu:.4g}  effective B/s "
+          f"{profile.mem_bandwidth * profile.mbu:.4g}  rms residual "
+          f"{record['rms_residual_s'] * 1000:.2f} ms  -> {args.out}")
     return 0
 
 
@@ -178,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--host", default="127.0.0.1")
     m.add_argument("--port", type=int, required=True)
     m.add_argument("--profile", default="h100-llama3-8b")
+    m.add_argument("--profile-file", help="a profile YAML (e.g. from `kvgate calibrate`); "
+                                          "overrides --profile")
     m.add_argument("--model", help="served model name (default: the profile's model)")
     m.add_argument("--block-size", type=int, help="KV block size in tokens (default: profile's)")
     m.add_argument("--kv-blocks", type=int, help="KV blocks in the pool (default: from profile)")
@@ -239,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated policies to compare")
     bench.add_argument("--engines", type=int, default=8)
     bench.add_argument("--profile", default="h100-llama3-8b")
+    bench.add_argument("--profile-file", help="a profile YAML (e.g. from `kvgate calibrate`); "
+                                              "overrides --profile")
     load = bench.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="Poisson arrivals of workflows per second")
     load.add_argument("--concurrency", type=int, help="workflows kept in flight (closed loop)")
@@ -263,6 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "(relative; default 0.05)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
+
+    c = sub.add_parser("calibrate", help="fit a roofline profile to a running vLLM engine",
+                       description="Measure prefill, decode and prefix hits of one idle "
+                                   "OpenAI-compatible vLLM engine and write a profile YAML.")
+    c.add_argument("--engine", required=True, help="engine URL, e.g. http://127.0.0.1:8001")
+    c.add_argument("--model", help="served model name (default: the base profile's model)")
+    c.add_argument("--base-profile", default="cpu-tiny",
+                   help="built-in profile with the model's shape (params, layers, hidden, ...)")
+    c.add_argument("--name", help="name of the fitted profile (default: the base profile's)")
+    c.add_argument("--repeats", type=int, default=3, help="runs per probe (the fastest is fitted)")
+    c.add_argument("--out", required=True, help="write the profile YAML here")
+    c.set_defaults(func=_calibrate)
 
     d = sub.add_parser("demo", help="start simulated engines + gateway and run a sample workflow")
     d.add_argument("--engines", type=int, default=4)

@@ -220,7 +220,9 @@ def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
     children: list[Child] = []
     try:
         events = f"tcp://127.0.0.1:{free_port()}"
-        sim_args = ["--profile", o.profile, "--model", MODEL, "--seed", str(o.seed),
+        profile_args = ["--profile-file", o.profile_file] if o.profile_file else [
+            "--profile", o.profile]
+        sim_args = [*profile_args, "--model", MODEL, "--seed", str(o.seed),
                     "--time-scale", str(scale), "--enable-prompt-tokens-details"]
         if policy != SGLANG_ROUTER:
             sim_args += ["--kv-events", events]
@@ -246,7 +248,8 @@ def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
 
 def run_live(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     """Every policy, one after the other, on fresh processes (logs kept on failure)."""
-    scale = o.time_scale if o.time_scale is not None else default_time_scale(o.profile)
+    scale = (o.time_scale if o.time_scale is not None
+             else default_time_scale(o.engine_profile().name))
     if scale <= 0:
         raise WorkloadError("--time-scale must be positive")
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-bench-live-"))

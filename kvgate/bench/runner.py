@@ -49,7 +49,8 @@ from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.dag import DagNode, topological_order
 from planner.policy import policy_names
-from planner.profiles import get_profile
+from planner.profile_file import load_profile_file
+from planner.profiles import EngineProfile, get_profile
 
 LIVE_ONLY_POLICIES = ("sglang-router",)
 DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,
@@ -66,6 +67,8 @@ class BenchOptions:
     policies: list[str] = field(default_factory=lambda: ["kvgate"])
     engines: int = 8
     profile: str = "h100-llama3-8b"
+    profile_file: str | None = None
+    """A profile YAML that replaces `profile` (its constants and its name)."""
     rate: float | None = None
     concurrency: int | None = None
     workflows: int | None = None
@@ -93,6 +96,11 @@ class BenchOptions:
         if self.workflow_trace is not None:
             return f"workflow-trace:{self.workflow_trace}"
         return self.workload or f"dag-file:{self.dag_file}"
+
+    def engine_profile(self) -> EngineProfile:
+        """The engines' profile: from --profile-file if given, else the built-in --profile."""
+        return load_profile_file(self.profile_file) if self.profile_file else get_profile(
+            self.profile)
 
 
 def check_options(o: BenchOptions) -> None:
@@ -124,7 +132,7 @@ def check_options(o: BenchOptions) -> None:
     if not 0 < o.goodput_precision < 1:
         raise WorkloadError("--goodput-precision must be between 0 and 1")
     try:
-        get_profile(o.profile)
+        o.engine_profile()
     except ValueError as e:
         raise WorkloadError(str(e)) from None
     known = set(policy_names()) | (set(LIVE_ONLY_POLICIES) if o.mode == "live" else set())
@@ -165,7 +173,7 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
     vocab = Vocabulary(tok)
     builder = PromptBuilder(vocab, ChatRenderer(tok, vocab), PromptKeyer(tok, 16))
     count = o.workflows or DEFAULT_WORKFLOWS.get(o.workload or "", 100)
-    profile = get_profile(o.profile)
+    profile = o.engine_profile()
     max_tokens = min(profile.max_model_len, profile.num_blocks(profile.block_size)
                      * profile.block_size)
     if o.workflow_trace is not None:
@@ -229,7 +237,7 @@ def progress_bar(label: str, stream: Any = sys.stderr) -> Callable[[int, int], N
 
 def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     """Every policy over fresh engine models in virtual time."""
-    profile = get_profile(o.profile)
+    profile = o.engine_profile()
     runs = {}
     for policy in o.policies:
         run = VirtualRun(policy, prepared.workflows, prepared.load, profile, o.engines,
@@ -305,7 +313,8 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
     elapsed = time.monotonic() - started
     results = {name: summarise(run) for name, run in runs.items()}
     report = build_report(
-        workload=o.name, profile=o.profile, engines=o.engines, seed=o.seed, mode=o.mode,
+        workload=o.name, profile=o.engine_profile().name, engines=o.engines, seed=o.seed,
+        mode=o.mode,
         rate=prepared.rate, concurrency=prepared.concurrency,
         workflows=len(prepared.workflows), bound=prepared.bound, results=results, extra=extra,
     )

@@ -1,0 +1,338 @@
+"""`kvgate calibrate`: measure a running OpenAI-compatible vLLM engine and fit roofline constants.
+
+Probes (one engine, nothing else sending to it): TTFT of single streamed requests with distinct
+prompts of several lengths (prefill), the inter-token gaps of concurrent streamed requests at a few
+batch sizes and context lengths (decode), and a repeated prompt that must raise
+`vllm:prefix_cache_hits_total`. Between probes the prefix cache is reset (`POST
+/reset_prefix_cache`, vLLM needs VLLM_SERVER_DEV_MODE=1) or, where that is unavailable, every prompt
+starts with a token no other prompt starts with. Each probe runs `repeats` times and keeps the
+fastest: other work on the machine only ever adds time, so the minimum is the engine's own cost.
+
+The fit (`fit_roofline`, pure) treats each sample as one engine step of the base profile's model:
+step = overhead + max(flops x c, bytes x m); it picks each sample's bound, solves the linear least
+squares for (overhead, c, m), and repeats until the bounds stop changing. TTFT also holds the
+server's per-request cost, so prefill samples get their own intercept (reported, not in the
+profile, since the simulated engine has its own HTTP path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from planner.profiles import EngineProfile
+
+PREFILL_LENGTHS = (16, 512, 1024, 2048, 3072)
+DECODE_SHAPES = ((1, 64), (4, 64), (8, 64), (1, 1024), (4, 1024), (8, 1024))
+DECODE_TOKENS = 64
+SHORT_OUTPUT = 4
+REPEATS = 3
+# Prompt token ids: valid in any vocabulary of 1000+ tokens, clear of the usual special tokens.
+PROMPT_TOKENS = range(10, 1000)
+# A coefficient the data cannot support (<= 0) is pinned here: effectively infinite FLOP/s or B/s.
+NEGLIGIBLE = 1e-18
+
+
+class CalibrationError(RuntimeError):
+    """The engine could not be measured; the message says what failed."""
+
+
+@dataclass(frozen=True)
+class PrefillSample:
+    """TTFT of a single request prefilling `tokens` new tokens on an idle engine."""
+
+    tokens: int
+    ttft_s: float
+
+
+@dataclass(frozen=True)
+class DecodeSample:
+    """Seconds per decode step with `batch` sequences at about `context` tokens each."""
+
+    batch: int
+    context: int
+    step_s: float
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Fitted constants and how well they explain the samples."""
+
+    step_overhead_s: float
+    request_overhead_s: float
+    effective_flops: float
+    effective_bandwidth: float
+    prefill_residuals_s: list[float]
+    decode_residuals_s: list[float]
+
+    @property
+    def rms_residual_s(self) -> float:
+        """Root mean square of every residual (measured minus predicted)."""
+        r = self.prefill_residuals_s + self.decode_residuals_s
+        return float(np.sqrt(np.mean(np.square(r)))) if r else 0.0
+
+
+def prefill_work(p: EngineProfile, tokens: int) -> tuple[float, float]:
+    """FLOPs and bytes of one step prefilling `tokens` on an empty context (as `step_time`)."""
+    flops = 2.0 * p.params * tokens + 4.0 * p.layers * p.hidden * tokens * (tokens + 1) / 2.0
+    return flops, p.weight_bytes + tokens * p.kv_bytes_per_token
+
+
+def decode_work(p: EngineProfile, batch: int, context: int) -> tuple[float, float]:
+    """FLOPs and bytes of one decode step (as `decode_step_time`)."""
+    flops = batch * (2.0 * p.params + 4.0 * p.layers * p.hidden * (context + 1.0))
+    return flops, p.weight_bytes + batch * (context + 1) * p.kv_bytes_per_token
+
+
+def fit_roofline(base: EngineProfile, prefill: Sequence[PrefillSample],
+                 decode: Sequence[DecodeSample], max_rounds: int = 20) -> Fit:
+    """Least-squares fit of step overhead, request overhead, seconds/FLOP and seconds/byte."""
+    if len(prefill) < 2 or len(decode) < 2:
+        raise ValueError("the fit needs at least two prefill and two decode samples")
+    work = [prefill_work(base, s.tokens) for s in prefill] + [
+        decode_work(base, s.batch, s.context) for s in decode]
+    y = np.array([s.ttft_s for s in prefill] + [s.step_s for s in decode])
+    is_prefill = np.array([1.0] * len(prefill) + [0.0] * len(decode))
+    flops = np.array([w[0] for w in work])
+    nbytes = np.array([w[1] for w in work])
+    # Start from prefill compute-bound, decode memory-bound (the usual roofline picture).
+    compute_bound = is_prefill.astype(bool)
+    coef = np.zeros(4)
+    for _ in range(max_rounds):
+        # Columns: step overhead, request overhead (prefill rows only), s/FLOP, s/byte. Scaled so
+        # the solve is well conditioned.
+        fscale, bscale = max(flops.max(), 1.0), max(nbytes.max(), 1.0)
+        a = np.column_stack([np.ones_like(y), is_prefill,
+                             np.where(compute_bound, flops / fscale, 0.0),
+                             np.where(compute_bound, 0.0, nbytes / bscale)])
+        used = [i for i in range(4) if np.any(a[:, i])]
+        sol = np.zeros(4)
+        while True:
+            x, *_ = np.linalg.lstsq(a[:, used], y, rcond=None)
+            sol[:] = 0.0
+            sol[used] = x
+            negative = [i for i in used if sol[i] < 0]
+            if not negative:
+                break
+            used.remove(min(negative, key=lambda i: sol[i]))
+        coef = np.array([sol[0], sol[1], max(sol[2] / fscale, NEGLIGIBLE),
+                         max(sol[3] / bscale, NEGLIGIBLE)])
+        now_compute = flops * coef[2] >= nbytes * coef[3]
+        if np.array_equal(now_compute, compute_bound):
+            break
+        compute_bound = now_compute
+    predicted = coef[0] + is_prefill * coef[1] + np.maximum(flops * coef[2], nbytes * coef[3])
+    residuals = (y - predicted).tolist()
+    return Fit(step_overhead_s=float(coef[0]), request_overhead_s=float(coef[1]),
+               effective_flops=1.0 / float(coef[2]), effective_bandwidth=1.0 / float(coef[3]),
+               prefill_residuals_s=residuals[:len(prefill)],
+               decode_residuals_s=residuals[len(prefill):])
+
+
+def fitted_profile(base: EngineProfile, fit: Fit, name: str | None = None,
+                   model: str | None = None) -> EngineProfile:
+    """`base` with the fitted constants; efficiencies stay the base's unless above 1."""
+    mfu = min(1.0, fit.effective_flops / base.peak_flops)
+    mbu = min(1.0, fit.effective_bandwidth / base.mem_bandwidth)
+    return dataclasses.replace(
+        base, name=name or base.name, model=model or base.model,
+        peak_flops=fit.effective_flops / mfu, mfu=mfu,
+        mem_bandwidth=fit.effective_bandwidth / mbu, mbu=mbu,
+        step_overhead_s=fit.step_overhead_s)
+
+
+def calibration_record(fit: Fit, prefill: Sequence[PrefillSample],
+                       decode: Sequence[DecodeSample], engine: str, prefix_hit_tokens: int,
+                       reset_available: bool) -> dict[str, Any]:
+    """The `calibration:` section of the profile file: samples, residuals, what was probed."""
+    return {
+        "engine": engine,
+        "request_overhead_s": fit.request_overhead_s,
+        "rms_residual_s": fit.rms_residual_s,
+        "prefill": [{"tokens": s.tokens, "ttft_s": s.ttft_s, "residual_s": r}
+                    for s, r in zip(prefill, fit.prefill_residuals_s, strict=True)],
+        "decode": [{"batch": s.batch, "context": s.context, "step_s": s.step_s, "residual_s": r}
+                   for s, r in zip(decode, fit.decode_residuals_s, strict=True)],
+        "prefix_hit_tokens_on_repeat": prefix_hit_tokens,
+        "prefix_cache_reset": "POST /reset_prefix_cache" if reset_available else "unique prompts",
+    }
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class StreamTiming:
+    """Arrival times of one streamed completion's token chunks."""
+
+    start: float
+    chunks: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        """Seconds from sending to the first token."""
+        return self.chunks[0] - self.start
+
+
+class Prober:
+    """Sends probe requests to one engine."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, model: str,
+                 seed: int = 0) -> None:
+        self.session = session
+        self.url = url.rstrip("/")
+        self.model = model
+        self.rng = random.Random(seed)
+        self.reset_available = False
+        self._next_lead = 0
+
+    def prompt(self, tokens: int) -> list[int]:
+        """Token ids no earlier prompt shares a first block with (fresh leading token)."""
+        self._next_lead += 1
+        lead = PROMPT_TOKENS.start + self._next_lead % len(PROMPT_TOKENS)
+        return [lead] + [self.rng.choice(PROMPT_TOKENS) for _ in range(tokens - 1)]
+
+    async def reset_cache(self) -> None:
+        """Empty the engine's prefix cache if it lets us."""
+        async with self.session.post(self.url + "/reset_prefix_cache") as r:
+            self.reset_available = r.status == 200
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> StreamTiming:
+        """One streamed completion; the arrival time of every chunk that carries text."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+                "stream": True}
+        t = StreamTiming(time.perf_counter())
+        async with self.session.post(self.url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise CalibrationError(f"POST {self.url}/v1/completions -> {r.status}: "
+                                       f"{(await r.text())[:500]}")
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[5:])
+                if chunk.get("choices"):
+                    t.chunks.append(now)
+        if not t.chunks:
+            raise CalibrationError("a streamed completion returned no tokens")
+        return t
+
+    async def counter(self, name: str) -> float:
+        """Sum of a counter over its label sets on /metrics."""
+        async with self.session.get(self.url + "/metrics") as r:
+            text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def measure_prefill(p: Prober, lengths: Sequence[int], repeats: int) -> list[PrefillSample]:
+    """Fastest TTFT per prompt length, each request alone on a cold cache."""
+    samples = []
+    for n in lengths:
+        ttfts = []
+        for _ in range(repeats):
+            await p.reset_cache()
+            ttfts.append((await p.stream(p.prompt(n), 1)).ttft_s)
+        samples.append(PrefillSample(n, min(ttfts)))
+    return samples
+
+
+async def measure_decode(p: Prober, shapes: Sequence[tuple[int, int]], tokens: int,
+                         repeats: int) -> list[DecodeSample]:
+    """Seconds per decode step of `batch` concurrent requests over prompts of `context` tokens.
+
+    The slope of the batch's wall time between SHORT_OUTPUT and SHORT_OUTPUT + `tokens` streamed
+    output tokens (streamed, as agents read them, so the server's per-chunk cost is in it):
+    prefill and request costs cancel, and single chunk gaps are not needed (vLLM holds text back
+    while it is not valid UTF-8, as a random model's often is not, and sends it in bursts).
+    """
+    samples = []
+    for batch, context in shapes:
+        walls: dict[int, list[float]] = {SHORT_OUTPUT: [], SHORT_OUTPUT + tokens: []}
+        for _ in range(repeats):
+            for n, times in walls.items():
+                await p.reset_cache()
+                start = time.perf_counter()
+                await asyncio.gather(*(p.stream(p.prompt(context), n) for _ in range(batch)))
+                times.append(time.perf_counter() - start)
+        step = (min(walls[SHORT_OUTPUT + tokens]) - min(walls[SHORT_OUTPUT])) / tokens
+        samples.append(DecodeSample(batch, context + SHORT_OUTPUT + tokens // 2, step))
+    return samples
+
+
+async def measure_prefix_hits(p: Prober, tokens: int) -> int:
+    """Prefix-cache hit tokens a repeated prompt earned (must be > 0 on a caching engine)."""
+    await p.reset_cache()
+    prompt = p.prompt(tokens)
+    await p.stream(prompt, 1)
+    before = await p.counter("vllm:prefix_cache_hits_total")
+    await p.stream(prompt, 1)
+    return int(await p.counter("vllm:prefix_cache_hits_total") - before)
+
+
+@dataclass
+class Measurements:
+    """Everything a calibration measured."""
+
+    prefill: list[PrefillSample]
+    decode: list[DecodeSample]
+    prefix_hit_tokens: int
+    reset_available: bool
+
+
+async def max_model_len(session: aiohttp.ClientSession, url: str, model: str) -> int | None:
+    """The engine's context limit from /v1/models (vLLM and kvgate sim report it)."""
+    async with session.get(url.rstrip("/") + "/v1/models") as r:
+        if r.status != 200:
+            raise CalibrationError(f"GET {url}/v1/models -> {r.status}")
+        models = (await r.json()).get("data", [])
+    for m in models:
+        if m.get("id") == model:
+            limit = m.get("max_model_len")
+            return int(limit) if limit else None
+    raise CalibrationError(f"engine {url} does not serve model {model!r}; it serves "
+                           f"{', '.join(str(m.get('id')) for m in models) or 'nothing'}")
+
+
+async def measure(url: str, model: str, *, prefill_lengths: Sequence[int] =
+                  PREFILL_LENGTHS, decode_shapes: Sequence[tuple[int, int]] = DECODE_SHAPES,
+                  decode_tokens: int = DECODE_TOKENS, repeats: int = REPEATS) -> Measurements:
+    """Run every probe against the engine at `url`."""
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        p = Prober(session, url, model)
+        try:
+            limit = await max_model_len(session, url, model)
+            if limit is not None:
+                prefill_lengths = [n for n in prefill_lengths if n + 2 <= limit]
+            await p.stream(p.prompt(8), 2)  # warm-up
+            prefill = await measure_prefill(p, prefill_lengths, repeats)
+            decode = await measure_decode(p, decode_shapes, decode_tokens, repeats)
+            hits = await measure_prefix_hits(p, 4 * 32)
+        except aiohttp.ClientError as e:
+            raise CalibrationError(f"engine {url}: {type(e).__name__}: {e}") from None
+        return Measurements(prefill, decode, hits, p.reset_available)
+
+
+def calibrate(url: str, model: str, base: EngineProfile, name: str | None = None,
+              repeats: int = REPEATS) -> tuple[EngineProfile, dict[str, Any]]:
+    """Measure the engine at `url` and return the fitted profile and its calibration record."""
+    m = asyncio.run(measure(url, model, repeats=repeats))
+    if m.prefix_hit_tokens <= 0:
+        raise CalibrationError(f"engine {url}: a repeated prompt did not raise "
+                               "vllm:prefix_cache_hits_total (is prefix caching enabled?)")
+    fit = fit_roofline(base, m.prefill, m.decode)
+    record = calibration_record(fit, m.prefill, m.decode, url, m.prefix_hit_tokens,
+                                m.reset_available)
+    return fitted_profile(base, fit, name=name, model=model), record

@@ -1,0 +1,97 @@
+"""EngineProfile as YAML: every field by name, validated, errors naming the bad key.
+
+A file either lists all fields or names a built-in profile as `base:` and overrides some of them.
+`calibration:` is free-form metadata (what `kvgate calibrate` measured and its fit residuals); it
+does not change the profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from planner.profiles import EngineProfile, get_profile
+
+_TYPES: dict[str, type] = {"str": str, "int": int, "float": float}
+# The dataclass's annotations are strings (postponed evaluation): map them to the types they name.
+FIELDS: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in dataclasses.fields(EngineProfile)}
+META_KEYS = ("base", "calibration")
+# mfu and mbu are efficiencies; step_overhead_s may be zero; everything else numeric must be > 0.
+AT_MOST_ONE = ("mfu", "mbu")
+MAY_BE_ZERO = ("step_overhead_s",)
+
+
+class ProfileFileError(ValueError):
+    """A profile file that cannot be used; the message names the file, the key and the problem."""
+
+
+def _check_value(key: str, value: Any, source: str) -> Any:
+    want = FIELDS[key]
+    if want is str:
+        if not isinstance(value, str) or not value:
+            raise ProfileFileError(f"{source}: {key}: expected a non-empty string, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProfileFileError(f"{source}: {key}: expected a number, got {value!r}")
+    if want is int and value != int(value):
+        raise ProfileFileError(f"{source}: {key}: expected an integer, got {value!r}")
+    number: float = int(value) if want is int else float(value)
+    if key in MAY_BE_ZERO:
+        if number < 0:
+            raise ProfileFileError(f"{source}: {key}: must be >= 0, got {value!r}")
+    elif number <= 0:
+        raise ProfileFileError(f"{source}: {key}: must be > 0, got {value!r}")
+    if key in AT_MOST_ONE and number > 1:
+        raise ProfileFileError(f"{source}: {key}: an efficiency must be <= 1, got {value!r}")
+    return number
+
+
+def parse_profile(data: Any, source: str = "profile") -> EngineProfile:
+    """Validate a mapping into an EngineProfile; ProfileFileError names the bad key."""
+    if not isinstance(data, dict):
+        raise ProfileFileError(f"{source}: expected a mapping of profile fields at the top level")
+    unknown = sorted(str(k) for k in data if k not in FIELDS and k not in META_KEYS)
+    if unknown:
+        raise ProfileFileError(f"{source}: unknown key(s) {', '.join(unknown)}; known: "
+                               f"{', '.join([*FIELDS, *META_KEYS])}")
+    values: dict[str, Any] = {}
+    base = data.get("base")
+    if base is not None:
+        try:
+            values = dataclasses.asdict(get_profile(str(base)))
+        except ValueError as e:
+            raise ProfileFileError(f"{source}: base: {e}") from None
+    if "calibration" in data and not isinstance(data["calibration"], dict):
+        raise ProfileFileError(f"{source}: calibration: expected a mapping")
+    for key in FIELDS:
+        if key in data:
+            values[key] = _check_value(key, data[key], source)
+    missing = [k for k in FIELDS if k not in values]
+    if missing:
+        raise ProfileFileError(f"{source}: missing key(s) {', '.join(missing)} "
+                               f"(or name a built-in profile as base:)")
+    return EngineProfile(**values)
+
+
+def load_profile_file(path: str | Path) -> EngineProfile:
+    """Read and validate a profile YAML file."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ProfileFileError(f"{p}: no such profile file") from None
+    except yaml.YAMLError as e:
+        raise ProfileFileError(f"{p}: not valid YAML: {e}") from None
+    return parse_profile(data, str(p))
+
+
+def profile_to_yaml(profile: EngineProfile, calibration: dict[str, Any] | None = None) -> str:
+    """The YAML text of `profile` (every field), with optional calibration metadata."""
+    data: dict[str, Any] = dataclasses.asdict(profile)
+    if calibration is not None:
+        data["calibration"] = calibration
+    text: str = yaml.safe_dump(data, sort_keys=False)
+    return text

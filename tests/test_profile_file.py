@@ -1,0 +1,123 @@
+"""Profile files: the YAML form of an EngineProfile and where kvgate accepts one."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.config import ConfigError, load_config
+from kvgate.bench.runner import BenchOptions, check_options
+from kvgate.bench.workloads import WorkloadError
+from planner.profile_file import ProfileFileError, load_profile_file, parse_profile, profile_to_yaml
+from planner.profiles import PROFILES
+
+
+def write(tmp_path: Path, data: object, name: str = "p.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_round_trip_keeps_every_field() -> None:
+    profile = PROFILES["cpu-tiny"]
+    assert parse_profile(yaml.safe_load(profile_to_yaml(profile))) == profile
+
+
+def test_calibration_metadata_is_accepted_and_ignored() -> None:
+    profile = PROFILES["cpu-tiny"]
+    text = profile_to_yaml(profile, {"rms_residual_s": 0.001})
+    assert parse_profile(yaml.safe_load(text)) == profile
+
+
+def test_base_profile_with_overrides() -> None:
+    p = parse_profile({"base": "cpu-tiny", "name": "fitted", "step_overhead_s": 0.003})
+    assert p == dataclasses.replace(PROFILES["cpu-tiny"], name="fitted", step_overhead_s=0.003)
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ProfileFileError, match=r"unknown key.*step_overhead\b"):
+        parse_profile({"base": "cpu-tiny", "step_overhead": 0.1})
+
+
+def test_missing_keys_are_named_without_base() -> None:
+    data = dataclasses.asdict(PROFILES["cpu-tiny"])
+    del data["mbu"]
+    with pytest.raises(ProfileFileError, match=r"missing key.*mbu"):
+        parse_profile(data)
+
+
+@pytest.mark.parametrize(("key", "value", "problem"), [
+    ("layers", 2.5, "layers: expected an integer"),
+    ("mfu", 1.5, "mfu: an efficiency must be <= 1"),
+    ("peak_flops", 0, "peak_flops: must be > 0"),
+    ("step_overhead_s", -0.1, "step_overhead_s: must be >= 0"),
+    ("params", "many", "params: expected a number"),
+    ("model", "", "model: expected a non-empty string"),
+])
+def test_bad_value_is_named(key: str, value: object, problem: str) -> None:
+    with pytest.raises(ProfileFileError, match=problem):
+        parse_profile({"base": "cpu-tiny", key: value})
+
+
+def test_unknown_base_lists_known_profiles() -> None:
+    with pytest.raises(ProfileFileError, match=r"base: unknown engine profile.*cpu-tiny"):
+        parse_profile({"base": "tpu-giant"})
+
+
+def test_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ProfileFileError, match="no such profile file"):
+        load_profile_file(tmp_path / "absent.yaml")
+
+
+def test_gateway_engine_uses_profile_file_relative_to_config(tmp_path: Path) -> None:
+    write(tmp_path, {"base": "cpu-tiny", "name": "fitted", "step_overhead_s": 0.004}, "fit.yaml")
+    cfg = write(tmp_path, {"engines": [{"url": "http://127.0.0.1:9001", "profile_file": "fit.yaml"},
+                                       {"url": "http://127.0.0.1:9002", "profile": "cpu-tiny"}]},
+                "gw.yaml")
+    config = load_config(cfg)
+    assert config.engines[0].engine_profile.step_overhead_s == 0.004
+    assert config.engines[1].engine_profile == PROFILES["cpu-tiny"]
+
+
+def test_gateway_config_names_bad_profile_file(tmp_path: Path) -> None:
+    write(tmp_path, {"base": "cpu-tiny", "mbu": 2}, "fit.yaml")
+    cfg = write(tmp_path, {"engines": [{"url": "http://127.0.0.1:9001",
+                                        "profile_file": "fit.yaml"}]}, "gw.yaml")
+    with pytest.raises(ConfigError, match=r"engines.0.*profile_file.*mbu"):
+        load_config(cfg)
+
+
+def test_bench_rejects_bad_profile_file(tmp_path: Path) -> None:
+    path = write(tmp_path, {"base": "cpu-tiny", "layers": 0})
+    with pytest.raises(WorkloadError, match="layers: must be > 0"):
+        check_options(BenchOptions(workload="fanout", profile_file=str(path)))
+
+
+def test_bench_runs_with_profile_file(tmp_path: Path) -> None:
+    path = write(tmp_path, {"base": "cpu-tiny", "name": "fitted-tiny"})
+    out = tmp_path / "r.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "bench", "--workload", "fanout", "--engines", "2",
+         "--workflows", "2", "--policy", "kvgate", "--profile-file", str(path), "--json",
+         str(out), "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert yaml.safe_load(out.read_text())["profile"] == "fitted-tiny"
+
+
+def test_sim_cli_rejects_bad_profile_file_with_exit_2(tmp_path: Path) -> None:
+    path = write(tmp_path, {"base": "cpu-tiny", "colour": "blue"})
+    run = subprocess.run([sys.executable, "-m", "kvgate.cli", "sim", "--port", "1",
+                          "--profile-file", str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2
+    assert "unknown key(s) colour" in run.stderr
+
+
+def test_shipped_cpu_tiny_file_matches_the_built_in_profile() -> None:
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "cpu-tiny.yaml"
+    assert load_profile_file(shipped) == PROFILES["cpu-tiny"]
