@@ -119,5 +119,5 @@ def test_sim_cli_rejects_bad_profile_file_with_exit_2(tmp_path: Path) -> None:
 
 
 def test_shipped_cpu_tiny_file_matches_the_built_in_profile() -> None:
-    shipped = Path(__file__).resolve().parent.parent / "configs" / "cpu-tiny.yaml"
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "profiles" / "cpu-tiny.yaml"
     assert load_profile_file(shipped) == PROFILES["cpu-tiny"]
