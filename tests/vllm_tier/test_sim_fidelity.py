@@ -5,7 +5,8 @@ One real engine (one core, --enforce-eager, block size 32, the tiny random model
 agent_workload.py) at concurrency 1 and 4, each run from a cold prefix cache, three rounds
 alternating the engines (medians). Mean TTFT, mean end-to-end latency and makespan must agree
 within TOLERANCE. The profile's constants were fitted with `kvgate calibrate`
-(configs/profiles/cpu-tiny.yaml); if vLLM or the machine changes, refit and update planner/profiles.py.
+(configs/profiles/cpu-tiny.yaml); if vLLM or the machine changes, refit and update
+planner/profiles.py.
 """
 
 from __future__ import annotations
