@@ -22,8 +22,10 @@ def report(goodput: bool = False) -> dict[str, object]:
     }
     if goodput:
         out["goodput"] = {"slo_jct_x_bound": 1.5,
-                          "kvgate": {"rate": 2.0, "points": [{}, {}, {}]},
-                          "round-robin": {"rate": 1.0, "points": [{}, {}]}}
+                          "kvgate": {"rate": 2.0, "points": [{"rate": 1.0}, {"rate": 2.0},
+                                                             {"rate": 2.1}]},
+                          "round-robin": {"rate": 1.0, "points": [{"rate": 0.5}, {"rate": 1.0}]},
+                          "session": {"rate": 0.0, "points": [{"rate": 0.5}]}}
     return out
 
 
@@ -39,7 +41,8 @@ def test_goodput_rows_give_the_ratio_to_the_best_other_policy() -> None:
     text = goodput_table(report(goodput=True))
     assert text is not None
     assert "| kvgate | 2.000 | 2.00x | 3 |" in text
-    assert "| round-robin | 1.000 | 0.50x | 2 |" in text
+    assert "| round-robin | >= 1.000 (all arrived at once) | 0.50x | 2 |" in text
+    assert "| session | none met | 0.00x | 1 |" in text
 
 
 def test_main_prints_every_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

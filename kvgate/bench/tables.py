@@ -64,7 +64,14 @@ def goodput_table(report: dict[str, Any]) -> str | None:
         others = [r for n, r in rates.items() if n != name]
         best_other = max(others, default=0.0)
         ratio = f"{rate / best_other:.2f}x" if best_other > 0 else "-"
-        rows.append(f"| {name} | {rate:.3f} | {ratio} | {len(section[name]['points'])} |")
+        points = section[name]["points"]
+        if rate <= 0:
+            shown = "none met"
+        elif not any(p["rate"] > rate for p in points):
+            shown = f">= {rate:.3f} (all arrived at once)"
+        else:
+            shown = f"{rate:.3f}"
+        rows.append(f"| {name} | {shown} | {ratio} | {len(points)} |")
     return "\n".join(rows)
 
 
