@@ -28,6 +28,7 @@ from kvgate.bench.virtual import MODEL, RequestRecord, RunResult, WorkflowRecord
 from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef, WorkloadError
 from kvgate.benchmarks.placement import engine_counters
 from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim, wait_healthy
+from planner.dag import DagNode, DagRun, Wakeup
 
 SGLANG_ROUTER = "sglang-router"
 
@@ -122,26 +123,28 @@ class LiveClient:
         rec = WorkflowRecord(wf.id, self.now())
         self.workflows[wf.id] = rec
         outputs: dict[str, str] = {}
-        done: dict[str, asyncio.Event] = {t.id: asyncio.Event() for t in wf.tasks}
-        failed: set[str] = set()
+        # The DAG runtime decides readiness; this only sleeps until each wakeup (model
+        # seconds x scale) and sends the request.
+        run = DagRun(wf.id, [DagNode(t.id, t.after, t.think_time_s) for t in wf.tasks])
 
-        async def run_task(task: BenchTask) -> None:
-            for dep in task.after:
-                await done[dep].wait()
-            try:
-                if any(dep in failed for dep in task.after):
-                    failed.add(task.id)
-                    return
-                await asyncio.sleep(task.think_time_s * self.scale)
-                text = await self._request(session, wf, task, outputs)
-                if text is None:
-                    failed.add(task.id)
-                else:
-                    outputs[task.id] = text
-            finally:
-                done[task.id].set()
+        async def run_task(wakeup: Wakeup) -> list[Wakeup]:
+            await asyncio.sleep(max(0.0, (wakeup.at - self.now()) * self.scale))
+            task = wf.task(wakeup.task)
+            run.wake(task.id, self.now())
+            run.dispatched(task.id, self.now())
+            text = await self._request(session, wf, task, outputs)
+            if text is None:
+                run.fail(task.id, self.now(), "request failed")
+                return []
+            outputs[task.id] = text
+            return run.finished(task.id, self.now(), text)
 
-        await asyncio.gather(*(run_task(t) for t in wf.tasks))
+        pending = {asyncio.create_task(run_task(w)) for w in run.start(self.now())}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                pending |= {asyncio.create_task(run_task(w)) for w in finished.result()}
+        failed = run.failed
         rec.failed = bool(failed)
         rec.finished_s = self.now()
         self._done += 1
