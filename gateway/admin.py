@@ -71,7 +71,7 @@ class Admin:
         state = self.state
         assert state.pool is not None
         out: list[dict[str, Any]] = []
-        for v in state.pool.views():
+        for v in state.planner.views():
             out.append({
                 "name": v.name, "url": state.pool.engines[v.name].url, "healthy": v.healthy,
                 "models": sorted(v.models), "running": v.num_running, "waiting": v.num_waiting,

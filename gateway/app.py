@@ -68,12 +68,12 @@ def build_app(config: GatewayConfig) -> web.Application:
         assert state.pool is not None
         created = int(time.time())
         data = [{"id": m, "object": "model", "created": created, "owned_by": "kvgate"}
-                for m in state.pool.models()]
+                for m in state.planner.models()]
         return web.json_response({"object": "list", "data": data})
 
     async def health(_: web.Request) -> web.Response:
         assert state.pool is not None
-        engines = {v.name: v.healthy for v in state.pool.views()}
+        engines = {v.name: v.healthy for v in state.planner.views()}
         ok = any(engines.values())
         return web.json_response(
             {"status": "ok" if ok else "no healthy engine", "engines": engines},
@@ -83,7 +83,7 @@ def build_app(config: GatewayConfig) -> web.Application:
     async def metrics(_: web.Request) -> web.Response:
         nonlocal index_stats
         assert state.pool is not None
-        for v in state.pool.views():
+        for v in state.planner.views():
             state.metrics.healthy.labels(v.name).set(1 if v.healthy else 0)
         index_stats = await state.index.stats()
         return web.Response(body=generate_latest(state.metrics.registry),

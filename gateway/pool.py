@@ -1,4 +1,9 @@
-"""The live engine pool: health checks, model lists and `/metrics` scraping for every engine."""
+"""The live engine pool: health checks, model lists and `/metrics` scraping for every engine.
+
+The pool does the I/O; what it learns goes to the planner as events (`EngineJoined`,
+`EngineHealth`, `EngineScraped`, `EngineLeft`) through `notify`, and the planner's engine views
+are what routing reads.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
 from adapters.vllm.metrics import MetricsParseError, parse_engine_load
 from gateway.config import EngineEntry
-from planner.ledger import GatewayLoad
-from planner.policy import EngineView
+from planner.events import EngineHealth, EngineJoined, EngineLeft, EngineScraped, Event
 
 log = logging.getLogger(__name__)
 
@@ -26,29 +30,8 @@ class EngineState:
     url: str
     healthy: bool = False
     models: frozenset[str] = frozenset()
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    load: GatewayLoad = field(default_factory=GatewayLoad)
-    """What the gateway has outstanding here (a fresh object when the engine is re-added)."""
     start_time: float | None = None
     prefix_queries: float = 0.0
-
-    def view(self, block_size: int = 0) -> EngineView:
-        """Immutable snapshot for the planner."""
-        return EngineView(
-            name=self.name,
-            healthy=self.healthy,
-            models=self.models,
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            kv_usage=self.kv_usage,
-            in_flight=self.load.in_flight,
-            prefilling=self.load.prefilling,
-            queued_prefill_tokens=self.load.queued_prefill_tokens,
-            active_blocks=self.load.active_blocks,
-            block_size=block_size,
-        )
 
 
 class EnginePool:
@@ -60,38 +43,33 @@ class EnginePool:
         session: aiohttp.ClientSession,
         scrape_interval_s: float,
         health_interval_s: float,
+        notify: Callable[[Event], None] = lambda _: None,
     ) -> None:
+        self.notify = notify
+        """Where what the pool learns goes (the planner, through the gateway state)."""
         self.engines = {e.engine_name: EngineState(e.engine_name, e.url) for e in engines}
+        for name in self.engines:
+            notify(EngineJoined(name))
         self._session = session
         self._scrape_interval = scrape_interval_s
         self._health_interval = health_interval_s
         self._tasks: list[asyncio.Task[None]] = []
         self.on_restart: Callable[[str], Awaitable[None]] | None = None
-        self.block_size_of: Callable[[str], int] = lambda _: 0
-        """The engine's KV block size, as learnt from its events."""
         """Called when a scrape shows the engine process restarted (its cache is gone)."""
-
-    def views(self) -> list[EngineView]:
-        """Snapshots of every engine, in config order."""
-        return [e.view(self.block_size_of(e.name)) for e in self.engines.values()]
-
-    def models(self) -> list[str]:
-        """Models served by at least one healthy engine, sorted."""
-        return sorted({m for e in self.engines.values() if e.healthy for m in e.models})
-
-    def known_models(self) -> set[str]:
-        """Models any engine has ever reported, healthy or not."""
-        return {m for e in self.engines.values() for m in e.models}
 
     def add(self, entry: EngineEntry) -> None:
         """Start tracking a new engine (unhealthy until its first health check passes)."""
         if entry.engine_name in self.engines:
             raise ValueError(f"engine {entry.engine_name!r} is already in the pool")
         self.engines[entry.engine_name] = EngineState(entry.engine_name, entry.url)
+        self.notify(EngineJoined(entry.engine_name))
 
     def remove(self, name: str) -> bool:
         """Stop tracking an engine; False if it was not in the pool."""
-        return self.engines.pop(name, None) is not None
+        if self.engines.pop(name, None) is None:
+            return False
+        self.notify(EngineLeft(name))
+        return True
 
     async def refresh(self, name: str) -> None:
         """Check one engine's health and load now."""
@@ -108,7 +86,8 @@ class EnginePool:
             return
         if state.healthy:
             log.warning("engine %s marked unhealthy: %s", name, reason)
-        state.healthy = False
+            state.healthy = False
+            self.notify(EngineHealth(name, False))
 
     async def refresh_all(self) -> None:
         """Check health and models of every engine once, concurrently."""
@@ -165,6 +144,8 @@ class EnginePool:
         if not ok and state.healthy:
             log.warning("engine %s failed its health check", state.name)
         state.healthy = ok and bool(state.models)
+        if self.engines.get(state.name) is state:  # not removed while the check ran
+            self.notify(EngineHealth(state.name, state.healthy, state.models))
 
     async def _scrape(self, state: EngineState) -> None:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self._scrape_interval * 4))
@@ -182,9 +163,9 @@ class EnginePool:
         ) or load.prefix_cache_queries < state.prefix_queries
         state.start_time = load.process_start_time
         state.prefix_queries = load.prefix_cache_queries
-        state.num_running = load.num_running
-        state.num_waiting = load.num_waiting
-        state.kv_usage = load.kv_usage
+        if self.engines.get(state.name) is state:
+            self.notify(EngineScraped(state.name, load.num_running, load.num_waiting,
+                                      load.kv_usage))
         if restarted and self.on_restart is not None:
             log.warning("engine %s restarted: its prefix cache is empty again", state.name)
             await self.on_restart(state.name)

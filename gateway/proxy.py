@@ -1,4 +1,8 @@
-"""The OpenAI-compatible proxy: key the prompt, ask the index, let the policy place, forward.
+"""The OpenAI-compatible proxy: key the prompt, ask the index, let the planner place, forward.
+
+The proxy is the live driver of the planner (planner/core.py): it admits each request, runs the
+planner's `release`, carries out its `Dispatch`/`Reject` actions, and reports first tokens and
+finishes back as events. It decides nothing itself.
 
 Bodies are forwarded byte for byte (unknown fields survive) and responses are streamed back chunk
 by chunk as the engine produces them. A request whose engine fails before answering is re-sent to
@@ -31,9 +35,10 @@ from gateway.errors import (
 from gateway.state import GatewayState
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
-from planner.holding import HoldQueue
-from planner.ledger import Dispatch, close_dispatch, open_dispatch, prefill_done
-from planner.policy import Hold, NoEngineAvailable, RouteRequest
+from planner.actions import Dispatch, Reject
+from planner.core import Call, reject_message
+from planner.events import Cancelled, Finished, FirstToken
+from planner.policy import RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -115,41 +120,24 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
 
 
 @dataclass
-class _Held:
-    """A request the policy holds: its handler awaits `placed` (the dispatch once sent)."""
+class _Flight:
+    """One request at its engine, as the proxy follows it."""
 
-    route_req: RouteRequest
-    exclude: set[str]
-    placed: asyncio.Future[Dispatch]
+    route: RouteRequest
+    dispatch: Dispatch
+    streamed_tokens: int = 0
+    """Output events seen in the stream."""
+    first_token: bool = False
 
 
 class Proxy:
-    """Forwards OpenAI calls to the engine the policy picks."""
+    """Forwards OpenAI calls where the planner places them."""
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
-        self.held: HoldQueue[_Held] = HoldQueue()
-        """Requests the policy holds at the gateway, offered again when load changes."""
-
-    def _choose(self, route_req: RouteRequest, exclude: set[str]) -> str:
-        state = self.state
-        pool = state.pool
-        assert pool is not None
-        views = [v for v in pool.views() if v.name not in exclude]
-        t0 = time.perf_counter()
-        try:
-            return state.policy.choose(route_req, views, state.now())
-        except NoEngineAvailable as e:
-            healthy_models = pool.models()
-            if healthy_models and route_req.model not in pool.known_models():
-                raise ModelNotFound(
-                    f"The model `{route_req.model}` does not exist. Available models: "
-                    f"{', '.join(healthy_models)}",
-                    param="model",
-                ) from None
-            raise NoHealthyEngine(str(e)) from None
-        finally:
-            state.metrics.routing_time.observe(time.perf_counter() - t0)
+        self._placing: dict[str, tuple[asyncio.Future[Dispatch], RouteRequest]] = {}
+        """Admitted requests whose handlers await the planner's decision."""
+        state.pump = self._pump
 
     async def route_request(
         self, request: web.Request, route: str, body: dict[str, Any]
@@ -162,6 +150,9 @@ class Proxy:
         if not isinstance(model, str) or not model:
             raise InvalidRequest("`model` must be a non-empty string", param="model")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if state.planner.knows(request_id):
+            # The client reused an id still in flight: the planner needs them told apart.
+            request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         session = request.headers.get(SESSION_HEADER) or body.get("user")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         t0 = time.perf_counter()
@@ -198,7 +189,8 @@ class Proxy:
             engine = d.engine
             tried.add(engine)
             try:
-                return await self._forward(request, route, route_req, d, raw, headers, arrived)
+                return await self._forward(request, route, _Flight(route_req, d), raw, headers,
+                                           arrived)
             except _RetryableFailure as e:
                 last_error = str(e)
                 state.metrics.retries.labels(engine).inc()
@@ -209,90 +201,90 @@ class Proxy:
             f"last error: {last_error}"
         )
 
-    # -- placing and holding --------------------------------------------------------------------
+    # -- placing -------------------------------------------------------------------------------
 
     async def _place(self, route_req: RouteRequest, exclude: set[str]) -> Dispatch:
-        """Choose an engine and count the request against it; a request the policy holds waits
-        here until it is placed, its client goes away, or `request_timeout_s` passes (504)."""
-        try:
-            engine = self._choose(route_req, exclude)
-        except Hold as hold:
-            return await self._wait_held(route_req, exclude, hold)
-        return self._dispatched(route_req, engine)
+        """Admit the request to the planner and wait for its decision; a request the planner
+        holds waits here until it is placed, its client goes away, or `request_timeout_s`
+        passes (504)."""
+        state = self.state
+        rid = route_req.request_id
+        placed: asyncio.Future[Dispatch] = asyncio.get_running_loop().create_future()
+        self._placing[rid] = (placed, route_req)
+        state.planner.admit(Call(route_req, frozenset(exclude)), state.now())
+        self._pump()
+        if placed.done():
+            return placed.result()
+        return await self._wait_held(route_req, placed)
 
-    async def _wait_held(self, route_req: RouteRequest, exclude: set[str], hold: Hold) -> Dispatch:
-        timeout_s = self.state.config.request_timeout_s
-        held = _Held(route_req, exclude, asyncio.get_running_loop().create_future())
-        self.held.hold(route_req.request_id, held)
-        log.debug("request %s held at the gateway: %s", route_req.request_id, hold.reason)
+    async def _wait_held(self, route_req: RouteRequest, placed: asyncio.Future[Dispatch]
+                         ) -> Dispatch:
+        state = self.state
+        rid = route_req.request_id
+        timeout_s = state.config.request_timeout_s
+        log.debug("request %s held at the gateway", rid)
         try:
             async with asyncio.timeout(timeout_s):
-                return await held.placed
+                return await placed
         except BaseException as exc:
-            self.held.discard(route_req.request_id)
-            placed = held.placed
+            self._placing.pop(rid, None)
             if placed.done() and not placed.cancelled() and placed.exception() is None:
                 # Placed just as the wait ended: the engine never sees it, so undo the count.
-                self._finished(route_req, placed.result())
+                self._finished(_Flight(route_req, placed.result()))
             else:
                 placed.cancel()
+                state.notify(Cancelled(rid))
             if isinstance(exc, TimeoutError):
                 raise EngineTimeout(
-                    f"request held at the gateway for request_timeout_s={timeout_s:g} "
-                    f"({hold.reason})"
+                    f"request held at the gateway for request_timeout_s={timeout_s:g}: every "
+                    "engine stayed backed up"
                 ) from None
             raise
 
-    def _offer(self, held: _Held) -> bool:
-        """Offer a held request to the policy again; False if it holds it still."""
-        if held.placed.done():
-            return True  # its client went away or its wait timed out
-        try:
-            engine = self._choose(held.route_req, held.exclude)
-        except Hold:
-            return False
-        except GatewayError as e:
-            held.placed.set_exception(e)
-            return True
-        held.placed.set_result(self._dispatched(held.route_req, engine))
-        return True
+    def _pump(self) -> None:
+        """Run the planner's release and carry out its actions."""
+        state = self.state
+        t0 = time.perf_counter()
+        actions = state.planner.release(state.now())
+        state.metrics.routing_time.observe(time.perf_counter() - t0)
+        for action in actions:
+            waiter = self._placing.pop(action.request_id, None)
+            if waiter is None:
+                continue
+            placed, route_req = waiter
+            if isinstance(action, Reject):
+                placed.set_exception(self._reject_error(action))
+                continue
+            engine = action.engine
+            m = state.metrics
+            m.in_flight.labels(engine).inc()
+            m.routed.labels(engine).inc()
+            m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
+            m.routed_cached_tokens.labels(engine).inc(action.cached_tokens)
+            placed.set_result(action)
 
-    def _release_held(self) -> None:
-        """Load changed: offer the held requests again, oldest first."""
-        if self.held:
-            self.held.release(self._offer)
+    def _reject_error(self, reject: Reject) -> GatewayError:
+        if reject.available_models and not reject.model_known:
+            return ModelNotFound(
+                f"The model `{reject.model}` does not exist. Available models: "
+                f"{', '.join(reject.available_models)}",
+                param="model",
+            )
+        return NoHealthyEngine(reject_message(reject))
 
     # -- accounting -----------------------------------------------------------------------------
 
-    def _dispatched(self, route_req: RouteRequest, engine: str) -> Dispatch:
-        """Count the request against the engine (undone by `_finished`, whatever happens)."""
-        state = self.state
-        assert state.pool is not None
-        target = state.pool.engines[engine]
-        d = open_dispatch(route_req, engine, target.load, state.ingestor.engine_block_size(engine))
-        m = state.metrics
-        m.in_flight.labels(engine).inc()
-        m.routed.labels(engine).inc()
-        m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
-        m.routed_cached_tokens.labels(engine).inc(d.cached_tokens)
-        state.policy.on_dispatch(route_req, engine, state.now())
-        return d
+    def _first_token(self, flight: _Flight, observed: bool) -> None:
+        if not flight.first_token:
+            flight.first_token = True
+            self.state.notify(FirstToken(flight.route.request_id, observed))
 
-    def _first_token(self, route_req: RouteRequest, d: Dispatch, observed: bool) -> None:
-        if prefill_done(d):
-            if observed:
-                self.state.policy.on_first_token(route_req.request_id, d.engine, self.state.now())
-            self._release_held()
-
-    def _finished(self, route_req: RouteRequest, d: Dispatch) -> None:
-        """Undo the dispatch accounting and tell the policy (with the streamed token count)."""
+    def _finished(self, flight: _Flight, error: str | None = None) -> None:
+        """The request ended at its engine: undo the dispatch accounting and tell the planner
+        (with the streamed token count)."""
         state = self.state
-        # The load object captured at dispatch: an engine re-added under the same name since
-        # then has fresh counters that this request never touched.
-        if close_dispatch(d):
-            state.metrics.in_flight.labels(d.engine).dec()
-            state.policy.on_finish(route_req.request_id, d.engine, state.now(), d.streamed_tokens)
-            self._release_held()
+        state.metrics.in_flight.labels(flight.dispatch.engine).dec()
+        state.notify(Finished(flight.route.request_id, flight.streamed_tokens, error))
 
     # -- forwarding -----------------------------------------------------------------------------
 
@@ -300,14 +292,14 @@ class Proxy:
         self,
         request: web.Request,
         route: str,
-        route_req: RouteRequest,
-        d: Dispatch,
+        flight: _Flight,
         raw: bytes,
         headers: CIMultiDict[str],
         arrived: float,
     ) -> web.StreamResponse:
-        """Send the placed request (`d`, closed here whatever happens) and relay the answer."""
+        """Send the placed request (closed here whatever happens) and relay the answer."""
         state = self.state
+        d = flight.dispatch
         engine = d.engine
         metrics = state.metrics
         try:
@@ -317,10 +309,9 @@ class Proxy:
                 total=None, connect=state.config.connect_timeout_s,
                 sock_read=state.config.request_timeout_s,
             )
-            if (route_req.block_keys and state.config.index.speculative_ttl_s > 0
-                    and state.policy.speculative_entries):
-                await state.index.add_speculative(engine, route_req.block_keys, state.now(),
-                                                  state.config.index.speculative_ttl_s)
+            if d.speculative_keys:
+                await state.index.add_speculative(engine, d.speculative_keys, state.now(),
+                                                  d.speculative_ttl_s)
             try:
                 upstream = await state.session.post(
                     f"{url}{route}", data=raw, headers=headers, timeout=timeout
@@ -338,7 +329,7 @@ class Proxy:
                 state.pool.mark_failed(engine, repr(e))
                 raise _RetryableFailure(f"{engine}: {e!r}") from None
             try:
-                return await self._relay(request, route, route_req, d, upstream, arrived)
+                return await self._relay(request, route, flight, upstream, arrived)
             finally:
                 if upstream.content.at_eof():
                     upstream.release()  # fully read: the connection goes back to the pool
@@ -347,20 +338,19 @@ class Proxy:
                     # the disconnect and aborts the request.
                     upstream.close()
         finally:
-            self._finished(route_req, d)
+            self._finished(flight)
             metrics.duration.labels(route).observe(time.monotonic() - arrived)
 
     async def _relay(
         self,
         request: web.Request,
         route: str,
-        route_req: RouteRequest,
-        d: Dispatch,
+        flight: _Flight,
         upstream: aiohttp.ClientResponse,
         arrived: float,
     ) -> web.StreamResponse:
         metrics = self.state.metrics
-        engine = d.engine
+        engine = flight.dispatch.engine
         metrics.time_to_first_byte.labels(route).observe(time.monotonic() - arrived)
         out_headers = forward_headers(upstream.headers)
         out_headers[ENGINE_HEADER] = engine
@@ -369,7 +359,7 @@ class Proxy:
             # A JSON response arrives whole: the engine is done with the prompt by now. It is
             # relayed as one body with a length (one write, no chunked framing), and an engine
             # that dies before it is whole gets the client a clear 502 rather than a cut body.
-            self._first_token(route_req, d, observed=False)
+            self._first_token(flight, observed=False)
             try:
                 body = await upstream.read()
             except (TimeoutError, aiohttp.ClientPayloadError,
@@ -394,14 +384,14 @@ class Proxy:
                 if not chunk:
                     break
                 # vLLM streams its first chunk once the prompt is prefilled.
-                self._first_token(route_req, d, observed=upstream.status == 200)
+                self._first_token(flight, observed=upstream.status == 200)
                 if is_sse:
                     data = tail + chunk
                     cut = data.rfind(b"\n\n") + 2
                     chunk, tail = data[:cut], data[cut:]
                     if not chunk:
                         continue
-                    d.streamed_tokens += _token_events(chunk)
+                    flight.streamed_tokens += _token_events(chunk)
                 await resp.write(chunk)
             if tail:
                 await resp.write(tail)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -15,6 +16,8 @@ from kvindex.index import InMemoryIndex, KVIndexBackend
 from kvindex.ingest import EventIngestor
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
+from planner.core import Planner
+from planner.events import Event
 from planner.policy import PolicyContext, RoutingPolicy, make_policy, scrape_interval
 
 log = logging.getLogger(__name__)
@@ -37,7 +40,7 @@ def make_index(config: GatewayConfig) -> KVIndexBackend:
 
 
 class GatewayState:
-    """Config, engine pool, KV index and its ingestion, prompt keyer, policy, metrics, session."""
+    """Config, engine pool, KV index and its ingestion, prompt keyer, planner, metrics, session."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -54,6 +57,11 @@ class GatewayState:
             config.index.block_size,
             replay_available={e.engine_name for e in config.engines if e.kv_replay},
         )
+        self.planner = Planner(self.policy, speculative_ttl_s=config.index.speculative_ttl_s,
+                               engine_block_size=self.ingestor.engine_block_size)
+        """The brain: every placement decision and the gateway's ledger (planner/core.py)."""
+        self.pump: Callable[[], None] = lambda: None
+        """Runs the planner's `release` and carries out its actions (set by the proxy)."""
         self.listener: KVEventListener | None = None
         self.session: aiohttp.ClientSession | None = None
         self.pool: EnginePool | None = None
@@ -74,9 +82,8 @@ class GatewayState:
         )
         self.pool = EnginePool(c.engines, self.session, scrape_interval(self.policy,
                                                                         c.scrape_interval_s),
-                               c.health_interval_s)
+                               c.health_interval_s, self.notify)
         self.pool.on_restart = self.engine_restarted
-        self.pool.block_size_of = self.ingestor.engine_block_size
         await self.pool.start()
 
     async def stop(self) -> None:
@@ -88,6 +95,12 @@ class GatewayState:
         if self.session is not None:
             await self.session.close()
         await self.index.close()
+
+    def notify(self, event: Event) -> None:
+        """Tell the planner what happened, and carry out what that lets it decide."""
+        self.planner.on_event(event, self.now())
+        if self.planner.pending:
+            self.pump()
 
     def now(self) -> float:
         """The clock handed to the planner and the index (seconds since start)."""

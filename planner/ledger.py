@@ -1,8 +1,8 @@
 """The gateway's own account of what it has outstanding at each engine (sans-IO).
 
-The live proxy and the virtual-time benchmark driver both open a `Dispatch` when they send a
-request, mark its first token and close it when it ends; policies read the resulting
-`GatewayLoad` through `EngineView`. Counting here, in one place, keeps both drivers identical.
+The planner (`planner.core.Planner`) opens an `Outstanding` when it dispatches a request, marks
+its first token and closes it when it ends; policies read the resulting `GatewayLoad` through
+`EngineView`. Both drivers reach it only through the planner's events.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class GatewayLoad:
 
 
 @dataclass
-class Dispatch:
+class Outstanding:
     """One request at one engine, from dispatch to finish."""
 
     engine: str
@@ -36,16 +36,14 @@ class Dispatch:
     blocks: int
     prefilling: bool = True
     open: bool = True
-    streamed_tokens: int = 0
-    """Output events seen (the live proxy counts SSE chunks; the benchmark counts tokens)."""
 
 
 def open_dispatch(
     request: RouteRequest, engine: str, load: GatewayLoad, engine_block_size: int = 0
-) -> Dispatch:
+) -> Outstanding:
     """Count `request` against `engine`'s load; undone by `close_dispatch`."""
     cached = request.cached_tokens(engine, engine_block_size)
-    d = Dispatch(engine, load, cached, max(0, request.prompt_tokens - cached),
+    d = Outstanding(engine, load, cached, max(0, request.prompt_tokens - cached),
                  len(request.block_keys))
     load.in_flight += 1
     load.prefilling += 1
@@ -54,7 +52,7 @@ def open_dispatch(
     return d
 
 
-def prefill_done(d: Dispatch) -> bool:
+def prefill_done(d: Outstanding) -> bool:
     """The request's first token arrived; False if that was already counted."""
     if not d.prefilling:
         return False
@@ -64,7 +62,7 @@ def prefill_done(d: Dispatch) -> bool:
     return True
 
 
-def close_dispatch(d: Dispatch) -> bool:
+def close_dispatch(d: Outstanding) -> bool:
     """The request finished or failed; False if it was already closed."""
     if not d.open:
         return False

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvindex.index import BlockKey, EngineMatch
 from planner.profiles import DEFAULT_PROFILE, EngineProfile, get_profile
+
+if TYPE_CHECKING:
+    from planner.cost import PlacementCost
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ class RouteRequest:
         return cached
 
 
+@dataclass(frozen=True)
+class Placement:
+    """A policy's whole decision for one request: the engine, and the estimate behind it for
+    policies that make one. The planner hands it back to the policy in `on_dispatch`."""
+
+    engine: str
+    cost: PlacementCost | None = None
+
+
 class NoEngineAvailable(Exception):
     """No healthy engine serves the requested model."""
 
@@ -106,13 +118,17 @@ class RoutingPolicy(Protocol):
     speculative entries). Drivers add them only for policies that declare it, so a baseline
     never gets a mechanism its peer does not ship by default."""
 
-    def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
-        """Return the chosen engine's name; raise NoEngineAvailable if none can serve, or Hold
-        to keep the request at the gateway until load changes."""
+    def choose(
+        self, request: RouteRequest, engines: Sequence[EngineView], now: float
+    ) -> str | Placement:
+        """Return the chosen engine's name (or a `Placement` with the estimate behind it); raise
+        NoEngineAvailable if none can serve, or Hold to keep the request at the gateway until
+        load changes."""
         ...
 
-    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
-        """The request was sent to `engine` (policies that learn from their routing use this)."""
+    def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
+        """The request was sent where `placement` says (policies that learn from their routing
+        use this)."""
         ...
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
@@ -125,6 +141,11 @@ class RoutingPolicy(Protocol):
         """The request finished (or failed) at `engine`; `output_tokens` if the gateway saw them
         stream (0 when unknown)."""
         ...
+
+
+def placement_of(choice: str | Placement) -> Placement:
+    """A policy's answer as a `Placement`."""
+    return choice if isinstance(choice, Placement) else Placement(choice)
 
 
 def scrape_interval(policy: RoutingPolicy, default_s: float) -> float:
@@ -142,7 +163,7 @@ class StatelessPolicy:
     name = "stateless"
     speculative_entries = False
 
-    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+    def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """Nothing to remember."""
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:

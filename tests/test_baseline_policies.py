@@ -18,10 +18,12 @@ from planner.policies.sglang_like import CharRadixTree, SglangCacheAware
 from planner.policy import (
     EngineView,
     NoEngineAvailable,
+    Placement,
     PolicyContext,
     RouteRequest,
     RoutingPolicy,
     make_policy,
+    placement_of,
     scrape_interval,
 )
 
@@ -64,9 +66,9 @@ def common_prefix(a: str, b: str) -> int:
 def route(policy: RoutingPolicy, req: RouteRequest, pool: Sequence[EngineView],
           now: float = 0.0) -> str:
     """Choose and dispatch, as the gateway does."""
-    choice = policy.choose(req, pool, now)
-    policy.on_dispatch(req, choice, now)
-    return choice
+    placement = placement_of(policy.choose(req, pool, now))
+    policy.on_dispatch(req, placement, now)
+    return placement.engine
 
 
 # -- session -----------------------------------------------------------------------------------
@@ -160,9 +162,9 @@ def test_sglang_hot_prefix_piles_on_one_worker_until_it_is_64_requests_ahead() -
 def test_sglang_imbalance_needs_the_relative_threshold_too() -> None:
     policy = SglangCacheAware()
     for i in range(200):
-        policy.on_dispatch(request(f"a{i}", text=SYSTEM), "a", 0.0)
+        policy.on_dispatch(request(f"a{i}", text=SYSTEM), Placement("a"), 0.0)
     for i in range(135):
-        policy.on_dispatch(request(f"b{i}", text="other"), "b", 0.0)
+        policy.on_dispatch(request(f"b{i}", text="other"), Placement("b"), 0.0)
     # 200 - 135 > 64, but 200 <= 1.5 x 135: still balanced, so the cache decides.
     assert policy.choose(request(text=SYSTEM + "?"), [engine("a"), engine("b")], 1.0) == "a"
 
@@ -302,7 +304,7 @@ def test_llmd_ties_are_broken_at_random() -> None:
 def test_llmd_approx_scores_matched_over_total_16_token_blocks_it_routed_itself() -> None:
     policy = LlmdApproximateScheduler()
     pool = [engine("a"), engine("b")]
-    policy.on_dispatch(request("1", keys=range(8)), "a", 0.0)
+    policy.on_dispatch(request("1", keys=range(8)), Placement("a"), 0.0)
     # 8 index blocks of 16 tokens; the 16-token prompt blocks are the same keys.
     req = request(keys=[0, 1, 2, 3, 90, 91, 92, 93])
     assert policy.prefix_matches(policy.prompt_hashes(req)) == {"a": 4}
@@ -322,7 +324,7 @@ def test_llmd_approx_learns_only_from_its_own_routing_not_the_kv_index() -> None
 
 def test_llmd_approx_matches_at_most_the_first_256_blocks() -> None:
     policy = LlmdApproximateScheduler()
-    policy.on_dispatch(request("1", keys=range(300)), "a", 0.0)
+    policy.on_dispatch(request("1", keys=range(300)), Placement("a"), 0.0)
     req = request(keys=[*range(256), *range(1000, 1044)])
     assert len(policy.prompt_hashes(req)) == 256
     assert policy.prefix_matches(policy.prompt_hashes(req)) == {"a": 256}
@@ -339,8 +341,8 @@ def test_llmd_approx_spreads_cold_requests_over_the_least_recently_used_pods() -
 def test_llmd_approx_no_hit_lru_ranks_never_used_pods_first_then_oldest() -> None:
     policy = LlmdApproximateScheduler()
     pool = [engine(n) for n in "abcd"]
-    policy.on_dispatch(request("1", keys=[1]), "c", 0.0)
-    policy.on_dispatch(request("2", keys=[2]), "a", 0.0)
+    policy.on_dispatch(request("1", keys=[1]), Placement("c"), 0.0)
+    policy.on_dispatch(request("2", keys=[2]), Placement("a"), 0.0)
     scores = policy.no_hit_lru_scores(pool)
     # never used: b, d (ranks 0, 1); then c (oldest, rank 2) and a (rank 3)
     assert scores == pytest.approx({"b": 1.0, "d": 2 / 3, "c": 1 / 3, "a": 0.0})
@@ -348,15 +350,15 @@ def test_llmd_approx_no_hit_lru_ranks_never_used_pods_first_then_oldest() -> Non
 
 def test_llmd_approx_warm_requests_leave_the_no_hit_lru_alone() -> None:
     policy = LlmdApproximateScheduler()
-    policy.on_dispatch(request("1", keys=range(4)), "a", 0.0)
-    policy.on_dispatch(request("2", keys=range(4)), "b", 0.0)
+    policy.on_dispatch(request("1", keys=range(4)), Placement("a"), 0.0)
+    policy.on_dispatch(request("2", keys=range(4)), Placement("b"), 0.0)
     assert list(policy.cold_lru) == ["a"]
 
 
 def test_llmd_approx_pod_record_forgets_the_least_recently_routed_blocks() -> None:
     policy = LlmdApproximateScheduler(lru_capacity_per_pod=8)
-    policy.on_dispatch(request("1", keys=range(8)), "a", 0.0)
-    policy.on_dispatch(request("2", keys=range(100, 104)), "a", 1.0)
+    policy.on_dispatch(request("1", keys=range(8)), Placement("a"), 0.0)
+    policy.on_dispatch(request("2", keys=range(100, 104)), Placement("a"), 1.0)
     assert policy.prefix_matches(policy.prompt_hashes(request(keys=range(8)))) == {}
     assert policy.prefix_matches(policy.prompt_hashes(request(keys=range(100, 104)))) == {"a": 4}
 
@@ -392,8 +394,8 @@ def test_dynamo_ignores_speculative_index_entries() -> None:
 
 def test_dynamo_blocks_shared_with_in_flight_requests_count_once() -> None:
     policy = DynamoKvRouter()
-    policy.on_dispatch(request("first", keys=range(10)), "a", 0.0)
-    policy.on_dispatch(request("second", keys=[*range(8), 100, 101]), "a", 0.0)
+    policy.on_dispatch(request("first", keys=range(10)), Placement("a"), 0.0)
+    policy.on_dispatch(request("second", keys=[*range(8), 100, 101]), Placement("a"), 0.0)
     req = request(keys=[*range(8), 200, 201], tokens=0)
     # Unique active blocks at a: 12 of the 20 the gateway sums; 2 of the request's are new.
     assert policy.costs(req, [engine("a", active_blocks=20)]) == {"a": 14.0}
@@ -401,7 +403,7 @@ def test_dynamo_blocks_shared_with_in_flight_requests_count_once() -> None:
 
 def test_dynamo_finished_requests_release_their_blocks() -> None:
     policy = DynamoKvRouter()
-    policy.on_dispatch(request("first", keys=range(10)), "a", 0.0)
+    policy.on_dispatch(request("first", keys=range(10)), Placement("a"), 0.0)
     policy.on_finish("first", "a", 1.0)
     req = request(keys=range(10), tokens=0)
     assert policy.costs(req, [engine("a")]) == {"a": 10.0}

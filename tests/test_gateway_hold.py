@@ -17,8 +17,11 @@ import pytest
 from aiohttp import web
 
 from gateway.errors import EngineTimeout
+from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from kvgate.procs import Child, wait_healthy
+from planner.core import Planner
+from planner.events import EngineJoined, EngineScraped
 from planner.policies.dynamo_like import DynamoKvRouter
 from planner.policy import Hold, RouteRequest
 from planner.profiles import get_profile
@@ -122,31 +125,71 @@ def test_held_request_reaches_the_engine_only_once_another_finishes(
 # backed up longer than a held request may wait cannot be staged end to end: the wait itself is
 # checked on the proxy.
 
-def held_proxy(request_timeout_s: float) -> Proxy:
-    state = SimpleNamespace(config=SimpleNamespace(request_timeout_s=request_timeout_s))
-    return Proxy(state)  # type: ignore[arg-type]
+class _AlwaysHold:
+    """A policy that holds every request (every engine backed up, for as long as it takes)."""
+
+    name = "always-hold"
+    speculative_entries = False
+
+    def choose(self, request: RouteRequest, engines: Any, now: float) -> str:
+        raise Hold("every engine is backed up")
+
+    def on_dispatch(self, request: RouteRequest, placement: Any, now: float) -> None:
+        pytest.fail("a held request was dispatched")
+
+    def on_first_token(self, request_id: str, engine: str, now: float) -> None:
+        """Nothing to learn."""
+
+    def on_finish(self, request_id: str, engine: str, now: float, output_tokens: int = 0) -> None:
+        """Nothing to forget."""
+
+
+class _State:
+    """The slice of GatewayState the proxy's placing uses, around a real Planner."""
+
+    def __init__(self, request_timeout_s: float) -> None:
+        self.config = SimpleNamespace(request_timeout_s=request_timeout_s)
+        self.planner = Planner(_AlwaysHold())
+        self.planner.on_event(EngineJoined("e", healthy=True, models=frozenset({"m"})), 0.0)
+        self.metrics = GatewayMetrics()
+        self.pump: Callable[[], None] = lambda: None
+
+    def now(self) -> float:
+        return 0.0
+
+    def notify(self, event: Any) -> None:
+        self.planner.on_event(event, 0.0)
+        if self.planner.pending:
+            self.pump()
+
+
+def held_proxy(request_timeout_s: float) -> tuple[Proxy, Planner]:
+    state = _State(request_timeout_s)
+    return Proxy(state), state.planner  # type: ignore[arg-type]
 
 
 def test_held_request_times_out_with_a_504_naming_the_hold() -> None:
-    proxy = held_proxy(0.05)
+    proxy, planner = held_proxy(0.05)
     route_req = RouteRequest(request_id="r", model="m")
     with pytest.raises(EngineTimeout, match=r"held at the gateway for request_timeout_s=0\.05"):
-        asyncio.run(proxy._wait_held(route_req, set(), Hold("all engines busy")))
-    assert len(proxy.held) == 0
+        asyncio.run(proxy._place(route_req, set()))
+    assert planner.held == 0 and not planner.knows("r")
 
 
 def test_client_hang_up_removes_its_held_request() -> None:
-    proxy = held_proxy(60.0)
+    proxy, planner = held_proxy(60.0)
     route_req = RouteRequest(request_id="r", model="m")
 
     async def hang_up() -> None:
-        waiting = asyncio.create_task(proxy._wait_held(route_req, set(), Hold("busy")))
+        waiting = asyncio.create_task(proxy._place(route_req, set()))
         await asyncio.sleep(0)
-        assert len(proxy.held) == 1
+        assert planner.held == 1
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
 
     asyncio.run(hang_up())
-    assert len(proxy.held) == 0
-    assert proxy.held.release(lambda _: pytest.fail("a hung-up request was offered")) == 0
+    assert planner.held == 0 and not planner.knows("r")
+    # Load changes: nothing is offered to the policy any more (it would fail the test).
+    planner.on_event(EngineScraped("e", 0, 0, 0.0), 1.0)
+    assert planner.release(1.0) == []

@@ -123,14 +123,14 @@ def test_kvgate_policy_learns_engine_speed_from_observed_ttft_and_itl() -> None:
 
     policy = KvgatePolicy()
     req = RouteRequest(request_id="r1", model="m", prompt_tokens=4000, max_tokens=100)
-    chosen = policy.choose(req, [engine("a")], 0.0)
-    assert policy.last is not None
-    predicted_ttft = policy.last.ttft_s
-    policy.on_dispatch(req, chosen, 10.0)
+    placement = policy.choose(req, [engine("a")], 0.0)
+    assert placement.cost is not None and placement.engine == "a"
+    predicted_ttft = placement.cost.ttft_s
+    policy.on_dispatch(req, placement, 10.0)
     # The engine is twice as slow as its profile in prefill and three times in decode.
-    policy.on_first_token("r1", chosen, 10.0 + 2 * predicted_ttft)
-    itl = policy.last.decode_s / 100
-    policy.on_finish("r1", chosen, 10.0 + 2 * predicted_ttft + 3 * itl * 99, output_tokens=100)
+    policy.on_first_token("r1", "a", 10.0 + 2 * predicted_ttft)
+    itl = placement.cost.decode_s / 100
+    policy.on_finish("r1", "a", 10.0 + 2 * predicted_ttft + 3 * itl * 99, output_tokens=100)
     assert 1.0 < policy.cost.correction.prefill["a"] < 2.0
     assert 1.0 < policy.cost.correction.decode["a"] < 3.0
 

@@ -1,8 +1,10 @@
 """The virtual-time driver: a discrete-event run of the gateway's planner over engine models.
 
-Everything that decides is the live service's own code: the routing policy object, the KV index
-fed by the engines' KV events through the same `EventIngestor` (wire-encoded, as over ZMQ), the
-prompt keyer, the gateway's load ledger and the sans-IO `EngineModel` the simulated server runs.
+Everything that decides is the live service's own code: the `Planner` object (routing policy,
+load ledger, holding), the KV index fed by the engines' KV events through the same
+`EventIngestor` (wire-encoded, as over ZMQ), the prompt keyer, and the sans-IO `EngineModel` the
+simulated server runs. This driver only turns workflow arrivals and engine steps into planner
+events and carries out the planner's actions.
 Only the clock is virtual: an engine step that takes `d` seconds moves its engine's next step
 `d` ahead, and the loop jumps from event to event. Deterministic for a seed.
 """
@@ -14,7 +16,7 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from adapters.sim.model import (
     BlockRemoved,
@@ -31,18 +33,11 @@ from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef
 from kvindex.index import InMemoryIndex
 from kvindex.ingest import EventIngestor, apply_ops_sync
 from kvindex.keys import KeyExtras, PromptKeyer, block_key
+from planner.actions import Action, Dispatch
+from planner.core import Call, Planner, reject_message
 from planner.dag import DagNode, DagRun, Wakeup
-from planner.holding import HoldQueue
-from planner.ledger import Dispatch, GatewayLoad, close_dispatch, open_dispatch, prefill_done
-from planner.policy import (
-    EngineView,
-    Hold,
-    NoEngineAvailable,
-    PolicyContext,
-    RouteRequest,
-    make_policy,
-    scrape_interval,
-)
+from planner.events import EngineJoined, EngineScraped, Finished, FirstToken
+from planner.policy import PolicyContext, RouteRequest, make_policy, scrape_interval
 from planner.profiles import EngineProfile
 
 MODEL = "kvgate-bench"
@@ -166,12 +161,8 @@ def _merged_removals(events: list[KVEvent]) -> list[KVEvent]:
 class _Engine:
     name: str
     model: EngineModel
-    load: GatewayLoad = field(default_factory=GatewayLoad)
     busy: bool = False
     seq: int = 0
-    view_running: int = 0
-    view_waiting: int = 0
-    view_usage: float = 0.0
 
 
 @dataclass
@@ -182,14 +173,13 @@ class _Live:
     wf: BenchWorkflow
     task: BenchTask
     route: RouteRequest
-    dispatch: Dispatch
     outputs: tuple[int, ...]
     output_piece: Piece
 
 
 @dataclass
 class _Waiting:
-    """A ready request not sent yet (the policy may hold it at the gateway)."""
+    """A ready request not sent yet (the planner may hold it at the gateway)."""
 
     record: RequestRecord
     wf: BenchWorkflow
@@ -267,13 +257,16 @@ class VirtualRun:
         names = [f"engine-{i}" for i in range(engines)]
         ctx = PolicyContext(profiles=dict.fromkeys(names, profile), default_profile=profile,
                             block_size=self.block_size, seed=seed)
-        self.policy = make_policy(policy, ctx)
+        routing = make_policy(policy, ctx)
         self.policy_name = policy
-        self.scrape_s = scrape_interval(self.policy, self.scrape_s)
-        if not self.policy.speculative_entries:
-            self.speculative_ttl_s = 0.0
+        self.scrape_s = scrape_interval(routing, self.scrape_s)
         # Only character-level policies read the prompt text; building it costs a join.
-        self._needs_text = bool(getattr(self.policy, "reads_prompt_text", False))
+        self._needs_text = bool(getattr(routing, "reads_prompt_text", False))
+        self.ingestor = EventIngestor(self.block_size)
+        self.planner = Planner(routing, speculative_ttl_s=self.speculative_ttl_s,
+                               engine_block_size=self.ingestor.engine_block_size)
+        for n in names:
+            self.planner.on_event(EngineJoined(n, healthy=True, models=frozenset((MODEL,))), 0.0)
         bs = profile.block_size
         num_blocks = profile.num_blocks(bs)
         self.config = EngineConfig(
@@ -286,11 +279,10 @@ class VirtualRun:
         self.engines = {n: _Engine(n, EngineModel(self.config, profile, self._sample,
                                                   _engine_hasher)) for n in names}
         self.index = InMemoryIndex()
-        self.ingestor = EventIngestor(self.block_size)
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self._live: dict[str, _Live] = {}
-        self._held: HoldQueue[_Waiting] = HoldQueue()
+        self._waiting: dict[str, _Waiting] = {}
         self._dirty: list[_Engine] = []
         self._over = 0
         self._runs: dict[str, DagRun] = {}
@@ -353,7 +345,7 @@ class VirtualRun:
                     self.progress(finished, total)
             elif kind == "scrape":
                 self._scrape()
-                self._release_held()
+                self._release()
                 # Keep scraping while any workflow is still to come or unfinished (engines may
                 # be idle during think time and busy again after it).
                 if self._over < total:
@@ -372,9 +364,8 @@ class VirtualRun:
 
     def _scrape(self) -> None:
         for e in self.engines.values():
-            e.view_running = e.model.num_running
-            e.view_waiting = e.model.num_waiting
-            e.view_usage = e.model.pool.usage
+            self.planner.on_event(EngineScraped(e.name, e.model.num_running, e.model.num_waiting,
+                                                e.model.pool.usage), self.now)
 
     def _kick(self) -> None:
         """Start a step on every idle engine that may have work (those touched since)."""
@@ -433,55 +424,41 @@ class VirtualRun:
             block_keys=keys.keys, block_size=self.block_size,
             matches=self.index.match_sync(keys.keys, self.now), prompt_text=text,
             max_tokens=task.output_tokens)
-        waiting = _Waiting(record, wf, task, route, keys.token_ids)
-        if not self._place(waiting):
-            self._held.hold(rid, waiting)
+        self._waiting[rid] = _Waiting(record, wf, task, route, keys.token_ids)
+        self.planner.admit(Call(route), self.now)
+        self._release()
 
-    def _place(self, w: _Waiting) -> bool:
-        """Let the policy place a ready request and send it; False if the policy holds it."""
+    def _release(self) -> None:
+        """Carry out whatever the planner decides now."""
+        if self.planner.pending:
+            for action in self.planner.release(self.now):
+                self._carry_out(action)
+
+    def _carry_out(self, action: Action) -> None:
+        w = self._waiting.pop(action.request_id)
         record, wf, task, route = w.record, w.wf, w.task, w.route
-        rid = route.request_id
-        views = [self._view(e) for e in self.engines.values()]
-        try:
-            engine_name = self.policy.choose(route, views, self.now)
-        except Hold:
-            return False
-        except NoEngineAvailable as exc:
-            record.failed = str(exc)
+        if not isinstance(action, Dispatch):
+            record.failed = reject_message(action)
             self._task_failed(wf, task, record.failed)
-            return True
+            return
+        rid = route.request_id
+        engine_name = action.engine
         e = self.engines[engine_name]
         self._dirty.append(e)
-        d = open_dispatch(route, engine_name, e.load, self.config.block_size)
-        self.policy.on_dispatch(route, engine_name, self.now)
-        if self.speculative_ttl_s > 0 and route.block_keys:
-            self.index.add_speculative_sync(engine_name, route.block_keys, self.now,
-                                            self.speculative_ttl_s)
+        if action.speculative_keys:
+            self.index.add_speculative_sync(engine_name, action.speculative_keys, self.now,
+                                            action.speculative_ttl_s)
         record.dispatched_s = self.now
         record.engine = engine_name
         self._runs[wf.id].dispatched(task.id, self.now)
         out_piece = self.builder.output_piece(wf, task)
-        self._live[rid] = _Live(record, wf, task, route, d, out_piece.ids, out_piece)
+        self._live[rid] = _Live(record, wf, task, route, out_piece.ids, out_piece)
         same_blocks = self.config.block_size == self.block_size
         e.model.add_request(SimRequest(
             request_id=rid, prompt_token_ids=list(w.token_ids), max_tokens=task.output_tokens,
             arrival_time=self.now, ignore_eos=True, natural_output_len=task.output_tokens,
             cache_salt=wf.tenant, priority=task.priority,
             block_hashes=list(route.block_keys) if same_blocks else []))
-        return True
-
-    def _release_held(self) -> None:
-        """Load changed: offer the requests the policy holds again, oldest first."""
-        if self._held:
-            self._held.release(self._place)
-
-    def _view(self, e: _Engine) -> EngineView:
-        return EngineView(
-            name=e.name, healthy=True, models=frozenset((MODEL,)),
-            num_running=e.view_running, num_waiting=e.view_waiting, kv_usage=e.view_usage,
-            in_flight=e.load.in_flight, prefilling=e.load.prefilling,
-            queued_prefill_tokens=e.load.queued_prefill_tokens,
-            active_blocks=e.load.active_blocks, block_size=self.ingestor.engine_block_size(e.name))
 
     def _step_done(self, e: _Engine, out: StepOutput) -> int:
         e.busy = False
@@ -497,8 +474,8 @@ class VirtualRun:
             if live is not None:
                 live.record.cached_tokens = max(0, req.num_cached_tokens)
                 live.record.output_tokens = len(req.output_token_ids)
-                live.dispatch.streamed_tokens = len(req.output_token_ids)
         live_requests = self._live
+        planner = self.planner
         for o in out.outputs:
             live = live_requests.get(o.request_id)
             if live is None:
@@ -506,19 +483,18 @@ class VirtualRun:
             r = live.record
             if r.first_token_s is None:
                 r.first_token_s = self.now
-                if prefill_done(live.dispatch):
-                    self.policy.on_first_token(o.request_id, e.name, self.now)
+                planner.on_event(FirstToken(o.request_id), self.now)
             if o.finish_reason is not None:
-                finished += self._request_done(e, live)
-        self._release_held()
+                finished += self._request_done(live)
+        self._release()
         return finished
 
-    def _request_done(self, e: _Engine, live: _Live) -> int:
-        del self._live[live.route.request_id]
+    def _request_done(self, live: _Live) -> int:
+        rid = live.route.request_id
+        del self._live[rid]
         r = live.record
         r.finished_s = self.now
-        if close_dispatch(live.dispatch):
-            self.policy.on_finish(live.route.request_id, e.name, self.now, r.output_tokens)
+        self.planner.on_event(Finished(rid, r.output_tokens), self.now)
         return self._task_done(live.wf, live.task)
 
     def _task_done(self, wf: BenchWorkflow, task: BenchTask) -> int:

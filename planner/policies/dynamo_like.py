@@ -46,6 +46,7 @@ from kvindex.index import BlockKey
 from planner.policy import (
     EngineView,
     Hold,
+    Placement,
     PolicyContext,
     RouteRequest,
     candidates,
@@ -138,8 +139,9 @@ class DynamoKvRouter:
                        f"budget of prefill queued")
         return min(costs, key=costs.__getitem__)
 
-    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+    def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """The request's blocks become active at the engine."""
+        engine = placement.engine
         self._active.setdefault(engine, _ActiveBlocks()).add(request.block_keys)
         self._routed[request.request_id] = (engine, request.block_keys)
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost import CostModel, PlacementCost
-from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, register
+from planner.cost import CostModel
+from planner.policy import (
+    EngineView,
+    Placement,
+    PolicyContext,
+    RouteRequest,
+    candidates,
+    register,
+)
 
 
 @register("kvgate")
@@ -20,21 +27,23 @@ class KvgatePolicy:
     def __init__(self, context: PolicyContext | None = None) -> None:
         ctx = context or PolicyContext()
         self.cost = CostModel(ctx.profiles, ctx.default_profile)
-        self.last: PlacementCost | None = None
         # Predictions per request id, for the online speed correction.
         self._pending: dict[str, _Prediction] = {}
 
-    def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> str:
-        """The engine with the cheapest placement."""
-        self.last = self.cost.best(request, candidates(request, engines))
-        return self.last.engine
+    def choose(
+        self, request: RouteRequest, engines: Sequence[EngineView], now: float
+    ) -> Placement:
+        """The engine with the cheapest placement, with its estimate."""
+        best = self.cost.best(request, candidates(request, engines))
+        return Placement(best.engine, best)
 
-    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
-        """Remember the prediction made for the chosen engine."""
-        if self.last is not None and self.last.engine == engine:
-            batch_itl = self.last.decode_s / max(1, request.max_tokens or
-                                                 self.cost.settings.default_output_tokens)
-            self._pending[request.request_id] = _Prediction(self.last.ttft_s, batch_itl, now)
+    def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
+        """Remember the prediction the placement made, for the online correction."""
+        est = placement.cost
+        if est is not None and est.engine == placement.engine:
+            batch_itl = est.decode_s / max(1, request.max_tokens or
+                                           self.cost.settings.default_output_tokens)
+            self._pending[request.request_id] = _Prediction(est.ttft_s, batch_itl, now)
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Correct the engine's prefill speed by observed vs predicted TTFT."""

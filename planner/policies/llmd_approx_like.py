@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 from kvindex.index import BlockKey
 from planner.policies.llmd_like import clamp, queue_scores
-from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, register
+from planner.policy import EngineView, Placement, PolicyContext, RouteRequest, candidates, register
 
 
 class PodBlockLru:
@@ -146,9 +146,10 @@ class LlmdApproximateScheduler:
         """Highest total; a seeded random pick among equal totals."""
         return self._pick(self.scores(request, engines))
 
-    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+    def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """The prefix record learns the prompt at `engine`; a cold request moves `engine` to the
         front of the no-hit LRU (both the peer's PreRequest hooks)."""
+        engine = placement.engine
         hashes = self.prompt_hashes(request)
         if not self.prefix_matches(hashes):
             self.cold_lru[engine] = None

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, register
+from planner.policy import EngineView, Placement, PolicyContext, RouteRequest, candidates, register
 
 VIRTUAL_NODES = 160
 """Ring points per engine (uhashring's default)."""
@@ -72,8 +72,9 @@ class SessionAffinity:
             return self._lowest_qps(eligible, now)
         return self._ring_over(eligible).node(request.session_id)
 
-    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+    def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """Count the request toward the engine's QPS."""
+        engine = placement.engine
         self._arrivals.setdefault(engine, deque()).append(now)
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:

@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from planner.policy import EngineView, PolicyContext, RouteRequest, candidates, register
+from planner.policy import EngineView, Placement, PolicyContext, RouteRequest, candidates, register
 
 
 def _shared_prefix(edge: str, text: str, start: int) -> int:
@@ -184,8 +184,9 @@ class SglangCacheAware:
                 return best
         return least_loaded
 
-    def on_dispatch(self, request: RouteRequest, engine: str, now: float) -> None:
+    def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """The chosen worker's tree learns the prompt; its in-flight count goes up."""
+        engine = placement.engine
         self.trees.setdefault(engine, CharRadixTree()).insert(request.prompt_text, now)
         self.loads[engine] = self.loads.get(engine, 0) + 1
         self._routed[request.request_id] = engine

@@ -1,0 +1,47 @@
+"""What the planner tells drivers to do (frozen data; `Planner.release`).
+
+A `Dispatch` is the whole decision for one request: where it goes, what the planner expects it
+to cost there, and which index entries the driver records for it. A `Reject` names why no engine
+can take it. Drivers carry them out and report back with events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvindex.index import BlockKey
+from planner.cost import PlacementCost
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Send `request_id` to `engine` now."""
+
+    request_id: str
+    engine: str
+    cached_tokens: int
+    """Prompt tokens the engine is expected to serve from its cache (whole engine blocks)."""
+    cost: PlacementCost | None = None
+    """The placement's estimate, for policies that make one."""
+    speculative_keys: tuple[BlockKey, ...] = ()
+    """Block keys the driver records as speculatively held by `engine` ..."""
+    speculative_ttl_s: float = 0.0
+    """... for this long (until the engine's own KV events confirm or expire them)."""
+    priority: int | None = None
+    """The engine-side priority to send (engines running `--scheduling-policy priority`)."""
+
+
+@dataclass(frozen=True)
+class Reject:
+    """No engine can take `request_id`."""
+
+    request_id: str
+    model: str
+    reason: str
+    model_known: bool
+    """Some engine in the pool has ever served the model (else it does not exist)."""
+    available_models: tuple[str, ...] = ()
+    """Models healthy engines serve now, for the error message."""
+
+
+Action = Dispatch | Reject
