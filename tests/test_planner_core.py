@@ -1,0 +1,147 @@
+"""The Planner's contract: admission, release, events, the ledger, and its state machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvindex.index import EngineMatch
+from planner.actions import Dispatch, Reject
+from planner.core import TRANSITIONS, Call, Planner, RequestState
+from planner.dag import IllegalTransition
+from planner.events import (
+    Cancelled,
+    EngineHealth,
+    EngineJoined,
+    EngineLeft,
+    EngineScraped,
+    Finished,
+    FirstToken,
+)
+from planner.policy import PolicyContext, RouteRequest, make_policy
+
+
+def planner(policy: str = "least-loaded", engines: tuple[str, ...] = ("a", "b"),
+            speculative_ttl_s: float = 0.0) -> Planner:
+    p = Planner(make_policy(policy, PolicyContext()), speculative_ttl_s=speculative_ttl_s,
+                engine_block_size=lambda _: 16)
+    for e in engines:
+        p.on_event(EngineJoined(e, healthy=True, models=frozenset({"m"})), 0.0)
+    return p
+
+
+def call(rid: str, model: str = "m", prompt_tokens: int = 64, keys: int = 4,
+         matches: dict[str, EngineMatch] | None = None) -> Call:
+    return Call(RouteRequest(rid, model, prompt_tokens=prompt_tokens,
+                             block_keys=tuple(range(keys)), matches=matches or {}))
+
+
+def test_admitted_requests_are_dispatched_in_order_and_counted() -> None:
+    p = planner()
+    p.admit(call("r1"), 0.0)
+    p.admit(call("r2"), 0.0)
+    actions = p.release(0.0)
+    assert [(a.request_id, a.engine) for a in actions if isinstance(a, Dispatch)] == [
+        ("r1", "a"), ("r2", "b")]
+    views = {v.name: v for v in p.views()}
+    assert views["a"].in_flight == 1 and views["a"].prefilling == 1
+    assert views["a"].queued_prefill_tokens == 64
+    p.on_event(FirstToken("r1"), 1.0)
+    assert p.state("r1") is RequestState.PREFILLED
+    assert {v.name: v.prefilling for v in p.views()}["a"] == 0
+    p.on_event(Finished("r1", 10), 2.0)
+    assert not p.knows("r1")
+    assert {v.name: v.in_flight for v in p.views()} == {"a": 0, "b": 1}
+
+
+def test_dispatch_carries_cached_tokens_cost_and_speculative_keys() -> None:
+    p = planner("kvgate", speculative_ttl_s=5.0)
+    p.admit(call("r", prompt_tokens=8192, keys=512,
+                 matches={"b": EngineMatch("b", 500, 500, 500.0)}), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch)
+    assert d.engine == "b" and d.cached_tokens == 8000
+    assert d.cost is not None and d.cost.engine == "b" and d.cost.cached_tokens == 8000
+    assert d.speculative_keys == tuple(range(512)) and d.speculative_ttl_s == 5.0
+
+
+def test_baselines_get_no_speculative_entries() -> None:
+    p = planner("round-robin", speculative_ttl_s=5.0)
+    p.admit(call("r"), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch) and d.speculative_keys == () and d.cost is None
+
+
+def test_unknown_and_unserved_models_are_rejected_with_the_reason() -> None:
+    p = planner()
+    p.admit(call("r", model="nope"), 0.0)
+    (r,) = p.release(0.0)
+    assert isinstance(r, Reject) and not r.model_known and r.available_models == ("m",)
+    p.on_event(EngineHealth("a", False), 1.0)
+    p.on_event(EngineHealth("b", False), 1.0)
+    p.admit(call("s"), 1.0)
+    (r,) = p.release(1.0)
+    assert isinstance(r, Reject) and r.model_known and "no engine is healthy" in r.reason
+    assert not p.knows("s")
+
+
+def test_excluded_engines_are_not_offered() -> None:
+    p = planner()
+    p.admit(Call(call("r").route, exclude=frozenset({"a"})), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch) and d.engine == "b"
+
+
+def test_held_requests_wait_for_a_load_change_and_keep_their_order() -> None:
+    p = planner("dynamo-like", engines=("a",))
+    big = 1_000_000  # far above the router queue's threshold
+    p.admit(call("big", prompt_tokens=big), 0.0)
+    assert [a.request_id for a in p.release(0.0)] == ["big"]
+    p.admit(call("h1"), 0.1)
+    p.admit(call("h2"), 0.2)
+    assert p.release(0.2) == []
+    assert p.held == 2 and p.state("h1") is RequestState.HELD
+    assert not p.pending  # nothing changed: no point offering them again
+    p.on_event(Cancelled("h2"), 0.3)
+    assert p.held == 1 and not p.knows("h2")
+    p.on_event(FirstToken("big"), 1.0)  # the prefill queue drains
+    assert p.pending
+    assert [a.request_id for a in p.release(1.0)] == ["h1"]
+
+
+def test_cancel_after_dispatch_is_an_illegal_transition() -> None:
+    p = planner()
+    p.admit(call("r"), 0.0)
+    p.release(0.0)
+    with pytest.raises(IllegalTransition, match="report its end with Finished"):
+        p.on_event(Cancelled("r"), 1.0)
+
+
+def test_duplicate_request_ids_are_refused() -> None:
+    p = planner()
+    p.admit(call("r"), 0.0)
+    with pytest.raises(ValueError, match="already in flight"):
+        p.admit(call("r"), 0.0)
+
+
+def test_engine_events_shape_the_views() -> None:
+    p = planner(engines=("a",))
+    p.on_event(EngineScraped("a", 3, 2, 0.5), 1.0)
+    (v,) = p.views()
+    assert (v.num_running, v.num_waiting, v.kv_usage, v.block_size) == (3, 2, 0.5, 16)
+    p.admit(call("r"), 1.0)
+    p.release(1.0)
+    p.on_event(EngineLeft("a"), 2.0)
+    assert p.views() == []
+    with pytest.raises(ValueError, match="already in the pool"):
+        p.on_event(EngineJoined("x"), 2.0)
+        p.on_event(EngineJoined("x"), 2.0)
+    # The request that ran on the engine that left still ends cleanly.
+    p.on_event(Finished("r"), 3.0)
+    assert not p.knows("r")
+
+
+def test_transition_table_is_closed_and_terminal_states_are_final() -> None:
+    for state, targets in TRANSITIONS.items():
+        assert targets <= set(RequestState)
+        if state in (RequestState.FINISHED, RequestState.REJECTED, RequestState.CANCELLED):
+            assert not targets
