@@ -127,7 +127,8 @@ def _microbench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvgate.bench.runner import BenchOptions, run_bench
+    from kvgate.bench.options import BenchOptions
+    from kvgate.bench.runner import run_bench
     from kvgate.bench.workloads import WorkloadError
 
     workload_args: dict[str, str] = {}

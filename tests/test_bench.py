@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvgate.bench.bound import TaskShape, lower_bound
+from kvgate.bench.options import BenchOptions, progress_bar
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Vocabulary
 from kvgate.bench.report import percentile
-from kvgate.bench.runner import BenchOptions, progress_bar, run_bench
+from kvgate.bench.runner import run_bench
 from kvgate.bench.workloads import TRACES, WorkloadError, build_workload
 from kvindex.tokenizer import Tokenizer
 from planner.policy import policy_names

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kvgate.bench.goodput import GoodputPoint, search_goodput
-from kvgate.bench.runner import BenchOptions, run_bench
+from kvgate.bench.options import BenchOptions
+from kvgate.bench.runner import run_bench
 
 
 def linear_probe(threshold: float, calls: list[float]) -> Any:

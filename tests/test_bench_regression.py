@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from kvgate.bench.runner import BenchOptions, run_bench
+from kvgate.bench.options import BenchOptions
+from kvgate.bench.runner import run_bench
 from kvgate.bench.workloads import TRACES
 
 RECORDED = Path(__file__).parent / "data" / "claude_code_replay_report.json"

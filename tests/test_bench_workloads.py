@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.bench.options import BenchOptions
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Vocabulary
-from kvgate.bench.runner import BenchOptions, prepare, run_bench
+from kvgate.bench.runner import prepare, run_bench
 from kvgate.bench.virtual import PromptBuilder
 from kvgate.bench.workloads import (
     BenchWorkflow,

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from gateway.config import ConfigError, load_config
-from kvgate.bench.runner import BenchOptions, check_options
+from kvgate.bench.options import BenchOptions
+from kvgate.bench.runner import check_options
 from kvgate.bench.workloads import WorkloadError
 from planner.profile_file import ProfileFileError, load_profile_file, parse_profile, profile_to_yaml
 from planner.profiles import PROFILES

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from kvgate.bench.runner import BenchOptions, run_bench
+from kvgate.bench.options import BenchOptions
+from kvgate.bench.runner import run_bench
 
 DATA = Path(__file__).parent / "data" / "seeded"
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import aiohttp
 
+from kvgate.bench.options import BenchOptions, Prepared, progress_bar
 from kvgate.bench.prompts import ChatMessage
-from kvgate.bench.runner import BenchOptions, Prepared, progress_bar
 from kvgate.bench.virtual import MODEL, RequestRecord, RunResult, WorkflowRecord
 from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef, WorkloadError
 from kvgate.benchmarks.placement import engine_counters

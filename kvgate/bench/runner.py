@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from kvgate.bench.bound import LowerBound, TaskShape, lower_bound
+from kvgate.bench.bound import TaskShape, lower_bound
 from kvgate.bench.goodput import (
-    DEFAULT_PRECISION,
     DEFAULT_SLO,
     GoodputPoint,
     burst_rate,
     search_goodput,
     start_rate,
 )
+from kvgate.bench.options import BenchOptions, Prepared, progress_bar
 from kvgate.bench.prompts import ChatRenderer, Vocabulary
 from kvgate.bench.report import (
     build_report,
@@ -49,58 +48,11 @@ from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.dag import DagNode, topological_order
 from planner.policy import policy_names
-from planner.profile_file import load_profile_file
-from planner.profiles import EngineProfile, get_profile
+from planner.profiles import get_profile
 
 LIVE_ONLY_POLICIES = ("sglang-router",)
 DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,
                      "mooncake-synthetic": 1000, "prefix-groups": 750}
-
-
-@dataclass
-class BenchOptions:
-    """The command line of `kvgate bench` (BENCHMARKS.md)."""
-
-    workload: str | None = None
-    dag_file: str | None = None
-    workload_args: dict[str, str] = field(default_factory=dict)
-    policies: list[str] = field(default_factory=lambda: ["kvgate"])
-    engines: int = 8
-    profile: str = "h100-llama3-8b"
-    profile_file: str | None = None
-    """A profile YAML that replaces `profile` (its constants and its name)."""
-    rate: float | None = None
-    concurrency: int | None = None
-    workflows: int | None = None
-    seed: int = 0
-    mode: str = "virtual"
-    json_out: str | None = None
-    plot_out: str | None = None
-    progress: bool = True
-    time_scale: float | None = None
-    """Live mode: multiply simulated step times (None: the profile's default)."""
-    fidelity: bool = False
-    """Run virtual and live, report live, and add how far apart the two are."""
-    workflow_trace: str | None = None
-    """JSON Lines of workflow specs with their `arrival_s`, replayed at those times."""
-    goodput: bool = False
-    """Also search each policy's goodput (BENCHMARKS.md)."""
-    slo_jct: float | None = None
-    """The goodput SLO: mean JCT at most this many times the bound (default 1.5)."""
-    goodput_precision: float = DEFAULT_PRECISION
-    """Bisect until the passing and failing rates are this close (relative)."""
-
-    @property
-    def name(self) -> str:
-        """The workload's name in the report."""
-        if self.workflow_trace is not None:
-            return f"workflow-trace:{self.workflow_trace}"
-        return self.workload or f"dag-file:{self.dag_file}"
-
-    def engine_profile(self) -> EngineProfile:
-        """The engines' profile: from --profile-file if given, else the built-in --profile."""
-        return load_profile_file(self.profile_file) if self.profile_file else get_profile(
-            self.profile)
 
 
 def check_options(o: BenchOptions) -> None:
@@ -142,19 +94,6 @@ def check_options(o: BenchOptions) -> None:
             raise WorkloadError(f"unknown policy {p!r}{hint}; known: {', '.join(sorted(known))}")
     if not o.policies:
         raise WorkloadError("--policy needs at least one policy")
-
-
-@dataclass
-class Prepared:
-    """A workload ready to run under any policy."""
-
-    workflows: list[BenchWorkflow]
-    load: Load
-    bound: LowerBound
-    builder: PromptBuilder
-    rate: float | None
-    concurrency: int | None
-    clipped_requests: int = 0
 
 
 def default_load(o: BenchOptions, workflows: list[BenchWorkflow]) -> tuple[float | None,
@@ -210,29 +149,6 @@ def _topological(wf: BenchWorkflow) -> list[BenchTask]:
     except ValueError as e:
         raise WorkloadError(f"workflow {wf.id}: {e}") from None
     return [wf.task(n.id) for n in order]
-
-
-def progress_bar(label: str, stream: Any = sys.stderr) -> Callable[[int, int], None]:
-    """A one-line progress bar on a terminal (nothing when `stream` is not a tty)."""
-    last = [-1.0]
-    started = time.monotonic()
-
-    def update(done: int, total: int) -> None:
-        if not stream.isatty() or total <= 0:
-            return
-        now = time.monotonic()
-        if done < total and now - last[0] < 0.2:
-            return
-        last[0] = now
-        width = 30
-        filled = int(width * done / total)
-        stream.write(f"\r{label:<16} [{'#' * filled}{'.' * (width - filled)}] "
-                     f"{done}/{total} workflows, {now - started:.0f} s")
-        if done >= total:
-            stream.write("\n")
-        stream.flush()
-
-    return update
 
 
 def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:

@@ -188,6 +188,104 @@ class _Waiting:
     token_ids: Sequence[int]
 
 
+class EventHeap:
+    """The virtual clock's agenda: (time, kind, data) in time order, ties in push order."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._order = itertools.count()
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def push(self, t: float, kind: str, data: object) -> None:
+        """Schedule `kind` at `t`."""
+        heapq.heappush(self._heap, (t, next(self._order), kind, data))
+
+    def pop(self) -> tuple[float, str, object]:
+        """The earliest event."""
+        t, _, kind, data = heapq.heappop(self._heap)
+        return t, kind, data
+
+
+class Fleet:
+    """The engine models, the KV index their events feed, and their step accounting.
+
+    Engines step on their own: `kick` starts a step on every idle engine touched since the last
+    kick and returns when each will end; `step_done` ingests the step's KV events (wire-encoded
+    through the gateway's `EventIngestor`, as over ZMQ) into the index.
+    """
+
+    def __init__(self, names: list[str], profile: EngineProfile, eos_token_id: int,
+                 sample: Callable[[SimRequest], int], index_block_size: int,
+                 bucket_s: float) -> None:
+        bs = profile.block_size
+        num_blocks = profile.num_blocks(bs)
+        self.config = EngineConfig(
+            block_size=bs, num_blocks=num_blocks,
+            max_num_batched_tokens=profile.max_num_batched_tokens,
+            max_num_seqs=profile.max_num_seqs,
+            max_model_len=min(profile.max_model_len, num_blocks * bs),
+            eos_token_id=eos_token_id,
+        )
+        self.engines = {n: _Engine(n, EngineModel(self.config, profile, sample,
+                                                  _engine_hasher)) for n in names}
+        self.index = InMemoryIndex()
+        self.ingestor = EventIngestor(index_block_size)
+        self.index_block_size = index_block_size
+        self.bucket_s = bucket_s
+        self.utilisation: dict[str, dict[int, float]] = {n: {} for n in names}
+        self._dirty: list[_Engine] = []
+
+    def add(self, engine: str, request: SimRequest) -> None:
+        """Queue a request at an engine (it starts at the next kick)."""
+        e = self.engines[engine]
+        self._dirty.append(e)
+        e.model.add_request(request)
+
+    def scraped(self) -> list[EngineScraped]:
+        """What each engine's `/metrics` would show now."""
+        return [EngineScraped(e.name, e.model.num_running, e.model.num_waiting,
+                              e.model.pool.usage) for e in self.engines.values()]
+
+    def kick(self, now: float) -> list[tuple[float, _Engine, StepOutput]]:
+        """Start a step on every idle engine that may have work; (end time, engine, step)."""
+        dirty = self._dirty
+        if not dirty:
+            return []
+        self._dirty = []
+        started = []
+        for e in dirty:
+            if e.busy or not e.model.has_work():
+                continue
+            out = e.model.step(now)
+            if out.num_scheduled_tokens == 0 and not out.outputs:
+                continue  # nothing schedulable until something finishes
+            e.busy = True
+            self._account(e, now, out)
+            started.append((now + out.duration, e, out))
+        return started
+
+    def step_done(self, e: _Engine, out: StepOutput, now: float) -> None:
+        """A step ended: the engine may start another; its KV events reach the index."""
+        e.busy = False
+        self._dirty.append(e)
+        if out.kv_events:
+            payload = encode_events(_merged_removals(out.kv_events), now)
+            result = self.ingestor.on_message(e.name, e.seq, payload)
+            e.seq += 1
+            apply_ops_sync(self.index, result.ops)
+
+    def _account(self, e: _Engine, now: float, out: StepOutput) -> None:
+        buckets = self.utilisation[e.name]
+        t, end = now, now + out.duration
+        while t < end:
+            b = int(t // self.bucket_s)
+            upto = min(end, (b + 1) * self.bucket_s)
+            buckets[b] = buckets.get(b, 0.0) + (upto - t)
+            t = upto
+
+
 class PromptBuilder:
     """Materialises task prompts (with their parents' outputs) as pieces, text and keys."""
 
@@ -262,34 +360,22 @@ class VirtualRun:
         self.scrape_s = scrape_interval(routing, self.scrape_s)
         # Only character-level policies read the prompt text; building it costs a join.
         self._needs_text = bool(getattr(routing, "reads_prompt_text", False))
-        self.ingestor = EventIngestor(self.block_size)
+        self.fleet = Fleet(names, profile, builder.vocab.tokenizer.eos_token_id, self._sample,
+                           self.block_size, bucket_s)
+        self.config = self.fleet.config
+        self.index = self.fleet.index
         self.planner = Planner(routing, speculative_ttl_s=self.speculative_ttl_s,
-                               engine_block_size=self.ingestor.engine_block_size)
+                               engine_block_size=self.fleet.ingestor.engine_block_size)
         for n in names:
             self.planner.on_event(EngineJoined(n, healthy=True, models=frozenset((MODEL,))), 0.0)
-        bs = profile.block_size
-        num_blocks = profile.num_blocks(bs)
-        self.config = EngineConfig(
-            block_size=bs, num_blocks=num_blocks,
-            max_num_batched_tokens=profile.max_num_batched_tokens,
-            max_num_seqs=profile.max_num_seqs,
-            max_model_len=min(profile.max_model_len, num_blocks * bs),
-            eos_token_id=builder.vocab.tokenizer.eos_token_id,
-        )
-        self.engines = {n: _Engine(n, EngineModel(self.config, profile, self._sample,
-                                                  _engine_hasher)) for n in names}
-        self.index = InMemoryIndex()
-        self._heap: list[tuple[float, int, str, object]] = []
-        self._order = itertools.count()
+        self._heap = EventHeap()
         self._live: dict[str, _Live] = {}
         self._waiting: dict[str, _Waiting] = {}
-        self._dirty: list[_Engine] = []
         self._over = 0
         self._runs: dict[str, DagRun] = {}
         self._rid = itertools.count()
         self.records: list[RequestRecord] = []
         self.wf_records: dict[str, WorkflowRecord] = {}
-        self.utilisation: dict[str, dict[int, float]] = {n: {} for n in names}
         self.computed_prompt_tokens = 0
         self.now = 0.0
 
@@ -301,7 +387,7 @@ class VirtualRun:
     # -- event loop -----------------------------------------------------------------------------
 
     def _push(self, t: float, kind: str, data: object) -> None:
-        heapq.heappush(self._heap, (t, next(self._order), kind, data))
+        self._heap.push(t, kind, data)
 
     def run(self) -> RunResult:
         """Run every workflow to completion (or failure)."""
@@ -330,7 +416,7 @@ class VirtualRun:
         total = len(self.workflows)
         finished = 0
         while self._heap:
-            t, _, kind, data = heapq.heappop(self._heap)
+            t, kind, data = self._heap.pop()
             self.now = t
             if kind == "arrive":
                 assert isinstance(data, BenchWorkflow)
@@ -352,45 +438,25 @@ class VirtualRun:
                     self._push(t + self.scrape_s, "scrape", None)
                 continue
             self._kick()
-        busy = {n: e.model.stats.busy_time for n, e in self.engines.items()}
+        engines = self.fleet.engines
+        busy = {n: e.model.stats.busy_time for n, e in engines.items()}
         # As live mode reads it from /metrics: prefix-cache queries minus hits.
         self.computed_prompt_tokens = sum(
             e.model.stats.prefix_cache_queries - e.model.stats.prefix_cache_hits
-            for e in self.engines.values())
+            for e in engines.values())
         return RunResult(self.policy_name, self.records, list(self.wf_records.values()), busy,
-                         self.utilisation, self.bucket_s, self.computed_prompt_tokens,
-                         flops=sum(e.model.stats.flops for e in self.engines.values()),
+                         self.fleet.utilisation, self.bucket_s, self.computed_prompt_tokens,
+                         flops=sum(e.model.stats.flops for e in engines.values()),
                          peak_flops=self.profile.peak_flops)
 
     def _scrape(self) -> None:
-        for e in self.engines.values():
-            self.planner.on_event(EngineScraped(e.name, e.model.num_running, e.model.num_waiting,
-                                                e.model.pool.usage), self.now)
+        for event in self.fleet.scraped():
+            self.planner.on_event(event, self.now)
 
     def _kick(self) -> None:
         """Start a step on every idle engine that may have work (those touched since)."""
-        dirty = self._dirty
-        if not dirty:
-            return
-        self._dirty = []
-        for e in dirty:
-            if e.busy or not e.model.has_work():
-                continue
-            out = e.model.step(self.now)
-            if out.num_scheduled_tokens == 0 and not out.outputs:
-                continue  # nothing schedulable until something finishes
-            e.busy = True
-            self._account(e, out)
-            self._push(self.now + out.duration, "step", (e, out))
-
-    def _account(self, e: _Engine, out: StepOutput) -> None:
-        buckets = self.utilisation[e.name]
-        t, end = self.now, self.now + out.duration
-        while t < end:
-            b = int(t // self.bucket_s)
-            upto = min(end, (b + 1) * self.bucket_s)
-            buckets[b] = buckets.get(b, 0.0) + (upto - t)
-            t = upto
+        for end, e, out in self.fleet.kick(self.now):
+            self._push(end, "step", (e, out))
 
     # -- workflows ------------------------------------------------------------------------------
 
@@ -443,8 +509,6 @@ class VirtualRun:
             return
         rid = route.request_id
         engine_name = action.engine
-        e = self.engines[engine_name]
-        self._dirty.append(e)
         if action.speculative_keys:
             self.index.add_speculative_sync(engine_name, action.speculative_keys, self.now,
                                             action.speculative_ttl_s)
@@ -454,20 +518,14 @@ class VirtualRun:
         out_piece = self.builder.output_piece(wf, task)
         self._live[rid] = _Live(record, wf, task, route, out_piece.ids, out_piece)
         same_blocks = self.config.block_size == self.block_size
-        e.model.add_request(SimRequest(
+        self.fleet.add(engine_name, SimRequest(
             request_id=rid, prompt_token_ids=list(w.token_ids), max_tokens=task.output_tokens,
             arrival_time=self.now, ignore_eos=True, natural_output_len=task.output_tokens,
             cache_salt=wf.tenant, priority=task.priority,
             block_hashes=list(route.block_keys) if same_blocks else []))
 
     def _step_done(self, e: _Engine, out: StepOutput) -> int:
-        e.busy = False
-        self._dirty.append(e)
-        if out.kv_events:
-            payload = encode_events(_merged_removals(out.kv_events), self.now)
-            result = self.ingestor.on_message(e.name, e.seq, payload)
-            e.seq += 1
-            apply_ops_sync(self.index, result.ops)
+        self.fleet.step_done(e, out, self.now)
         finished = 0
         for req in out.finished:
             live = self._live.get(req.request_id)
