@@ -14,10 +14,20 @@ arrivals and engine-model steps into the same calls. Everything that decides liv
 (routing policies, the load ledger, holding), so a benchmark result measures the code that serves
 traffic.
 
-Release is `Immediate`: a request is offered to the routing policy as soon as it is admitted and
-dispatched unless the policy holds it; held requests are offered again, oldest first, whenever
-load changes (a first token, a finish, a scrape, an engine's health). That reproduces every
-per-request router exactly (the seeded-report gate, tests/test_seeded_reports.py).
+Two release policies:
+- `immediate`: a request is offered to the routing policy as soon as it is admitted and
+  dispatched unless the policy holds it; held requests are offered again, oldest first, whenever
+  load changes (a first token, a finish, a scrape, an engine's health). That reproduces every
+  per-request router exactly (the seeded-report gate, tests/test_seeded_reports.py).
+- `batch` (SBS, ANCHORS.md): work-conserving — a request goes out at once while some engine has
+  headroom (less than `PREFILL_STEPS_QUEUED` full prefill steps of the gateway's own prompts
+  waiting for their first token, and fewer requests than its `max_num_seqs`). When every engine
+  is backed up, requests wait in the gateway's buffer and are released on every load change and
+  at least once per interval (the engines' observed gap between first tokens while backed up,
+  the profile's full prefill step until observed), in priority order (planner/priorities.py),
+  each onto the best engine with headroom by the routing policy's cost, so a batch water-fills
+  the engines' prefill capacity; siblings that share a prefix rank together and follow each
+  other onto the engine whose (speculative) index entries hold it.
 
 Each request's state moves only along `TRANSITIONS`; anything else raises `IllegalTransition`.
 """
@@ -39,6 +49,8 @@ from planner.events import (
     Event,
     Finished,
     FirstToken,
+    WorkflowOver,
+    WorkflowSubmitted,
 )
 from planner.hints import RequestHints
 from planner.holding import HoldQueue
@@ -47,10 +59,54 @@ from planner.policy import (
     EngineView,
     Hold,
     NoEngineAvailable,
+    PolicyContext,
     RouteRequest,
     RoutingPolicy,
+    candidates,
+    make_policy,
     placement_of,
+    policy_names,
 )
+from planner.priorities import WorkflowPriorities
+from planner.profiles import EngineProfile
+
+PREFILL_STEPS_QUEUED = 2.0
+"""Under `batch` release, an engine has headroom while the gateway's prompts waiting there for
+their first token add up to fewer than this many full prefill steps (`max_num_batched_tokens`):
+enough queued to keep its batches full, no more committed to it ahead of time."""
+
+EWMA_ALPHA = 0.2
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """How a planner variant is put together: its routing policy, release and priorities."""
+
+    routing: str
+    release: str = "immediate"
+    """`immediate` or `batch` (SBS)."""
+    priorities: bool = False
+    """Order the buffer by DAG priorities and hand engines vLLM's `priority`."""
+
+
+VARIANTS: dict[str, PlannerSettings] = {
+    "kvgate": PlannerSettings("kvgate", release="batch", priorities=True),
+    "kvgate-no-batch": PlannerSettings("kvgate", release="immediate", priorities=True),
+    "kvgate-no-priority": PlannerSettings("kvgate", release="batch", priorities=False),
+    "kvgate-routing-only": PlannerSettings("kvgate"),
+}
+"""The full planner and its ablations; every other name is a routing policy under `immediate`
+release (the per-request routers, exactly as their peers ship)."""
+
+
+def planner_settings(name: str) -> PlannerSettings:
+    """The variant's settings; a plain routing policy name runs under `immediate` release."""
+    return VARIANTS.get(name, PlannerSettings(name))
+
+
+def planner_names() -> list[str]:
+    """Every name `make_planner` takes: the variants and every registered routing policy."""
+    return sorted(set(policy_names()) | set(VARIANTS))
 
 
 class RequestState(enum.Enum):
@@ -133,8 +189,25 @@ class Planner:
         *,
         speculative_ttl_s: float = 0.0,
         engine_block_size: Callable[[str], int] = lambda _: 0,
+        release: str = "immediate",
+        priorities: WorkflowPriorities | None = None,
+        profile_of: Callable[[str], EngineProfile] | None = None,
     ) -> None:
+        if release not in ("immediate", "batch"):
+            raise ValueError(f"unknown release policy {release!r}; known: immediate, batch")
+        if release == "batch" and profile_of is None:
+            raise ValueError("batch release needs the engines' profiles (profile_of)")
         self.policy = policy
+        self.release_mode = release
+        self.priorities = priorities
+        """DAG priorities; None keeps admission order (and sends engines no priority)."""
+        self._profile_of = profile_of
+        self._seq = 0
+        self._order: dict[str, int] = {}
+        self._buffer: list[str] = []
+        self._wakeup: float | None = None
+        self._step_gap: dict[str, float] = {}
+        self._last_first_token: dict[str, float] = {}
         self.speculative_ttl_s = speculative_ttl_s if policy.speculative_entries else 0.0
         """Index entries for dispatched prompts live this long; only for policies whose peer
         records its routing decisions (a baseline never gets a mechanism its peer lacks)."""
@@ -181,7 +254,12 @@ class Planner:
     @property
     def pending(self) -> bool:
         """`release` may have something to do."""
-        return bool(self._queued) or (self._load_changed and bool(self._held))
+        return bool(self._queued) or (self._load_changed and bool(self._held or self._buffer))
+
+    @property
+    def buffered(self) -> int:
+        """Requests waiting in the gateway's buffer (batch release)."""
+        return len(self._buffer)
 
     # -- the interface --------------------------------------------------------------------------
 
@@ -192,6 +270,8 @@ class Planner:
             raise ValueError(f"request {rid!r} is already in flight")
         self._requests[rid] = _Request(call)
         self._queued.append(rid)
+        self._order[rid] = self._seq
+        self._seq += 1
 
     def on_event(self, event: Event, now: float) -> None:
         """Something happened at an engine or a client."""
@@ -202,6 +282,7 @@ class Planner:
                     return
                 if prefill_done(req.outstanding):
                     req.move(RequestState.PREFILLED)
+                    self._observe_step(req.outstanding, now)
                     if observed:
                         self.policy.on_first_token(rid, req.outstanding.engine, now)
                     self._load_changed = True
@@ -209,10 +290,14 @@ class Planner:
                 req = self._requests.pop(rid, None)
                 if req is None:
                     return
+                self._order.pop(rid, None)
                 if req.outstanding is None:
                     self._withdraw(req)
                     return
                 req.move(RequestState.FINISHED)
+                if self.priorities is not None:
+                    hints = req.call.hints
+                    self.priorities.task_done(hints.workflow, hints.task, tokens)
                 if close_dispatch(req.outstanding):
                     self.policy.on_finish(rid, req.outstanding.engine, now, tokens)
                     self._load_changed = True
@@ -224,7 +309,14 @@ class Planner:
                     raise IllegalTransition(f"request {rid!r} is at an engine already: report "
                                             "its end with Finished")
                 del self._requests[rid]
+                self._order.pop(rid, None)
                 self._withdraw(req)
+            case WorkflowSubmitted(workflow=wf, tasks=tasks):
+                if self.priorities is not None:
+                    self.priorities.submit(wf, tasks)
+            case WorkflowOver(workflow=wf):
+                if self.priorities is not None:
+                    self.priorities.forget(wf)
             case EngineJoined(engine=name, healthy=healthy, models=models):
                 if name in self.engines:
                     raise ValueError(f"engine {name!r} is already in the pool")
@@ -253,8 +345,9 @@ class Planner:
                 self._load_changed = True
 
     def release(self, now: float) -> list[Action]:
-        """What to do now: held requests are offered again (oldest first) if load changed since
-        the last release, then the newly admitted ones in admission order."""
+        """What to do now (see the module docstring for each release policy)."""
+        if self.release_mode == "batch":
+            return self._release_batch(now)
         actions: list[Action] = []
         if self._load_changed:
             self._load_changed = False
@@ -269,17 +362,90 @@ class Planner:
         return actions
 
     def next_wakeup(self) -> float | None:
-        """When `release` must run again without an event (never, under `Immediate`)."""
-        return None
+        """When `release` must run again without an event (never under `immediate`; the next
+        batch interval while requests wait in the buffer under `batch`)."""
+        return self._wakeup
+
+    # -- batch release (SBS) --------------------------------------------------------------------
+
+    def _release_batch(self, now: float) -> list[Action]:
+        due = self._wakeup is not None and now >= self._wakeup
+        if not (self._queued or due or (self._load_changed and self._buffer)):
+            return []
+        self._load_changed = False
+        self._buffer.extend(self._queued)
+        self._queued = []
+        order = self._order
+        if self.priorities is not None:
+            rank = self.priorities.rank
+            reqs = self._requests
+            self._buffer.sort(key=lambda r: (rank(reqs[r].call.hints), order[r]))
+        actions: list[Action] = []
+        waiting: list[str] = []
+        backed_up = False
+        for rid in self._buffer:
+            if backed_up:
+                waiting.append(rid)
+                continue
+            req = self._requests[rid]
+            views = self.views(req.call.exclude)
+            open_views = [v for v in views if self._headroom(v)]
+            if not open_views:
+                try:
+                    candidates(req.call.route, views)
+                except NoEngineAvailable:
+                    self._offer(rid, now, actions, views)  # rejected with the reason
+                    continue
+                backed_up = True
+                waiting.append(rid)
+                continue
+            if not self._offer(rid, now, actions, open_views):
+                waiting.append(rid)
+        self._buffer = waiting
+        self._wakeup = now + self._interval() if waiting else None
+        return actions
+
+    def _headroom(self, v: EngineView) -> bool:
+        if not v.healthy:
+            return False
+        assert self._profile_of is not None
+        profile = self._profile_of(v.name)
+        return (v.queued_prefill_tokens < PREFILL_STEPS_QUEUED * profile.max_num_batched_tokens
+                and v.in_flight < profile.max_num_seqs)
+
+    def _interval(self) -> float:
+        """The batch interval: the engines' observed gap between first tokens while backed up
+        (their prefill step, in effect), else one full prefill step of the first profile."""
+        if self._step_gap:
+            return min(self._step_gap.values())
+        assert self._profile_of is not None
+        first = next(iter(self.engines), "")
+        profile = self._profile_of(first)
+        return profile.prefill_time(profile.max_num_batched_tokens)
+
+    def _observe_step(self, out: Outstanding, now: float) -> None:
+        """Learn the engine's pace from first tokens that arrive while more prefills wait."""
+        engine = out.engine
+        last = self._last_first_token.get(engine)
+        self._last_first_token[engine] = now
+        if last is None or out.load.prefilling <= 0 or now <= last:
+            return
+        gap = now - last
+        old = self._step_gap.get(engine)
+        self._step_gap[engine] = gap if old is None else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * gap
 
     # -- placing --------------------------------------------------------------------------------
 
-    def _offer(self, rid: str, now: float, actions: list[Action]) -> bool:
-        """Let the policy place one request; False if it holds it."""
+    def _offer(self, rid: str, now: float, actions: list[Action],
+               views: list[EngineView] | None = None) -> bool:
+        """Let the policy place one request (among `views`, else every engine but those the
+        request excludes); False if it holds it."""
         req = self._requests[rid]
         route = req.call.route
+        if views is None:
+            views = self.views(req.call.exclude)
         try:
-            choice = self.policy.choose(route, self.views(req.call.exclude), now)
+            choice = self.policy.choose(route, views, now)
         except Hold:
             return False
         except NoEngineAvailable as e:
@@ -295,9 +461,11 @@ class Planner:
         req.move(RequestState.DISPATCHED)
         self.policy.on_dispatch(route, placement, now)
         ttl = self.speculative_ttl_s
+        priority = (self.priorities.engine_priority(req.call.hints)
+                    if self.priorities is not None else None)
         actions.append(Dispatch(
             rid, engine, req.outstanding.cached_tokens, placement.cost,
-            route.block_keys if ttl > 0 else (), ttl, req.call.hints.priority))
+            route.block_keys if ttl > 0 else (), ttl, priority))
         return True
 
     def _withdraw(self, req: _Request) -> None:
@@ -305,6 +473,8 @@ class Planner:
         rid = req.call.request_id
         if req.state is RequestState.HELD:
             self._held.discard(rid)
+        elif rid in self._buffer:
+            self._buffer.remove(rid)
         elif req.state is RequestState.QUEUED:
             self._queued.remove(rid)
         req.move(RequestState.CANCELLED)
@@ -314,3 +484,19 @@ def reject_message(reject: Reject) -> str:
     """The error a client reads for a `Reject`."""
     return f"no engine available for model {reject.model!r}: {reject.reason}"
 
+
+
+def make_planner(
+    name: str,
+    context: PolicyContext,
+    *,
+    speculative_ttl_s: float = 0.0,
+    engine_block_size: Callable[[str], int] = lambda _: 0,
+) -> Planner:
+    """The named planner variant (VARIANTS) or routing policy, over `context`'s profiles."""
+    settings = planner_settings(name)
+    policy = make_policy(settings.routing, context)
+    priorities = WorkflowPriorities(context.default_profile) if settings.priorities else None
+    return Planner(policy, speculative_ttl_s=speculative_ttl_s,
+                   engine_block_size=engine_block_size, release=settings.release,
+                   priorities=priorities, profile_of=context.profile)

@@ -73,5 +73,34 @@ class EngineScraped:
     kv_usage: float
 
 
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What the planner is told of one task of a submitted workflow, for its priorities."""
+
+    task: str
+    after: tuple[str, ...] = ()
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    think_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkflowSubmitted:
+    """A whole DAG is known ahead (the workflow API, the benchmark): its calls carry
+    `RequestHints(workflow=..., task=...)` when they are admitted."""
+
+    workflow: str
+    tasks: tuple[TaskSpec, ...]
+
+
+@dataclass(frozen=True)
+class WorkflowOver:
+    """A workflow ended (done, failed or cancelled): the planner forgets it."""
+
+    workflow: str
+
+
 Event = (FirstToken | Finished | Cancelled | EngineJoined | EngineLeft | EngineHealth
-         | EngineScraped)
+         | EngineScraped | WorkflowSubmitted | WorkflowOver)

@@ -47,7 +47,7 @@ from kvgate.bench.workloads import (
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.dag import DagNode, topological_order
-from planner.policy import policy_names
+from planner.core import planner_names
 from planner.profiles import get_profile
 
 LIVE_ONLY_POLICIES = ("sglang-router",)
@@ -87,7 +87,7 @@ def check_options(o: BenchOptions) -> None:
         o.engine_profile()
     except ValueError as e:
         raise WorkloadError(str(e)) from None
-    known = set(policy_names()) | (set(LIVE_ONLY_POLICIES) if o.mode == "live" else set())
+    known = set(planner_names()) | (set(LIVE_ONLY_POLICIES) if o.mode == "live" else set())
     for p in o.policies:
         if p not in known:
             hint = " (runs only with --mode live)" if p in LIVE_ONLY_POLICIES else ""

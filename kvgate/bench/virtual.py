@@ -34,10 +34,19 @@ from kvindex.index import InMemoryIndex
 from kvindex.ingest import EventIngestor, apply_ops_sync
 from kvindex.keys import KeyExtras, PromptKeyer, block_key
 from planner.actions import Action, Dispatch
-from planner.core import Call, Planner, reject_message
+from planner.core import Call, make_planner, planner_settings, reject_message
 from planner.dag import DagNode, DagRun, Wakeup
-from planner.events import EngineJoined, EngineScraped, Finished, FirstToken
-from planner.policy import PolicyContext, RouteRequest, make_policy, scrape_interval
+from planner.events import (
+    EngineJoined,
+    EngineScraped,
+    Finished,
+    FirstToken,
+    TaskSpec,
+    WorkflowOver,
+    WorkflowSubmitted,
+)
+from planner.hints import RequestHints
+from planner.policy import PolicyContext, RouteRequest, scrape_interval
 from planner.profiles import EngineProfile
 
 MODEL = "kvgate-bench"
@@ -218,7 +227,7 @@ class Fleet:
 
     def __init__(self, names: list[str], profile: EngineProfile, eos_token_id: int,
                  sample: Callable[[SimRequest], int], index_block_size: int,
-                 bucket_s: float) -> None:
+                 bucket_s: float, priority_scheduling: bool = False) -> None:
         bs = profile.block_size
         num_blocks = profile.num_blocks(bs)
         self.config = EngineConfig(
@@ -226,7 +235,7 @@ class Fleet:
             max_num_batched_tokens=profile.max_num_batched_tokens,
             max_num_seqs=profile.max_num_seqs,
             max_model_len=min(profile.max_model_len, num_blocks * bs),
-            eos_token_id=eos_token_id,
+            eos_token_id=eos_token_id, priority_scheduling=priority_scheduling,
         )
         self.engines = {n: _Engine(n, EngineModel(self.config, profile, sample,
                                                   _engine_hasher)) for n in names}
@@ -355,17 +364,21 @@ class VirtualRun:
         names = [f"engine-{i}" for i in range(engines)]
         ctx = PolicyContext(profiles=dict.fromkeys(names, profile), default_profile=profile,
                             block_size=self.block_size, seed=seed)
-        routing = make_policy(policy, ctx)
         self.policy_name = policy
+        # A planner that ranks calls runs its engines with `--scheduling-policy priority` (its
+        # deployment); the per-request routers' engines run vLLM's default, fcfs.
+        self.fleet = Fleet(names, profile, builder.vocab.tokenizer.eos_token_id, self._sample,
+                           self.block_size, bucket_s,
+                           priority_scheduling=planner_settings(policy).priorities)
+        self.config = self.fleet.config
+        self.index = self.fleet.index
+        self.planner = make_planner(policy, ctx, speculative_ttl_s=self.speculative_ttl_s,
+                                    engine_block_size=self.fleet.ingestor.engine_block_size)
+        routing = self.planner.policy
         self.scrape_s = scrape_interval(routing, self.scrape_s)
         # Only character-level policies read the prompt text; building it costs a join.
         self._needs_text = bool(getattr(routing, "reads_prompt_text", False))
-        self.fleet = Fleet(names, profile, builder.vocab.tokenizer.eos_token_id, self._sample,
-                           self.block_size, bucket_s)
-        self.config = self.fleet.config
-        self.index = self.fleet.index
-        self.planner = Planner(routing, speculative_ttl_s=self.speculative_ttl_s,
-                               engine_block_size=self.fleet.ingestor.engine_block_size)
+        self._wakeup_at: float | None = None
         for n in names:
             self.planner.on_event(EngineJoined(n, healthy=True, models=frozenset((MODEL,))), 0.0)
         self._heap = EventHeap()
@@ -429,6 +442,10 @@ class VirtualRun:
                 finished += self._step_done(*data)
                 if self.progress is not None:
                     self.progress(finished, total)
+            elif kind == "wakeup":
+                if self._wakeup_at == t:
+                    self._wakeup_at = None
+                    self._carry_out_all(self.planner.release(t))
             elif kind == "scrape":
                 self._scrape()
                 self._release()
@@ -463,6 +480,10 @@ class VirtualRun:
     def _arrive(self, wf: BenchWorkflow) -> None:
         self.wf_records[wf.id] = WorkflowRecord(wf.id, self.now)
         run = DagRun(wf.id, [DagNode(t.id, t.after, t.think_time_s) for t in wf.tasks])
+        if self.planner.priorities is not None:
+            self.planner.on_event(WorkflowSubmitted(wf.id, tuple(
+                TaskSpec(t.id, tuple(t.after), sum(n for _, n in self.builder.shape(wf, t)[0]),
+                         t.output_tokens, t.think_time_s) for t in wf.tasks)), self.now)
         self._runs[wf.id] = run
         self._wake(wf, run.start(self.now))
 
@@ -491,14 +512,22 @@ class VirtualRun:
             matches=self.index.match_sync(keys.keys, self.now), prompt_text=text,
             max_tokens=task.output_tokens)
         self._waiting[rid] = _Waiting(record, wf, task, route, keys.token_ids)
-        self.planner.admit(Call(route), self.now)
+        hints = RequestHints(workflow=wf.id, task=task.id, after=tuple(task.after))
+        self.planner.admit(Call(route, hints=hints), self.now)
         self._release()
 
     def _release(self) -> None:
         """Carry out whatever the planner decides now."""
         if self.planner.pending:
-            for action in self.planner.release(self.now):
-                self._carry_out(action)
+            self._carry_out_all(self.planner.release(self.now))
+
+    def _carry_out_all(self, actions: list[Action]) -> None:
+        for action in actions:
+            self._carry_out(action)
+        wake = self.planner.next_wakeup()
+        if wake is not None and (self._wakeup_at is None or wake < self._wakeup_at):
+            self._wakeup_at = wake
+            self._push(wake, "wakeup", None)
 
     def _carry_out(self, action: Action) -> None:
         w = self._waiting.pop(action.request_id)
@@ -521,7 +550,8 @@ class VirtualRun:
         self.fleet.add(engine_name, SimRequest(
             request_id=rid, prompt_token_ids=list(w.token_ids), max_tokens=task.output_tokens,
             arrival_time=self.now, ignore_eos=True, natural_output_len=task.output_tokens,
-            cache_salt=wf.tenant, priority=task.priority,
+            cache_salt=wf.tenant,
+            priority=action.priority if action.priority is not None else task.priority,
             block_hashes=list(route.block_keys) if same_blocks else []))
 
     def _step_done(self, e: _Engine, out: StepOutput) -> int:
@@ -571,6 +601,7 @@ class VirtualRun:
 
     def _workflow_over(self, wf: BenchWorkflow) -> int:
         del self._runs[wf.id]
+        self.planner.on_event(WorkflowOver(wf.id), self.now)
         self.wf_records[wf.id].finished_s = self.now
         self._over += 1
         if self._queue:

@@ -1,0 +1,108 @@
+"""DAG priorities: which buffered call goes first (Autellix, Parrot; ANCHORS.md).
+
+A workflow whose DAG is known (submitted ahead) is ranked by its remaining critical path: the
+estimated seconds until it could finish at best, if every remaining task ran the moment it may.
+Serving the workflow closest to done first is shortest-remaining-time-first at the level the
+client waits on (its job completion time); within one workflow, the task with the longest path
+below it goes first (critical path first). A workflow known only from hints has no future to
+read, so it is ranked by least attained service (the output tokens it has been served), which
+favours short programs without knowing their length. An explicit `priority` hint (vLLM's
+convention: lower first) outranks both.
+
+The rank is also handed to engines running `--scheduling-policy priority` as vLLM's integer
+`priority`, so the engine's own queue keeps the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planner.events import TaskSpec
+from planner.hints import RequestHints
+from planner.profiles import EngineProfile
+
+PRIORITY_SCALE_S = 0.001
+"""Engine `priority` resolution: one unit per millisecond of remaining critical path."""
+
+
+@dataclass
+class _Workflow:
+    path_s: dict[str, float]
+    """Per task: its own estimate plus the longest path of estimates below it."""
+    done: set[str] = field(default_factory=set)
+    remaining_s: float = 0.0
+    attained_tokens: int = 0
+
+
+def task_estimate_s(spec: TaskSpec, profile: EngineProfile) -> float:
+    """Seconds one task takes alone on an idle engine: think time, prefill, decode."""
+    decode = profile.decode_step_time(1, spec.prompt_tokens + spec.output_tokens // 2)
+    return (spec.think_time_s + profile.prefill_time(spec.prompt_tokens)
+            + spec.output_tokens * decode)
+
+
+class WorkflowPriorities:
+    """Ranks calls by their workflow's remaining critical path (or attained service)."""
+
+    def __init__(self, profile: EngineProfile) -> None:
+        self.profile = profile
+        self._workflows: dict[str, _Workflow] = {}
+        self._hinted: dict[str, int] = {}
+        """Attained output tokens of workflows known only from hints."""
+
+    def submit(self, workflow: str, tasks: tuple[TaskSpec, ...]) -> None:
+        """Learn a workflow's DAG; cyclic or dangling `after` ids are the caller's error."""
+        est = {t.task: task_estimate_s(t, self.profile) for t in tasks}
+        children: dict[str, list[str]] = {t.task: [] for t in tasks}
+        for t in tasks:
+            for parent in t.after:
+                children[parent].append(t.task)
+        path: dict[str, float] = {}
+
+        def below(task: str) -> float:
+            got = path.get(task)
+            if got is None:
+                got = est[task] + max((below(c) for c in children[task]), default=0.0)
+                path[task] = got
+            return got
+
+        for t in tasks:
+            below(t.task)
+        self._workflows[workflow] = _Workflow(path, remaining_s=max(path.values(), default=0.0))
+
+    def task_done(self, workflow: str | None, task: str | None, output_tokens: int) -> None:
+        """A call of the workflow finished."""
+        if workflow is None:
+            return
+        wf = self._workflows.get(workflow)
+        if wf is None:
+            self._hinted[workflow] = self._hinted.get(workflow, 0) + output_tokens
+            return
+        wf.attained_tokens += output_tokens
+        if task is not None and task in wf.path_s and task not in wf.done:
+            wf.done.add(task)
+            wf.remaining_s = max((p for t, p in wf.path_s.items() if t not in wf.done),
+                                 default=0.0)
+
+    def forget(self, workflow: str) -> None:
+        """The workflow is over."""
+        self._workflows.pop(workflow, None)
+        self._hinted.pop(workflow, None)
+
+    def rank(self, hints: RequestHints) -> tuple[int, float, float]:
+        """Sort key, smallest first: (explicit priority, workflow rank, -task path)."""
+        explicit = hints.priority if hints.priority is not None else 0
+        if hints.workflow is None:
+            return (explicit, 0.0, 0.0)
+        wf = self._workflows.get(hints.workflow)
+        if wf is None:
+            return (explicit, float(self._hinted.get(hints.workflow, 0)), 0.0)
+        task_path = wf.path_s.get(hints.task or "", 0.0)
+        return (explicit, wf.remaining_s, -task_path)
+
+    def engine_priority(self, hints: RequestHints) -> int:
+        """The rank as vLLM's integer `priority` (lower runs first)."""
+        explicit, rank, _ = self.rank(hints)
+        if hints.workflow is not None and hints.workflow in self._workflows:
+            return explicit * 1_000_000 + int(rank / PRIORITY_SCALE_S)
+        return explicit * 1_000_000 + int(rank)
