@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from planner.policy import policy_names
+from planner.core import planner_names
 from planner.profile_file import ProfileFileError, load_profile_file
 from planner.profiles import DEFAULT_PROFILE, PROFILES, EngineProfile, get_profile
 
@@ -57,6 +57,9 @@ class EngineEntry(BaseModel):
     """The engine's replay ROUTER endpoint, used to recover missed events."""
     kv_topic: str | None = None
     """Topic of the engine's KV events (default: its URL, which `kvgate sim` uses by default)."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """The engine's `--scheduling-policy`: with `priority`, a planner that ranks calls sends
+    each request vLLM's `priority` field (lower runs first)."""
 
     @field_validator("url")
     @classmethod
@@ -149,7 +152,7 @@ class GatewayConfig(BaseModel):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, v: str) -> str:
-        known = policy_names()
+        known = planner_names()
         if v not in known:
             raise ValueError(f"unknown policy {v!r}; known: {', '.join(known)}")
         return v

@@ -137,6 +137,8 @@ class Proxy:
         self.state = state
         self._placing: dict[str, tuple[asyncio.Future[Dispatch], RouteRequest]] = {}
         """Admitted requests whose handlers await the planner's decision."""
+        self._timer: asyncio.TimerHandle | None = None
+        """The planner's next batch interval, when requests wait in its buffer."""
         state.pump = self._pump
 
     async def route_request(
@@ -188,8 +190,12 @@ class Proxy:
             d = await self._place(route_req, tried)
             engine = d.engine
             tried.add(engine)
+            sent = raw
+            if d.priority is not None and state.priority_engine(engine):
+                # vLLM's own field, for an engine running --scheduling-policy priority.
+                sent = json.dumps({**body, "priority": d.priority}).encode()
             try:
-                return await self._forward(request, route, _Flight(route_req, d), raw, headers,
+                return await self._forward(request, route, _Flight(route_req, d), sent, headers,
                                            arrived)
             except _RetryableFailure as e:
                 last_error = str(e)
@@ -262,6 +268,14 @@ class Proxy:
             m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
             m.routed_cached_tokens.labels(engine).inc(action.cached_tokens)
             placed.set_result(action)
+        wake = state.planner.next_wakeup()
+        if wake is not None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(
+                max(0.0, wake - state.now()), self._wake)
+
+    def _wake(self) -> None:
+        self._timer = None
+        self._pump()
 
     def _reject_error(self, reject: Reject) -> GatewayError:
         if reject.available_models and not reject.model_known:

@@ -16,9 +16,9 @@ from kvindex.index import InMemoryIndex, KVIndexBackend
 from kvindex.ingest import EventIngestor
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
-from planner.core import Planner
+from planner.core import make_planner
 from planner.events import Event
-from planner.policy import PolicyContext, RoutingPolicy, make_policy, scrape_interval
+from planner.policy import PolicyContext, RoutingPolicy, scrape_interval
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ class GatewayState:
             profiles={e.engine_name: e.engine_profile for e in config.engines},
             block_size=config.index.block_size,
         )
-        self.policy: RoutingPolicy = make_policy(config.policy, self.policy_context)
         self.metrics = GatewayMetrics()
         self.tokenizer = Tokenizer.load(config.tokenizer)
         self.keyer = PromptKeyer(self.tokenizer, config.index.block_size)
@@ -57,9 +56,13 @@ class GatewayState:
             config.index.block_size,
             replay_available={e.engine_name for e in config.engines if e.kv_replay},
         )
-        self.planner = Planner(self.policy, speculative_ttl_s=config.index.speculative_ttl_s,
-                               engine_block_size=self.ingestor.engine_block_size)
+        self.planner = make_planner(config.policy, self.policy_context,
+                                    speculative_ttl_s=config.index.speculative_ttl_s,
+                                    engine_block_size=self.ingestor.engine_block_size)
         """The brain: every placement decision and the gateway's ledger (planner/core.py)."""
+        self.policy: RoutingPolicy = self.planner.policy
+        self._priority_engines = {e.engine_name for e in config.engines
+                                  if e.scheduling_policy == "priority"}
         self.pump: Callable[[], None] = lambda: None
         """Runs the planner's `release` and carries out its actions (set by the proxy)."""
         self.listener: KVEventListener | None = None
@@ -96,6 +99,10 @@ class GatewayState:
             await self.session.close()
         await self.index.close()
 
+    def priority_engine(self, name: str) -> bool:
+        """The engine runs `--scheduling-policy priority` (per its config entry)."""
+        return name in self._priority_engines
+
     def notify(self, event: Event) -> None:
         """Tell the planner what happened, and carry out what that lets it decide."""
         self.planner.on_event(event, self.now())
@@ -116,6 +123,8 @@ class GatewayState:
         assert self.pool is not None and self.listener is not None
         self.listener.add_source(event_source(entry))  # raises on a topic already in use
         self.pool.add(entry)
+        if entry.scheduling_policy == "priority":
+            self._priority_engines.add(entry.engine_name)
         self.policy_context.profiles[entry.engine_name] = entry.engine_profile
         await self.pool.refresh(entry.engine_name)
 
