@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from dataclasses import asdict
 from typing import Any
@@ -18,6 +19,8 @@ from gateway.errors import GatewayError
 from gateway.metrics import IngestCollector
 from gateway.proxy import Proxy
 from gateway.state import GatewayState
+from gateway.workflow_store import make_store
+from gateway.workflows import LoopbackExecutor, TaskExecutor, WorkflowService, loopback_url
 from kvindex.index import IndexStats
 
 log = logging.getLogger(__name__)
@@ -46,10 +49,20 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return GatewayError("internal gateway error; see the gateway log").response()
 
 
-def build_app(config: GatewayConfig) -> web.Application:
-    """The gateway application for a validated config."""
+def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> web.Application:
+    """The gateway application for a validated config; workflow tasks go through `executor`
+    (default: the gateway's own `/v1/chat/completions`)."""
     state = GatewayState(config)
     proxy = Proxy(state)
+    wf = config.workflows
+    workflows = WorkflowService(
+        wf, make_store(wf.store, wf.redis_url, wf.namespace),
+        executor or LoopbackExecutor(loopback_url(config.host, config.port),
+                                     config.connect_timeout_s, config.request_timeout_s),
+        replica=wf.replica or f"{socket.gethostname()}:{config.port}",
+        known_models=state.planner.models,
+    )
+    state.workflows = workflows
     # The proxy enforces max_body_bytes itself with a clear error; aiohttp's own limit stays off.
     app = web.Application(middlewares=[_errors], client_max_size=0)
     app[STATE_KEY] = state
@@ -95,11 +108,14 @@ def build_app(config: GatewayConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     Admin(state, proxy).routes(app)
+    workflows.routes(app)
 
     async def on_startup(_: web.Application) -> None:
         await state.start()
+        await workflows.start()
 
     async def on_cleanup(_: web.Application) -> None:
+        await workflows.stop()
         await state.stop()
 
     app.on_startup.append(on_startup)

@@ -126,6 +126,31 @@ class IndexSettings(BaseModel):
         return self
 
 
+class WorkflowSettings(BaseModel):
+    """The workflow API (`/v1/workflows`) and where workflow state lives."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: Literal["memory", "redis"] = "memory"
+    """`redis` lets replicas sharing the Redis read (and follow, and cancel) each other's
+    workflows."""
+    redis_url: str | None = None
+    namespace: str = "kvgate"
+    ttl_s: float = Field(default=3600.0, gt=0)
+    """How long a workflow stays readable once it is over (for hint-mode workflows: since
+    their last call)."""
+    max_tasks: int = Field(default=1000, gt=0)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    replica: str | None = None
+    """This gateway's name in workflow snapshots (default: HOSTNAME:PORT)."""
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> WorkflowSettings:
+        if self.store == "redis" and not self.redis_url:
+            raise ValueError("store 'redis' needs redis_url (e.g. redis://127.0.0.1:6379/0)")
+        return self
+
+
 class GatewayConfig(BaseModel):
     """Everything `kvgate serve` needs."""
 
@@ -144,6 +169,7 @@ class GatewayConfig(BaseModel):
     kv_events_bind: str | None = None
     """Bind mode: one SUB socket engines connect to, e.g. tcp://127.0.0.1:5557."""
     index: IndexSettings = Field(default_factory=IndexSettings)
+    workflows: WorkflowSettings = Field(default_factory=WorkflowSettings)
     tokenizer: str | None = None
     """HF tokenizer directory the engines load (default: the shipped tiny tokenizer)."""
     admin_key: str | None = None

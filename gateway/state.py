@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -19,6 +20,9 @@ from kvindex.tokenizer import Tokenizer
 from planner.core import make_planner
 from planner.events import Event
 from planner.policy import PolicyContext, RoutingPolicy, scrape_interval
+
+if TYPE_CHECKING:
+    from gateway.workflows import WorkflowService
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,8 @@ class GatewayState:
                                   if e.scheduling_policy == "priority"}
         self.pump: Callable[[], None] = lambda: None
         """Runs the planner's `release` and carries out its actions (set by the proxy)."""
+        self.workflows: WorkflowService | None = None
+        """The workflow API (set by `build_app`); the proxy reports hint-mode calls to it."""
         self.listener: KVEventListener | None = None
         self.session: aiohttp.ClientSession | None = None
         self.pool: EnginePool | None = None

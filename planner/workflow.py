@@ -1,14 +1,18 @@
 """The workflow spec: a task DAG whose prompts are built from tagged segments (sans-IO).
 
-One document, JSON or YAML, read by the benchmark and (later) accepted by `POST /v1/workflows`.
+One document, JSON or YAML, read by the benchmark and accepted by `POST /v1/workflows`.
 Segments are static (system prompt, tools: long-lived, shared across tasks and workflows), shared
 (a parent's context several children extend) or transient (one branch's reasoning). Tasks list
 their messages as segment references, literal messages, or the output of an earlier task.
 Validation names the problem: unknown ids, cycles, dangling `output_of`, an empty DAG.
+`runnable_problems` adds what a live run needs (real text, ids fit for headers), and
+`render_task` turns a ready task and its parents' outputs into an OpenAI chat body.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import networkx as nx
@@ -113,7 +117,7 @@ class Workflow(BaseModel):
         g = nx.DiGraph()
         for t in self.tasks:
             g.add_node(t.id)
-            for dep in _dependencies(t):
+            for dep in dependencies(t):
                 g.add_edge(dep, t.id)
         return g
 
@@ -130,10 +134,11 @@ class Workflow(BaseModel):
         raise KeyError(task_id)
 
 
-def _dependencies(task: Task) -> list[str]:
+def dependencies(task: Task) -> tuple[str, ...]:
+    """Every task this one waits for: its `after` list, then the tasks whose output it uses."""
     deps = list(task.after)
     deps += [m.output_of for m in task.messages if isinstance(m, OutputOf)]
-    return list(dict.fromkeys(deps))
+    return tuple(dict.fromkeys(deps))
 
 
 def _dag_problems(wf: Workflow) -> list[str]:
@@ -185,3 +190,72 @@ def load_workflow(data: Any, source: str = "workflow") -> Workflow:
             msg = err["msg"].removeprefix("Value error, ")
             lines.append(f"{source}: {loc + ': ' if loc else ''}{msg}")
         raise WorkflowError("\n".join(lines)) from None
+
+
+# -- running a spec for real ----------------------------------------------------------------------
+
+TASK_ID = re.compile(r"[A-Za-z0-9._:@+=-]{1,128}")
+"""Task ids a live run accepts: they travel in `X-KVGate-Task`/`X-KVGate-After` headers
+(comma-separated) and in request ids (`WORKFLOW/TASK`)."""
+
+RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n"})
+"""Request fields the spec itself decides; a task's `params` may not set them."""
+
+
+def runnable_problems(wf: Workflow) -> list[str]:
+    """Why a valid spec cannot run against real engines (empty when it can): synthetic `tokens`
+    segments, segments without text used as messages, task ids unfit for headers, reserved
+    `params`."""
+    problems: list[str] = []
+    synthetic = sorted(name for name, seg in wf.segments.items() if seg.tokens is not None)
+    if synthetic:
+        problems.append(f"segments {', '.join(repr(n) for n in synthetic)} have synthetic "
+                        "`tokens`; a live workflow needs `content` (and/or `tools`)")
+    for t in wf.tasks:
+        if not TASK_ID.fullmatch(t.id):
+            problems.append(f"task id {t.id!r} may hold only letters, digits and . _ : @ + = - "
+                            "(at most 128)")
+        for m in t.messages:
+            if isinstance(m, SegmentRef):
+                seg = wf.segments[m.segment]
+                if seg.content is None and seg.tokens is None:
+                    problems.append(f"task {t.id!r} uses segment {m.segment!r} as a message, "
+                                    "but it has no content")
+        reserved = sorted(RESERVED_PARAMS & t.params.keys())
+        if reserved:
+            problems.append(f"task {t.id!r}: params may not set {', '.join(reserved)}")
+    return problems
+
+
+def render_task(wf: Workflow, task_id: str, outputs: Mapping[str, str]) -> dict[str, Any]:
+    """The OpenAI chat body for one task: its messages (segments, literal messages, parents'
+    outputs from `outputs`), tools, `max_tokens` and `params`; the tenant becomes `cache_salt`
+    so tenants never share cached prefixes. `output_tokens` asks for exactly that many tokens
+    (vLLM's `ignore_eos`)."""
+    task = wf.task(task_id)
+    messages: list[dict[str, Any]] = []
+    for m in task.messages:
+        if isinstance(m, SegmentRef):
+            seg = wf.segments[m.segment]
+            if seg.content is None:
+                raise WorkflowError(f"task {task_id!r}: segment {m.segment!r} has no content")
+            messages.append({"role": seg.role, "content": seg.content})
+        elif isinstance(m, LiteralMessage):
+            messages.append({"role": m.role, "content": m.content})
+        else:
+            if m.output_of not in outputs:
+                raise WorkflowError(f"task {task_id!r} needs the output of {m.output_of!r}, "
+                                    "which has none yet")
+            messages.append({"role": m.role, "content": outputs[m.output_of]})
+    body: dict[str, Any] = {"model": wf.model, "messages": messages}
+    if task.tools is not None:
+        body["tools"] = wf.segments[task.tools].tools
+    if task.output_tokens is not None:
+        body["max_tokens"] = task.output_tokens
+        body["ignore_eos"] = True
+    if task.max_tokens is not None:
+        body["max_tokens"] = task.max_tokens
+    if wf.tenant is not None:
+        body["cache_salt"] = wf.tenant
+    body.update(task.params)
+    return body

@@ -1,0 +1,302 @@
+"""Where workflow state lives: snapshots and an append-only event log per workflow.
+
+A snapshot is the JSON document `GET /v1/workflows/{id}` returns:
+
+    {"id", "source": "api"|"hints", "model", "tenant",
+     "state": "running"|"done"|"failed"|"cancelled", "created_s", "finished_s", "replica",
+     "tasks": {TASK_ID: {"state", "after", "engine", "request_id", "ready_s", "dispatched_s",
+                         "first_token_s", "finished_s", "prompt_tokens", "cached_tokens",
+                         "output_tokens", "output", "error"}}}
+
+Stores keep the workflow-level fields and each task's record separately, so writers touching
+different tasks (hint-mode calls landing on different replicas) never overwrite each other.
+Timestamps are wall-clock epoch seconds, set by the gateway. A workflow's snapshot and events
+expire `ttl_s` after the write that passes `ttl_s` (the workflow is over).
+
+Two backends: `MemoryWorkflowStore` (one gateway process) and `RedisWorkflowStore` (replicas
+sharing one Redis: snapshots in a hash, events in a Redis Stream, cancel requests on a pub/sub
+channel so the replica running a workflow hears a DELETE sent to another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import redis.asyncio as aioredis
+
+Json = dict[str, Any]
+
+START = "0"
+"""The event id before the first event: `events(wf, START)` replays from the beginning."""
+
+
+class WorkflowStore(Protocol):
+    """Workflow snapshots and event logs, shared by every replica that uses the same backend."""
+
+    async def create(self, workflow: Mapping[str, Any],
+                     tasks: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Store a new workflow (its fields without `tasks`, and its tasks); False if a
+        workflow with this id exists already (nothing is written then)."""
+        ...
+
+    async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
+                     tasks: Mapping[str, Mapping[str, Any]] | None = None,
+                     events: Sequence[Mapping[str, Any]] = (),
+                     ttl_s: float | None = None) -> None:
+        """Replace the workflow-level fields (if given) and the given tasks' records, append
+        `events`, all at once; with `ttl_s`, everything of the workflow expires that long after."""
+        ...
+
+    async def get(self, workflow_id: str) -> Json | None:
+        """The snapshot, or None if the workflow is unknown or expired."""
+        ...
+
+    async def events(self, workflow_id: str, after: str = START,
+                     wait_s: float = 0.0) -> list[tuple[str, Json]]:
+        """Events after the event id `after` (oldest first, with their ids); waits up to
+        `wait_s` for one when there are none yet."""
+        ...
+
+    async def request_cancel(self, workflow_id: str) -> None:
+        """Ask whichever replica runs the workflow to cancel it."""
+        ...
+
+    def cancel_requests(self) -> AsyncIterator[str]:
+        """Ids of workflows whose cancel some replica asked for, as the requests arrive."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+# -- in memory ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    workflow: Json
+    tasks: dict[str, Json]
+    events: list[Json] = field(default_factory=list)
+    expires_at: float | None = None
+    """time.monotonic() deadline, once a ttl was given."""
+    grew: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+class MemoryWorkflowStore:
+    """Workflows of one gateway process; event ids are positions in the log ("1", "2", ...)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._cancels: asyncio.Queue[str] = asyncio.Queue()
+
+    def _entry(self, workflow_id: str) -> _Entry | None:
+        e = self._entries.get(workflow_id)
+        if e is not None and e.expires_at is not None and time.monotonic() >= e.expires_at:
+            del self._entries[workflow_id]
+            return None
+        return e
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for wf, e in list(self._entries.items()):
+            if e.expires_at is not None and now >= e.expires_at:
+                del self._entries[wf]
+
+    async def create(self, workflow: Mapping[str, Any],
+                     tasks: Mapping[str, Mapping[str, Any]]) -> bool:
+        """See `WorkflowStore.create`."""
+        self._sweep()
+        wf_id = str(workflow["id"])
+        if self._entry(wf_id) is not None:
+            return False
+        self._entries[wf_id] = _Entry(_copy(workflow), {t: _copy(r) for t, r in tasks.items()})
+        return True
+
+    async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
+                     tasks: Mapping[str, Mapping[str, Any]] | None = None,
+                     events: Sequence[Mapping[str, Any]] = (),
+                     ttl_s: float | None = None) -> None:
+        """See `WorkflowStore.update`."""
+        e = self._entry(workflow_id)
+        if e is None:
+            e = self._entries[workflow_id] = _Entry({"id": workflow_id}, {})
+        if workflow is not None:
+            e.workflow = _copy(workflow)
+        for t, rec in (tasks or {}).items():
+            e.tasks[t] = _copy(rec)
+        e.events.extend(_copy(ev) for ev in events)
+        if ttl_s is not None:
+            e.expires_at = time.monotonic() + ttl_s
+        if events:
+            async with e.grew:
+                e.grew.notify_all()
+
+    async def get(self, workflow_id: str) -> Json | None:
+        """See `WorkflowStore.get`."""
+        e = self._entry(workflow_id)
+        if e is None:
+            return None
+        return {**_copy(e.workflow), "tasks": {t: _copy(r) for t, r in e.tasks.items()}}
+
+    async def events(self, workflow_id: str, after: str = START,
+                     wait_s: float = 0.0) -> list[tuple[str, Json]]:
+        """See `WorkflowStore.events`."""
+        e = self._entry(workflow_id)
+        if e is None:
+            return []
+        start = int(after) if after.isdigit() else 0
+        if len(e.events) <= start and wait_s > 0:
+            async with e.grew:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(e.grew.wait_for(lambda: len(e.events) > start),
+                                           wait_s)
+        return [(str(i + 1), _copy(ev)) for i, ev in enumerate(e.events[start:], start)]
+
+    async def request_cancel(self, workflow_id: str) -> None:
+        """See `WorkflowStore.request_cancel`."""
+        self._cancels.put_nowait(workflow_id)
+
+    async def cancel_requests(self) -> AsyncIterator[str]:
+        """See `WorkflowStore.cancel_requests`."""
+        while True:
+            yield await self._cancels.get()
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+
+def _copy(doc: Mapping[str, Any]) -> Json:
+    """A deep copy through JSON, so callers never share mutable state with the store (and
+    anything stored is JSON, as in Redis)."""
+    out: Json = json.loads(json.dumps(doc))
+    return out
+
+
+# -- Redis ----------------------------------------------------------------------------------------
+
+# KEYS: the workflow's hash; ARGV: the workflow JSON, then task id / task JSON pairs.
+_CREATE = """
+if redis.call('HSETNX', KEYS[1], 'w', ARGV[1]) == 0 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], 't:' .. ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
+
+class RedisWorkflowStore:
+    """Workflows shared by gateway replicas through one Redis.
+
+      {ns}:wf:{id}      HASH    "w" -> the workflow-level fields (JSON), "t:{task}" -> a task
+      {ns}:wf:{id}:ev   STREAM  entries {"e": event JSON}; the entry id is the event id
+      {ns}:wf:cancel    pub/sub channel of workflow ids to cancel
+    """
+
+    def __init__(self, client: aioredis.Redis, namespace: str = "kvgate") -> None:
+        self.r = client
+        self.ns = namespace
+        self._create = client.register_script(_CREATE)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "kvgate") -> RedisWorkflowStore:
+        """A store on a fresh connection pool to `url`."""
+        return cls(aioredis.Redis.from_url(url), namespace)
+
+    def _key(self, workflow_id: str) -> str:
+        return f"{self.ns}:wf:{workflow_id}"
+
+    def _events_key(self, workflow_id: str) -> str:
+        return f"{self.ns}:wf:{workflow_id}:ev"
+
+    @property
+    def _cancel_channel(self) -> str:
+        return f"{self.ns}:wf:cancel"
+
+    async def create(self, workflow: Mapping[str, Any],
+                     tasks: Mapping[str, Mapping[str, Any]]) -> bool:
+        """See `WorkflowStore.create`."""
+        args = [_dumps(workflow)]
+        for t, rec in tasks.items():
+            args += [t, _dumps(rec)]
+        created = await self._create(keys=[self._key(str(workflow["id"]))], args=args)
+        return bool(created)
+
+    async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
+                     tasks: Mapping[str, Mapping[str, Any]] | None = None,
+                     events: Sequence[Mapping[str, Any]] = (),
+                     ttl_s: float | None = None) -> None:
+        """See `WorkflowStore.update`."""
+        key, ev_key = self._key(workflow_id), self._events_key(workflow_id)
+        fields: dict[str, str] = {}
+        if workflow is not None:
+            fields["w"] = _dumps(workflow)
+        for t, rec in (tasks or {}).items():
+            fields[f"t:{t}"] = _dumps(rec)
+        async with self.r.pipeline(transaction=True) as pipe:
+            if fields:
+                pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
+            for ev in events:
+                pipe.xadd(ev_key, {"e": _dumps(ev)})
+            if ttl_s is not None:
+                ms = max(1, int(ttl_s * 1000))
+                pipe.pexpire(key, ms)
+                pipe.pexpire(ev_key, ms)
+            await pipe.execute()
+
+    async def get(self, workflow_id: str) -> Json | None:
+        """See `WorkflowStore.get`."""
+        raw: dict[bytes, bytes] = await self.r.hgetall(self._key(workflow_id))  # type: ignore[assignment]
+        if b"w" not in raw:
+            return None
+        snapshot: Json = json.loads(raw.pop(b"w"))
+        snapshot["tasks"] = {k.decode()[2:]: json.loads(v) for k, v in raw.items()
+                             if k.startswith(b"t:")}
+        return snapshot
+
+    async def events(self, workflow_id: str, after: str = START,
+                     wait_s: float = 0.0) -> list[tuple[str, Json]]:
+        """See `WorkflowStore.events`."""
+        block = max(1, int(wait_s * 1000)) if wait_s > 0 else None
+        reply: Any = await self.r.xread({self._events_key(workflow_id): after}, block=block)
+        out: list[tuple[str, Json]] = []
+        for _, entries in reply or []:
+            for entry_id, data in entries:
+                out.append((entry_id.decode(), json.loads(data[b"e"])))
+        return out
+
+    async def request_cancel(self, workflow_id: str) -> None:
+        """See `WorkflowStore.request_cancel`."""
+        await self.r.publish(self._cancel_channel, workflow_id)
+
+    async def cancel_requests(self) -> AsyncIterator[str]:
+        """See `WorkflowStore.cancel_requests`."""
+        pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self._cancel_channel)
+        try:
+            async for msg in pubsub.listen():
+                if msg.get("type") == "message":
+                    yield bytes(msg["data"]).decode()
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self.r.aclose()
+
+
+def _dumps(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def make_store(backend: str, redis_url: str | None, namespace: str) -> WorkflowStore:
+    """The configured backend."""
+    if backend == "redis":
+        if not redis_url:
+            raise ValueError("the redis workflow store needs a redis_url")
+        return RedisWorkflowStore.from_url(redis_url, namespace)
+    return MemoryWorkflowStore()

@@ -1,0 +1,663 @@
+"""The workflow API: `POST /v1/workflows` runs a task DAG, `GET` reads it, `/events` follows it
+(SSE), `DELETE` cancels it; and the record of hint-mode workflows built from annotated calls.
+
+A submitted workflow is driven by one coroutine that owns its `DagRun` (planner/dag.py, the one
+DAG runtime): think times become asyncio timers, each ready task's chat body is rendered from the
+spec (`planner.workflow.render_task`) and sent through a `TaskExecutor` — by default the
+gateway's own `/v1/chat/completions`, so every task is placed by the planner like any call, with
+`X-KVGate-Workflow/Task/After` hints. Every task transition is written to the `WorkflowStore`
+(snapshot + event), so a replica sharing the store can read and follow the workflow too.
+Cancelling aborts the task requests in flight: closing their connection makes the gateway close
+its engine connection, and vLLM aborts a request whose client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config import WorkflowSettings
+from gateway.errors import GatewayError, InvalidRequest
+from gateway.proxy import ENGINE_HEADER, read_json
+from gateway.workflow_store import START, Json, WorkflowStore
+from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
+from planner.workflow import (
+    Workflow,
+    WorkflowError,
+    dependencies,
+    load_workflow,
+    render_task,
+    runnable_problems,
+)
+
+log = logging.getLogger(__name__)
+
+WORKFLOW_HEADER = "X-KVGate-Workflow"
+TASK_HEADER = "X-KVGate-Task"
+AFTER_HEADER = "X-KVGate-After"
+
+SSE_KEEPALIVE_S = 15.0
+"""A comment line this often on a quiet event stream (keeps proxies from timing it out)."""
+
+CANCEL_WAIT_S = 10.0
+"""How long DELETE waits for the cancel to land (here or on the replica running it)."""
+
+_HINT_CACHE = 10_000
+"""Hint-mode workflow ids remembered per replica (whether the store holds them as hints)."""
+
+
+class WorkflowNotFound(GatewayError):
+    """No workflow with that id (never existed, or expired)."""
+
+    status = 404
+    err_type = "invalid_request_error"
+    code = "workflow_not_found"
+
+
+class WorkflowNotCancellable(GatewayError):
+    """The workflow is over already, or its client drives it (hint mode)."""
+
+    status = 409
+    err_type = "invalid_request_error"
+    code = "workflow_not_cancellable"
+
+
+# -- executing one task ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """What one task's request came back with."""
+
+    status: int
+    """HTTP status (0: no response at all)."""
+    response: Json | None = None
+    """The parsed chat completion, when the call succeeded."""
+    error: str | None = None
+    engine: str | None = None
+    """The engine that served it (the gateway's `x-kvgate-engine` header)."""
+    cached_tokens: int | None = None
+    """`usage.prompt_tokens_details.cached_tokens`, when the engine reports it."""
+
+    @property
+    def ok(self) -> bool:
+        """The call succeeded with a JSON answer."""
+        return self.error is None and self.response is not None and 200 <= self.status < 300
+
+    @property
+    def output(self) -> str:
+        """The answer's text (its tool calls as JSON when it has no text)."""
+        assert self.response is not None
+        choices = self.response.get("choices") or [{}]
+        message = choices[0].get("message") or {}
+        content = message.get("content")
+        if isinstance(content, str) and content:
+            return content
+        calls = message.get("tool_calls")
+        return json.dumps(calls) if calls else ""
+
+    def usage(self, key: str) -> int | None:
+        """A `usage` figure of the answer (prompt_tokens, completion_tokens), if reported."""
+        usage = (self.response or {}).get("usage") or {}
+        value = usage.get(key)
+        return value if isinstance(value, int) else None
+
+
+class TaskExecutor(Protocol):
+    """Sends one task's chat body somewhere that answers it."""
+
+    async def execute(self, body: dict[str, Any], headers: Mapping[str, str]) -> TaskOutcome:
+        """Run the call (non-streamed); failures come back as an outcome, never raised."""
+        ...
+
+
+class LoopbackExecutor:
+    """Sends tasks to the gateway's own `/v1/chat/completions` (one session, no pool limit)."""
+
+    def __init__(self, base_url: str, connect_timeout_s: float, request_timeout_s: float) -> None:
+        self.url = f"{base_url.rstrip('/')}/v1/chat/completions"
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
+                                             sock_read=request_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def execute(self, body: dict[str, Any], headers: Mapping[str, str]) -> TaskOutcome:
+        """POST the body; the task's request is aborted if this is cancelled."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout)
+        try:
+            async with self._session.post(self.url, json=body, headers=dict(headers)) as resp:
+                engine = resp.headers.get(ENGINE_HEADER)
+                raw = await resp.read()
+                status = resp.status
+        except (TimeoutError, aiohttp.ClientError) as e:
+            return TaskOutcome(0, error=f"request failed: {type(e).__name__}: {e}")
+        try:
+            doc = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            doc = None
+        if not 200 <= status < 300 or not isinstance(doc, dict):
+            return TaskOutcome(status, error=_error_text(status, doc, raw), engine=engine)
+        details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        return TaskOutcome(status, doc, engine=engine,
+                           cached_tokens=cached if isinstance(cached, int) else None)
+
+    async def close(self) -> None:
+        """Close the session."""
+        if self._session is not None:
+            await self._session.close()
+
+
+def _error_text(status: int, doc: Any, raw: bytes) -> str:
+    message = None
+    if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+        message = doc["error"].get("message")
+    if not isinstance(message, str):
+        message = raw[:300].decode(errors="replace") or "(empty body)"
+    return f"HTTP {status}: {message}"
+
+
+def loopback_url(host: str, port: int) -> str:
+    """Where this gateway answers itself (a wildcard bind address means localhost)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+# -- one submitted workflow -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Wake:
+    task: str
+
+
+@dataclass(frozen=True)
+class _Done:
+    task: str
+    outcome: TaskOutcome
+
+
+@dataclass(frozen=True)
+class _Note:
+    """Facts about a running task that the proxy saw (engine, first token): no transition."""
+
+    task: str
+    fields: Json
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    pass
+
+
+_Message = _Wake | _Done | _Note | _Cancel
+
+
+@dataclass
+class _Run:
+    spec: Workflow
+    dag: DagRun
+    workflow: Json
+    tasks: dict[str, Json]
+    headers: dict[str, str]
+    inbox: asyncio.Queue[_Message] = field(default_factory=asyncio.Queue)
+    outputs: dict[str, str] = field(default_factory=dict)
+    inflight: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    timers: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
+    over: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: bool = False
+
+    @property
+    def id(self) -> str:
+        return str(self.workflow["id"])
+
+
+@dataclass
+class _Changes:
+    """What one step of a run changed: task records to write, events to append."""
+
+    tasks: set[str] = field(default_factory=set)
+    events: list[Json] = field(default_factory=list)
+
+
+def task_record(after: Sequence[str], state: TaskState = TaskState.BLOCKED) -> Json:
+    """A task's snapshot record before anything happened to it."""
+    return {"state": state.value, "after": list(after), "engine": None, "request_id": None,
+            "ready_s": None, "dispatched_s": None, "first_token_s": None, "finished_s": None,
+            "prompt_tokens": None, "cached_tokens": None, "output_tokens": None,
+            "output": None, "error": None}
+
+
+def task_event(workflow_id: str, task: str, record: Mapping[str, Any]) -> Json:
+    """The event for a task's transition: the task's record as it is now."""
+    return {"type": "task", "workflow": workflow_id, "task": task, **record}
+
+
+def workflow_event(workflow: Mapping[str, Any]) -> Json:
+    """The last event of a workflow: how it ended."""
+    return {"type": "workflow", "workflow": workflow["id"], "state": workflow["state"],
+            "finished_s": workflow["finished_s"]}
+
+
+def hint_state(snapshot: Json) -> Json:
+    """A hint-mode workflow's state from its tasks: running while a call is open, then done
+    (failed if a call failed) until the next call arrives."""
+    tasks = snapshot["tasks"].values()
+    terminal = {s.value for s in TERMINAL}
+    if not tasks or any(t["state"] not in terminal for t in tasks):
+        return {**snapshot, "state": "running", "finished_s": None}
+    failed = any(t["state"] == TaskState.FAILED.value for t in tasks)
+    return {**snapshot, "state": "failed" if failed else "done",
+            "finished_s": max(t["finished_s"] or 0.0 for t in tasks)}
+
+
+class WorkflowService:
+    """Runs submitted workflows, serves `/v1/workflows`, and records hint-mode calls."""
+
+    def __init__(
+        self,
+        settings: WorkflowSettings,
+        store: WorkflowStore,
+        executor: TaskExecutor,
+        replica: str,
+        known_models: Callable[[], list[str]] = list,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.executor = executor
+        self.replica = replica
+        self.known_models = known_models
+        """Models the pool serves now (empty: unknown, so the model is not checked)."""
+        self.clock = clock
+        """Wall-clock epoch seconds: the store's timestamps are compared across replicas."""
+        self._runs: dict[str, _Run] = {}
+        self._drivers: set[asyncio.Task[None]] = set()
+        self._hint_workflows: dict[str, tuple[bool, float]] = {}
+        """Hint-mode workflow ids seen here: (the store holds it as hints, when checked)."""
+        self._hint_tasks: dict[tuple[str, str], Json] = {}
+        self._listener: asyncio.Task[None] | None = None
+
+    def routes(self, app: web.Application) -> None:
+        """Register the workflow API."""
+        app.router.add_post("/v1/workflows", self.handle_create)
+        app.router.add_get("/v1/workflows/{id}", self.handle_get)
+        app.router.add_get("/v1/workflows/{id}/events", self.handle_events)
+        app.router.add_delete("/v1/workflows/{id}", self.handle_delete)
+
+    async def start(self) -> None:
+        """Listen for cancels other replicas ask for."""
+        self._listener = asyncio.create_task(self._listen_for_cancels())
+
+    async def stop(self) -> None:
+        """Cancel the workflows running here, then release the store and the executor."""
+        for run in list(self._runs.values()):
+            run.inbox.put_nowait(_Cancel())
+        if self._drivers:
+            await asyncio.wait(self._drivers, timeout=CANCEL_WAIT_S)
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            await close()
+        await self.store.close()
+
+    # -- the API ------------------------------------------------------------------------------
+
+    async def submit(self, document: Any, headers: Mapping[str, str] | None = None) -> Json:
+        """Validate a workflow spec, store it, start running it; its first snapshot.
+        `headers` (e.g. Authorization) go with every task's request."""
+        spec = self.validate(document)
+        now = self.clock()
+        wf_id = f"{spec.id or 'wf'}-{uuid.uuid4().hex[:16]}"
+        workflow: Json = {"id": wf_id, "source": "api", "model": spec.model,
+                          "tenant": spec.tenant, "state": "running", "created_s": now,
+                          "finished_s": None, "replica": self.replica}
+        tasks = {t.id: task_record(dependencies(t)) for t in spec.tasks}
+        nodes = [DagNode(t.id, dependencies(t), t.think_time_s) for t in spec.tasks]
+        run = _Run(spec, DagRun(wf_id, nodes), workflow, tasks, dict(headers or {}))
+        if not await self.store.create(workflow, tasks):
+            raise RuntimeError(f"workflow id {wf_id} collided")  # 64 random bits: never
+        self._runs[wf_id] = run
+        snapshot = {**workflow, "tasks": json.loads(json.dumps(tasks))}
+        driver = asyncio.create_task(self._drive(run))
+        self._drivers.add(driver)
+        driver.add_done_callback(self._drivers.discard)
+        return snapshot
+
+    def validate(self, document: Any) -> Workflow:
+        """The spec, or InvalidRequest naming every problem (size, DAG, live-run limits)."""
+        limit = self.settings.max_tasks
+        tasks = document.get("tasks") if isinstance(document, dict) else None
+        if isinstance(tasks, list) and len(tasks) > limit:
+            raise InvalidRequest(f"the workflow has {len(tasks)} tasks; the limit is {limit} "
+                                 "(workflows.max_tasks)", param="tasks")
+        try:
+            spec = load_workflow(document)
+        except WorkflowError as e:
+            raise InvalidRequest(f"invalid workflow: {e}") from None
+        problems = runnable_problems(spec)
+        if problems:
+            raise InvalidRequest("invalid workflow: " + "; ".join(problems))
+        models = self.known_models()
+        if models and spec.model not in models:
+            raise InvalidRequest(f"invalid workflow: model {spec.model!r} is not served; "
+                                 f"available: {', '.join(models)}", param="model")
+        return spec
+
+    async def snapshot(self, workflow_id: str) -> Json:
+        """The workflow's current snapshot, or WorkflowNotFound."""
+        snap = await self.store.get(workflow_id)
+        if snap is None:
+            raise WorkflowNotFound(f"no workflow {workflow_id!r} (unknown or expired)")
+        return hint_state(snap) if snap.get("source") == "hints" else snap
+
+    async def cancel(self, workflow_id: str) -> tuple[Json, bool]:
+        """Cancel a running workflow; its snapshot, and whether the cancel has landed yet."""
+        run = self._runs.get(workflow_id)
+        if run is not None and not run.dag.over:
+            run.inbox.put_nowait(_Cancel())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.over.wait(), CANCEL_WAIT_S)
+            if not run.over.is_set():
+                return await self.snapshot(workflow_id), False
+        snap = await self.snapshot(workflow_id)
+        if run is not None and snap["state"] == "cancelled":
+            return snap, True
+        if snap["source"] == "hints":
+            raise WorkflowNotCancellable(f"workflow {workflow_id!r} is driven by its client "
+                                         "(hint mode); there is nothing to cancel here")
+        if snap["state"] != "running":
+            raise WorkflowNotCancellable(f"workflow {workflow_id!r} is already {snap['state']}")
+        await self.store.request_cancel(workflow_id)
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            snap = await self.snapshot(workflow_id)
+            if snap["state"] != "running":
+                return snap, True
+        return snap, False
+
+    async def handle_create(self, request: web.Request) -> web.Response:
+        """POST /v1/workflows: 201 with the new workflow's snapshot and its Location."""
+        _, body = await read_json(request, self.settings.max_body_bytes)
+        forward = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        snap = await self.submit(body, forward)
+        return web.json_response(snap, status=201,
+                                 headers={"Location": f"/v1/workflows/{snap['id']}"})
+
+    async def handle_get(self, request: web.Request) -> web.Response:
+        """GET /v1/workflows/{id}: the snapshot."""
+        return web.json_response(await self.snapshot(request.match_info["id"]))
+
+    async def handle_delete(self, request: web.Request) -> web.Response:
+        """DELETE /v1/workflows/{id}: cancel; 200 once cancelled, 202 if still landing."""
+        snap, landed = await self.cancel(request.match_info["id"])
+        return web.json_response(snap, status=200 if landed else 202)
+
+    async def handle_events(self, request: web.Request) -> web.StreamResponse:
+        """GET /v1/workflows/{id}/events: every event from the start (or after `Last-Event-ID`),
+        then new ones as they happen; ends after the workflow's final event."""
+        wf_id = request.match_info["id"]
+        await self.snapshot(wf_id)  # 404 before the stream starts
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        last = request.headers.get("Last-Event-ID") or START
+        while True:
+            batch = await self.store.events(wf_id, last, wait_s=SSE_KEEPALIVE_S)
+            for event_id, event in batch:
+                data = json.dumps(event, separators=(",", ":"))
+                await resp.write(f"id: {event_id}\ndata: {data}\n\n".encode())
+                last = event_id
+                if event["type"] == "workflow":
+                    await resp.write_eof()
+                    return resp
+            if not batch:
+                if await self.store.get(wf_id) is None:
+                    break  # expired while we waited
+                await resp.write(b": keep-alive\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- running ------------------------------------------------------------------------------
+
+    async def _drive(self, run: _Run) -> None:
+        """Carry the workflow from start to end: one message at a time, each step persisted
+        (snapshot and events together) before the next."""
+        try:
+            changes = _Changes()
+            self._think(run, run.dag.start(self.clock()), changes)
+            await self._persist(run, changes)
+            while not run.dag.over:
+                msg = await run.inbox.get()
+                changes = _Changes()
+                self._step(run, msg, changes)
+                if changes.tasks or changes.events:
+                    await self._persist(run, changes)
+                if isinstance(msg, _Cancel) and run.inflight:
+                    # Their connections close now, so the engines abort the requests.
+                    await asyncio.gather(*run.inflight.values(), return_exceptions=True)
+            wf = run.workflow
+            if run.cancelled:
+                wf["state"] = "cancelled"
+            else:
+                wf["state"] = "failed" if run.dag.failed else "done"
+            wf["finished_s"] = self.clock()
+            await self.store.update(run.id, workflow=wf, events=[workflow_event(wf)],
+                                    ttl_s=self.settings.ttl_s)
+        except Exception:
+            log.exception("workflow %s: its driver failed", run.id)
+        finally:
+            for handle in run.timers.values():
+                handle.cancel()
+            self._runs.pop(run.id, None)
+            run.over.set()
+
+    def _step(self, run: _Run, msg: _Message, changes: _Changes) -> None:
+        now = self.clock()
+        dag = run.dag
+        match msg:
+            case _Wake(task=task):
+                run.timers.pop(task, None)
+                if dag.state(task) is not TaskState.THINKING:
+                    return  # cancelled while it thought
+                dag.wake(task, now)
+                self._record(run, task, changes, ready_s=now)
+                dag.dispatched(task, now)
+                self._record(run, task, changes, dispatched_s=now,
+                             request_id=f"{run.id}/{task}")
+                job = asyncio.create_task(self._execute(run, task))
+                run.inflight[task] = job
+            case _Done(task=task, outcome=outcome):
+                run.inflight.pop(task, None)
+                if dag.state(task) is not TaskState.RUNNING:
+                    return
+                if outcome.ok:
+                    text = outcome.output
+                    run.outputs[task] = text
+                    wakeups = dag.finished(task, now, text)
+                    self._record(run, task, changes, finished_s=now, output=text,
+                                 engine=outcome.engine or run.tasks[task]["engine"],
+                                 prompt_tokens=outcome.usage("prompt_tokens"),
+                                 output_tokens=outcome.usage("completion_tokens"),
+                                 cached_tokens=outcome.cached_tokens)
+                    self._think(run, wakeups, changes)
+                else:
+                    error = outcome.error or f"HTTP {outcome.status}"
+                    skipped = dag.fail(task, now, error)
+                    self._record(run, task, changes, finished_s=now, error=error,
+                                 engine=outcome.engine or run.tasks[task]["engine"])
+                    for s in skipped:
+                        self._record(run, s, changes, finished_s=now, error=dag.tasks[s].error)
+            case _Note(task=task, fields=fields):
+                if task in run.tasks and dag.state(task) is TaskState.RUNNING:
+                    run.tasks[task].update(fields)
+                    changes.tasks.add(task)
+            case _Cancel():
+                if dag.over:
+                    return
+                run.cancelled = True
+                open_tasks = [t for t in run.tasks if dag.state(t) not in TERMINAL]
+                dag.cancel(now)
+                for t in open_tasks:
+                    self._record(run, t, changes, finished_s=now)
+                for t in list(run.timers):
+                    run.timers.pop(t).cancel()
+                for job in run.inflight.values():
+                    job.cancel()
+
+    def _think(self, run: _Run, wakeups: list[Wakeup], changes: _Changes) -> None:
+        """Tasks whose dependencies are done start their think time (a timer each)."""
+        loop = asyncio.get_running_loop()
+        now = self.clock()
+        for w in wakeups:
+            self._record(run, w.task, changes)
+            run.timers[w.task] = loop.call_later(max(0.0, w.at - now), run.inbox.put_nowait,
+                                                 _Wake(w.task))
+
+    def _record(self, run: _Run, task: str, changes: _Changes, **fields: Any) -> None:
+        """The task's record follows its DAG state (plus `fields`); one event per call."""
+        rec = run.tasks[task]
+        rec.update(fields)
+        rec["state"] = run.dag.state(task).value
+        changes.tasks.add(task)
+        changes.events.append(task_event(run.id, task, rec))
+
+    async def _persist(self, run: _Run, changes: _Changes) -> None:
+        await self.store.update(run.id, workflow=run.workflow,
+                                tasks={t: run.tasks[t] for t in changes.tasks},
+                                events=changes.events)
+
+    async def _execute(self, run: _Run, task: str) -> None:
+        spec = run.spec
+        body = render_task(spec, task, run.outputs)
+        after = ",".join(dependencies(spec.task(task)))
+        headers = {**run.headers, WORKFLOW_HEADER: run.id, TASK_HEADER: task,
+                   "x-request-id": f"{run.id}/{task}"}
+        if after:
+            headers[AFTER_HEADER] = after
+        try:
+            outcome = await self.executor.execute(body, headers)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an executor bug must fail the task, not hang the workflow
+            log.exception("workflow %s, task %s: executor raised", run.id, task)
+            outcome = TaskOutcome(0, error=f"executor failed: {type(e).__name__}: {e}")
+        run.inbox.put_nowait(_Done(task, outcome))
+
+    async def _listen_for_cancels(self) -> None:
+        while True:
+            try:
+                async for wf_id in self.store.cancel_requests():
+                    run = self._runs.get(wf_id)
+                    if run is not None:
+                        run.inbox.put_nowait(_Cancel())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("workflow cancel listener lost its subscription (%r); retrying", e)
+                await asyncio.sleep(1.0)
+
+    # -- hint mode: called by the proxy for calls that name a workflow --------------------------
+
+    async def hinted_task_started(self, workflow: str, task: str, after: Sequence[str],
+                                  request_id: str, model: str, tenant: str | None = None) -> None:
+        """A call naming `workflow`/`task` arrived. For a workflow of the API (its own task
+        calls) this is a no-op; otherwise the call becomes a task of a hint-mode workflow,
+        created on its first call."""
+        if workflow in self._runs or not await self._is_hint_workflow(workflow, model, tenant):
+            return
+        rec = task_record(after, TaskState.READY)
+        rec.update(request_id=request_id, ready_s=self.clock())
+        await self._hint_write(workflow, task, rec)
+
+    async def hinted_task_dispatched(self, workflow: str, task: str, engine: str) -> None:
+        """The call was sent to `engine`."""
+        now = self.clock()
+        run = self._runs.get(workflow)
+        if run is not None:
+            run.inbox.put_nowait(_Note(task, {"engine": engine, "dispatched_s": now}))
+            return
+        rec = self._hint_tasks.get((workflow, task))
+        if rec is not None:
+            rec.update(state=TaskState.RUNNING.value, engine=engine, dispatched_s=now)
+            await self._hint_write(workflow, task, rec)
+
+    async def hinted_first_token(self, workflow: str, task: str) -> None:
+        """The engine started answering the call (a streamed first chunk)."""
+        now = self.clock()
+        run = self._runs.get(workflow)
+        if run is not None:
+            run.inbox.put_nowait(_Note(task, {"first_token_s": now}))
+            return
+        rec = self._hint_tasks.get((workflow, task))
+        if rec is not None:
+            rec["first_token_s"] = now
+            await self._hint_write(workflow, task, rec, event=False)
+
+    async def hinted_task_finished(
+        self, workflow: str, task: str, *, prompt_tokens: int | None = None,
+        output_tokens: int | None = None, cached_tokens: int | None = None,
+        output: str | None = None, error: str | None = None,
+    ) -> None:
+        """The call ended: answered, or failed with `error` (a client that went away counts
+        as cancelled)."""
+        if workflow in self._runs:
+            return
+        rec = self._hint_tasks.pop((workflow, task), None)
+        if rec is None:
+            return
+        state = TaskState.DONE if error is None else TaskState.FAILED
+        rec.update(state=state.value, finished_s=self.clock(), prompt_tokens=prompt_tokens,
+                   output_tokens=output_tokens, cached_tokens=cached_tokens, output=output,
+                   error=error)
+        await self._hint_write(workflow, task, rec)
+
+    async def _is_hint_workflow(self, workflow: str, model: str, tenant: str | None) -> bool:
+        known = self._hint_workflows.get(workflow)
+        # Re-checked now and then: an idle hint-mode workflow expires from the store.
+        if known is not None and time.monotonic() - known[1] < self.settings.ttl_s / 2:
+            return known[0]
+        meta: Json = {"id": workflow, "source": "hints", "model": model, "tenant": tenant,
+                      "state": "running", "created_s": self.clock(), "finished_s": None,
+                      "replica": self.replica}
+        if await self.store.create(meta, {}):
+            hints = True
+        else:
+            snap = await self.store.get(workflow)
+            hints = snap is not None and snap.get("source") == "hints"
+        self._hint_workflows.pop(workflow, None)
+        if len(self._hint_workflows) >= _HINT_CACHE:
+            self._hint_workflows.pop(next(iter(self._hint_workflows)))
+        self._hint_workflows[workflow] = (hints, time.monotonic())
+        return hints
+
+    async def _hint_write(self, workflow: str, task: str, rec: Json, event: bool = True) -> None:
+        if rec["state"] in {s.value for s in TERMINAL}:
+            self._hint_tasks.pop((workflow, task), None)
+        else:
+            self._hint_tasks[(workflow, task)] = rec
+        # Hint-mode workflows never say they are over: they expire ttl_s after their last call.
+        await self.store.update(workflow, tasks={task: rec},
+                                events=[task_event(workflow, task, rec)] if event else (),
+                                ttl_s=self.settings.ttl_s)

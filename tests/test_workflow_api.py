@@ -1,0 +1,353 @@
+"""The workflow API end to end: two real gateway replicas sharing one real redis-server, in
+front of four real simulated engines. Workflows are submitted over HTTP, run through the
+gateway's own routing, streamed as SSE, read and cancelled from either replica."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
+from tests.conftest import MODEL
+from tests.redis_server import RedisServer, redis_server_available
+
+MAX_TASKS = 20
+MAX_BODY = 64 * 1024
+SYSTEM = "You are a careful researcher who cites sources. " * 12
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("workflow-api")
+
+
+@pytest.fixture(scope="module")
+def engines(logs: Path) -> Iterator[list[Child]]:
+    children = [start_sim(f"wf-sim-{i}", logs, ["--model", MODEL, "--seed", str(i),
+                                                 "--enable-prompt-tokens-details"])
+                for i in range(4)]
+    yield children
+    for c in children:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(engines: list[Child], logs: Path) -> Iterator[tuple[Child, Child]]:
+    """Gateways A and B: same engines, one Redis for workflow state."""
+    if not redis_server_available():
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+    with RedisServer() as redis_url:
+        children = []
+        for name in ("a", "b"):
+            port = free_port()
+            # least-loaded with a slow scrape: load is the gateway's own in-flight count, so
+            # equally idle engines take turns and a fan-out spreads over all of them.
+            config = {"host": "127.0.0.1", "port": port, "policy": "least-loaded",
+                      "scrape_interval_s": 60, "engines": [{"url": e.url} for e in engines],
+                      "workflows": {"store": "redis", "redis_url": redis_url,
+                                    "max_tasks": MAX_TASKS, "max_body_bytes": MAX_BODY,
+                                    "replica": f"replica-{name}"}}
+            path = logs / f"gateway-{name}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            child = spawn(f"gateway-{name}", ["serve", "--config", str(path)],
+                          f"http://127.0.0.1:{port}", logs)
+            children.append(child)
+        try:
+            for c in children:
+                wait_healthy(c)
+            yield children[0], children[1]
+        finally:
+            for c in children:
+                c.stop()
+
+
+def call(method: str, url: str, body: Any = None, raw: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def sse(url: str) -> list[dict[str, Any]]:
+    """Every event of a workflow's stream, until the server ends it."""
+    events = []
+    with urllib.request.urlopen(url, timeout=120) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.05)
+
+
+def engine_figures(engine: Child) -> dict[str, float]:
+    """Requests running at the engine, and requests it aborted so far."""
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {"running": 0.0, "aborted": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "vllm:num_requests_running":
+                out["running"] += s.value
+            if (s.name == "vllm:request_success_total"
+                    and s.labels.get("finished_reason") == "abort"):
+                out["aborted"] += s.value
+    return out
+
+
+def fanout(workers: int = 4, output_tokens: int = 8) -> dict[str, Any]:
+    return {
+        "id": "fanout", "model": MODEL,
+        "segments": {"sys": {"kind": "static", "content": SYSTEM}},
+        "tasks": [
+            {"id": "plan", "output_tokens": output_tokens,
+             "messages": [{"segment": "sys"}, {"role": "user", "content": "Plan the survey."}]},
+            *({"id": f"w{i}", "after": ["plan"], "output_tokens": output_tokens,
+               "messages": [{"segment": "sys"}, {"output_of": "plan", "role": "user"},
+                            {"role": "user", "content": f"Do part {i}."}]}
+              for i in range(workers)),
+            {"id": "reduce", "output_tokens": output_tokens,
+             "messages": [{"segment": "sys"}, *({"output_of": f"w{i}"} for i in range(workers))]},
+        ],
+    }
+
+
+def submit(gateway: Child, spec: dict[str, Any]) -> dict[str, Any]:
+    status, headers, snap = call("POST", f"{gateway.url}/v1/workflows", spec)
+    assert status == 201, snap
+    assert headers["Location"] == f"/v1/workflows/{snap['id']}"
+    return dict(snap)
+
+
+def read(gateway: Child, wf_id: str) -> dict[str, Any]:
+    status, _, snap = call("GET", f"{gateway.url}/v1/workflows/{wf_id}")
+    assert status == 200, snap
+    return dict(snap)
+
+
+# -- a workflow runs ------------------------------------------------------------------------------
+
+
+def test_a_fanout_runs_spread_over_engines_streamed_and_readable_from_both_replicas(
+    replicas: tuple[Child, Child], engines: list[Child],
+) -> None:
+    a, b = replicas
+    snap = submit(a, fanout())
+    wf = snap["id"]
+    assert wf.startswith("fanout-") and snap["state"] == "running"
+    assert snap["source"] == "api" and snap["replica"] == "replica-a"
+    assert {t: r["state"] for t, r in snap["tasks"].items()} == dict.fromkeys(
+        ["plan", "w0", "w1", "w2", "w3", "reduce"], "blocked")
+    with ThreadPoolExecutor(2) as pool:
+        here, there = (pool.submit(sse, f"{g.url}/v1/workflows/{wf}/events") for g in (a, b))
+        events_a, events_b = here.result(120), there.result(120)
+
+    assert events_a == events_b
+    assert events_a[-1] == {"type": "workflow", "workflow": wf, "state": "done",
+                            "finished_s": events_a[-1]["finished_s"]}
+    by_task: dict[str, list[str]] = {}
+    for e in events_a[:-1]:
+        assert (e["type"], e["workflow"]) == ("task", wf)
+        by_task.setdefault(e["task"], []).append(e["state"])
+    lifecycle = ["thinking", "ready", "running", "done"]
+    assert by_task == {t: lifecycle for t in ("plan", "w0", "w1", "w2", "w3", "reduce")}
+
+    final = read(b, wf)
+    assert final == read(a, wf)
+    assert final["state"] == "done" and final["finished_s"] >= final["created_s"]
+    tasks = final["tasks"]
+    names = {e.url.removeprefix("http://") for e in engines}
+    assert {tasks[f"w{i}"]["engine"] for i in range(4)} == names
+    for task_id, t in tasks.items():
+        assert t["request_id"] == f"{wf}/{task_id}"
+        assert t["output_tokens"] == 8 and t["output"]
+        assert t["prompt_tokens"] > 100 and t["cached_tokens"] is not None
+        assert t["ready_s"] <= t["dispatched_s"] <= t["finished_s"]
+    assert tasks["w2"]["after"] == ["plan"]
+    assert tasks["reduce"]["after"] == ["w0", "w1", "w2", "w3"]
+    assert tasks["reduce"]["ready_s"] >= max(tasks[f"w{i}"]["finished_s"] for i in range(4))
+
+
+def test_a_late_subscriber_gets_the_whole_history(replicas: tuple[Child, Child]) -> None:
+    a, b = replicas
+    wf = submit(a, fanout(workers=2))["id"]
+    wait_for(lambda: read(a, wf)["state"] == "done")
+    events = sse(f"{b.url}/v1/workflows/{wf}/events")
+    assert [e["state"] for e in events if e.get("task") == "plan"] == [
+        "thinking", "ready", "running", "done"]
+    assert events[-1]["type"] == "workflow" and len(events) == 4 * 4 + 1
+
+
+def test_a_failing_task_skips_its_dependents_and_fails_the_workflow(
+    replicas: tuple[Child, Child],
+) -> None:
+    a, _ = replicas
+    spec = {"model": MODEL, "tasks": [
+        {"id": "a", "output_tokens": 4, "messages": [{"role": "user", "content": "Start."}]},
+        {"id": "bad", "after": ["a"], "params": {"min_tokens": -1},
+         "messages": [{"role": "user", "content": "This call is invalid."}]},
+        {"id": "child", "after": ["bad"], "messages": [{"role": "user", "content": "x"}]},
+        {"id": "grandchild", "messages": [{"output_of": "child"}]},
+        {"id": "sibling", "after": ["a"], "output_tokens": 4,
+         "messages": [{"role": "user", "content": "Fine."}]},
+    ]}
+    wf = submit(a, spec)["id"]
+    events = sse(f"{a.url}/v1/workflows/{wf}/events")
+    assert events[-1]["state"] == "failed"
+    tasks = read(a, wf)["tasks"]
+    assert tasks["bad"]["state"] == "failed"
+    assert tasks["bad"]["error"].startswith("HTTP 400") and "min_tokens" in tasks["bad"]["error"]
+    for skipped in ("child", "grandchild"):
+        assert tasks[skipped]["state"] == "skipped"
+        assert tasks[skipped]["error"] == "skipped: task 'bad' failed"
+    assert (tasks["a"]["state"], tasks["sibling"]["state"]) == ("done", "done")
+
+
+# -- cancelling -----------------------------------------------------------------------------------
+
+
+def long_workflow() -> dict[str, Any]:
+    return {"model": MODEL, "tasks": [
+        {"id": "long", "output_tokens": 4000,
+         "messages": [{"role": "user", "content": "Write a very long essay."}]},
+        {"id": "after", "after": ["long"], "messages": [{"role": "user", "content": "x"}]},
+    ]}
+
+
+def start_long_task(gateway: Child, engines: list[Child]) -> tuple[str, float]:
+    """A workflow whose first task is generating at an engine; the engines' abort count."""
+    assert sum(engine_figures(e)["running"] for e in engines) == 0
+    aborted = sum(engine_figures(e)["aborted"] for e in engines)
+    wf = submit(gateway, long_workflow())["id"]
+    wait_for(lambda: sum(engine_figures(e)["running"] for e in engines) == 1)
+    return wf, aborted
+
+
+def assert_cancelled_and_aborted(snap: dict[str, Any], engines: list[Child],
+                                 aborted_before: float) -> None:
+    assert snap["state"] == "cancelled" and snap["finished_s"] is not None
+    assert {t: r["state"] for t, r in snap["tasks"].items()} == {"long": "cancelled",
+                                                                 "after": "cancelled"}
+    wait_for(lambda: sum(engine_figures(e)["aborted"] for e in engines) == aborted_before + 1)
+    assert sum(engine_figures(e)["running"] for e in engines) == 0
+
+
+def test_delete_aborts_the_running_request_at_its_engine(
+    replicas: tuple[Child, Child], engines: list[Child],
+) -> None:
+    a, _ = replicas
+    wf, aborted = start_long_task(a, engines)
+    status, _, snap = call("DELETE", f"{a.url}/v1/workflows/{wf}")
+    assert status == 200, snap
+    assert_cancelled_and_aborted(snap, engines, aborted)
+    events = sse(f"{a.url}/v1/workflows/{wf}/events")
+    assert events[-1]["state"] == "cancelled"
+    assert [(e["task"], e["state"]) for e in events[-3:-1]] == [("long", "cancelled"),
+                                                                 ("after", "cancelled")]
+
+
+def test_delete_on_the_other_replica_cancels_where_it_runs(
+    replicas: tuple[Child, Child], engines: list[Child],
+) -> None:
+    a, b = replicas
+    wf, aborted = start_long_task(a, engines)
+    status, _, snap = call("DELETE", f"{b.url}/v1/workflows/{wf}")
+    assert status == 200, snap
+    assert_cancelled_and_aborted(snap, engines, aborted)
+    assert read(a, wf)["state"] == "cancelled"
+
+
+def test_delete_of_a_workflow_already_over_is_a_conflict(replicas: tuple[Child, Child]) -> None:
+    a, b = replicas
+    wf = submit(a, fanout(workers=1))["id"]
+    wait_for(lambda: read(a, wf)["state"] == "done")
+    for g in (a, b):
+        status, _, body = call("DELETE", f"{g.url}/v1/workflows/{wf}")
+        assert status == 409
+        assert body["error"]["message"] == f"workflow {wf!r} is already done"
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_an_unknown_workflow_is_a_404_naming_it(replicas: tuple[Child, Child],
+                                                method: str) -> None:
+    status, _, body = call(method, f"{replicas[1].url}/v1/workflows/wf-nope")
+    assert status == 404
+    assert body["error"]["code"] == "workflow_not_found"
+    assert "'wf-nope'" in body["error"]["message"]
+
+
+def test_events_of_an_unknown_workflow_are_a_404(replicas: tuple[Child, Child]) -> None:
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{replicas[0].url}/v1/workflows/wf-nope/events", timeout=30)
+    assert info.value.code == 404
+
+
+# -- bad submissions ------------------------------------------------------------------------------
+
+
+def mutated(change: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    spec = fanout(workers=2)
+    change(spec)
+    return spec
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (mutated(lambda s: s["tasks"][0].update(after=["reduce"])), "the task graph has a cycle"),
+    (mutated(lambda s: s["tasks"][1].update(after=["ghost"])),
+     "task 'w0' runs after unknown task 'ghost'"),
+    (mutated(lambda s: s["tasks"][-1]["messages"].append({"output_of": "gone"})),
+     "task 'reduce' uses the output of unknown task 'gone'"),
+    (mutated(lambda s: s["tasks"][0]["messages"].append({"segment": "nosuch"})),
+     "task 'plan' refers to unknown segment 'nosuch'"),
+    (mutated(lambda s: s["segments"].update(pad={"kind": "shared", "tokens": 300})),
+     "segments 'pad' have synthetic `tokens`"),
+    (mutated(lambda s: s.update(tasks=[{"id": f"t{i}", "messages": [{"role": "user",
+                                                                      "content": "x"}]}
+                                       for i in range(MAX_TASKS + 1)])),
+     f"the workflow has {MAX_TASKS + 1} tasks; the limit is {MAX_TASKS}"),
+    (mutated(lambda s: s.update(model="no-such-model")), "model 'no-such-model' is not served"),
+    ([1, 2, 3], "request body must be a JSON object"),
+])
+def test_an_invalid_workflow_is_a_400_naming_the_problem(
+    replicas: tuple[Child, Child], spec: Any, message: str,
+) -> None:
+    status, _, body = call("POST", f"{replicas[0].url}/v1/workflows", spec)
+    assert status == 400, body
+    assert body["error"]["type"] == "invalid_request_error"
+    assert message in body["error"]["message"]
+
+
+def test_malformed_json_is_a_400(replicas: tuple[Child, Child]) -> None:
+    status, _, body = call("POST", f"{replicas[0].url}/v1/workflows", raw=b'{"model": ')
+    assert status == 400
+    assert body["error"]["message"].startswith("request body is not valid JSON")
+
+
+def test_an_oversized_body_is_a_413(replicas: tuple[Child, Child]) -> None:
+    spec = fanout(workers=1)
+    spec["segments"]["sys"]["content"] = "x" * (MAX_BODY + 1)
+    status, _, body = call("POST", f"{replicas[0].url}/v1/workflows", spec)
+    assert status == 413
+    assert f"the limit is {MAX_BODY} bytes" in body["error"]["message"]

@@ -1,0 +1,209 @@
+"""One behavioural suite for both workflow stores (memory and a real redis-server), plus what
+only Redis does: two store objects (two replicas) see each other's workflows, events and cancels.
+Hint-mode bookkeeping of `WorkflowService` runs on the memory store."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from gateway.config import WorkflowSettings
+from gateway.workflow_store import (
+    START,
+    MemoryWorkflowStore,
+    RedisWorkflowStore,
+    WorkflowStore,
+)
+from gateway.workflows import (
+    LoopbackExecutor,
+    WorkflowNotCancellable,
+    WorkflowService,
+    task_record,
+)
+from tests.redis_server import RedisServer, redis_server_available
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    if not redis_server_available():
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+    with RedisServer() as url:
+        yield url
+
+
+def fresh_namespace() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[WorkflowStore]:
+    backend: WorkflowStore
+    if request.param == "memory":
+        backend = MemoryWorkflowStore()
+    else:
+        backend = RedisWorkflowStore.from_url(request.getfixturevalue("redis_url"),
+                                              fresh_namespace())
+    yield backend
+    await backend.close()
+
+
+def meta(wf_id: str = "wf-1", **changes: Any) -> dict[str, Any]:
+    return {"id": wf_id, "source": "api", "model": "m", "tenant": None, "state": "running",
+            "created_s": 1.0, "finished_s": None, "replica": "r1", **changes}
+
+
+async def test_a_created_workflow_reads_back_as_one_snapshot(store: WorkflowStore) -> None:
+    assert await store.create(meta(), {"a": task_record([]), "b": task_record(["a"])})
+    snap = await store.get("wf-1")
+    assert snap == {**meta(), "tasks": {"a": task_record([]), "b": task_record(["a"])}}
+
+
+async def test_an_id_in_use_is_not_created_again(store: WorkflowStore) -> None:
+    assert await store.create(meta(), {"a": task_record([])})
+    assert not await store.create(meta(model="other"), {"z": task_record([])})
+    snap = await store.get("wf-1")
+    assert snap is not None and snap["model"] == "m" and list(snap["tasks"]) == ["a"]
+
+
+async def test_an_unknown_workflow_reads_as_none(store: WorkflowStore) -> None:
+    assert await store.get("nope") is None
+    assert await store.events("nope") == []
+
+
+async def test_an_update_replaces_only_the_tasks_it_names(store: WorkflowStore) -> None:
+    await store.create(meta(), {"a": task_record([]), "b": task_record(["a"])})
+    done = {**task_record([]), "state": "done", "output": "hi"}
+    await store.update("wf-1", workflow=meta(state="done"), tasks={"a": done})
+    snap = await store.get("wf-1")
+    assert snap is not None
+    assert snap["state"] == "done"
+    assert snap["tasks"] == {"a": done, "b": task_record(["a"])}
+
+
+async def test_events_replay_from_the_start_and_after_an_id(store: WorkflowStore) -> None:
+    await store.create(meta(), {})
+    await store.update("wf-1", events=[{"n": 1}, {"n": 2}])
+    await store.update("wf-1", events=[{"n": 3}])
+    everything = await store.events("wf-1", START)
+    assert [e for _, e in everything] == [{"n": 1}, {"n": 2}, {"n": 3}]
+    after_first = await store.events("wf-1", everything[0][0])
+    assert [e for _, e in after_first] == [{"n": 2}, {"n": 3}]
+    assert await store.events("wf-1", everything[-1][0]) == []
+
+
+async def test_a_waiting_reader_gets_an_event_appended_meanwhile(store: WorkflowStore) -> None:
+    await store.create(meta(), {})
+    await store.update("wf-1", events=[{"n": 1}])
+    (first_id, _), = await store.events("wf-1")
+    reader = asyncio.create_task(store.events("wf-1", first_id, wait_s=30))
+    await asyncio.sleep(0.05)
+    assert not reader.done()
+    await store.update("wf-1", events=[{"n": 2}])
+    assert [e for _, e in await asyncio.wait_for(reader, 30)] == [{"n": 2}]
+
+
+async def test_a_workflow_expires_after_its_ttl(store: WorkflowStore) -> None:
+    await store.create(meta(), {"a": task_record([])})
+    await store.update("wf-1", events=[{"n": 1}], ttl_s=0.1)
+    for _ in range(200):
+        if await store.get("wf-1") is None:
+            break
+        await asyncio.sleep(0.05)
+    assert await store.get("wf-1") is None
+    assert await store.events("wf-1") == []
+
+
+async def test_a_cancel_request_reaches_the_listener(store: WorkflowStore) -> None:
+    requests = store.cancel_requests()
+    listening = asyncio.ensure_future(anext(requests))
+    await asyncio.sleep(0.1)  # the Redis subscription is in place
+    await store.request_cancel("wf-7")
+    assert await asyncio.wait_for(listening, 30) == "wf-7"
+    await requests.aclose()  # type: ignore[attr-defined]
+
+
+# -- Redis: replicas share everything ---------------------------------------------------------
+
+
+async def test_a_second_replica_reads_and_follows_a_workflow(redis_url: str) -> None:
+    ns = fresh_namespace()
+    a = RedisWorkflowStore.from_url(redis_url, ns)
+    b = RedisWorkflowStore.from_url(redis_url, ns)
+    try:
+        await a.create(meta(), {"t": task_record([])})
+        assert not await b.create(meta(), {})
+        follower = asyncio.create_task(b.events("wf-1", START, wait_s=30))
+        await a.update("wf-1", workflow=meta(state="done"), events=[{"type": "workflow"}])
+        assert [e for _, e in await asyncio.wait_for(follower, 30)] == [{"type": "workflow"}]
+        snap = await b.get("wf-1")
+        assert snap is not None and snap["state"] == "done"
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_cancel_asked_on_one_replica_reaches_another(redis_url: str) -> None:
+    ns = fresh_namespace()
+    runner = RedisWorkflowStore.from_url(redis_url, ns)
+    other = RedisWorkflowStore.from_url(redis_url, ns)
+    try:
+        requests = runner.cancel_requests()
+        listening = asyncio.ensure_future(anext(requests))
+        await asyncio.sleep(0.1)
+        await other.request_cancel("wf-9")
+        assert await asyncio.wait_for(listening, 30) == "wf-9"
+        await requests.aclose()  # type: ignore[attr-defined]
+    finally:
+        await runner.close()
+        await other.close()
+
+
+# -- hint mode ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[WorkflowService]:
+    # The executor is never called: hint-mode calls are the client's own.
+    svc = WorkflowService(WorkflowSettings(), MemoryWorkflowStore(),
+                          LoopbackExecutor("http://127.0.0.1:9", 1.0, 1.0), replica="r1")
+    yield svc
+    await svc.stop()
+
+
+async def test_hinted_calls_build_a_workflow_readable_like_any_other(
+    service: WorkflowService,
+) -> None:
+    await service.hinted_task_started("agent-1", "plan", [], "req-1", "m", "acme")
+    await service.hinted_task_dispatched("agent-1", "plan", "e1")
+    running = await service.snapshot("agent-1")
+    assert (running["source"], running["state"], running["tenant"]) == ("hints", "running",
+                                                                        "acme")
+    assert running["tasks"]["plan"]["state"] == "running"
+    await service.hinted_task_finished("agent-1", "plan", prompt_tokens=100, output_tokens=7,
+                                       cached_tokens=64, output="ok")
+    await service.hinted_task_started("agent-1", "act", ["plan"], "req-2", "m")
+    await service.hinted_task_dispatched("agent-1", "act", "e2")
+    await service.hinted_task_finished("agent-1", "act", error="HTTP 500: engine died")
+    snap = await service.snapshot("agent-1")
+    assert snap["state"] == "failed"
+    plan, act = snap["tasks"]["plan"], snap["tasks"]["act"]
+    assert (plan["state"], plan["engine"], plan["cached_tokens"], plan["output"]) == (
+        "done", "e1", 64, "ok")
+    assert (act["state"], act["after"], act["engine"], act["error"]) == (
+        "failed", ["plan"], "e2", "HTTP 500: engine died")
+    assert snap["finished_s"] == act["finished_s"]
+    states = [(e["task"], e["state"]) for _, e in await service.store.events("agent-1")]
+    assert states == [("plan", "ready"), ("plan", "running"), ("plan", "done"),
+                      ("act", "ready"), ("act", "running"), ("act", "failed")]
+
+
+async def test_a_hint_workflow_cannot_be_cancelled_from_the_api(
+    service: WorkflowService,
+) -> None:
+    await service.hinted_task_started("agent-2", "t", [], "r", "m")
+    with pytest.raises(WorkflowNotCancellable, match="driven by its client"):
+        await service.cancel("agent-2")
