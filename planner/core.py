@@ -25,9 +25,9 @@ Two release policies:
   is backed up, requests wait in the gateway's buffer and are released on every load change and
   at least once per interval (the engines' observed gap between first tokens while backed up,
   the profile's full prefill step until observed), in priority order (planner/priorities.py),
-  each onto the best engine with headroom by the routing policy's cost, so a batch water-fills
-  the engines' prefill capacity; siblings that share a prefix rank together and follow each
-  other onto the engine whose (speculative) index entries hold it.
+  each onto the engine the routing policy's cost picks, until every engine is backed up again:
+  a batch water-fills the engines' prefill capacity; siblings that share a prefix rank together
+  and follow each other onto the engine whose (speculative) index entries hold it.
 
 Each request's state moves only along `TRANSITIONS`; anything else raises `IllegalTransition`.
 """
@@ -165,6 +165,8 @@ class EngineRecord:
     kv_usage: float = 0.0
     load: GatewayLoad = field(default_factory=GatewayLoad)
     """What the gateway has outstanding here (a fresh ledger when the engine rejoins)."""
+    foreign: int = 0
+    """Requests the last scrape counted beyond the gateway's own in flight at that moment."""
 
 
 @dataclass
@@ -229,7 +231,8 @@ class Planner:
                 num_waiting=e.num_waiting, kv_usage=e.kv_usage, in_flight=e.load.in_flight,
                 prefilling=e.load.prefilling,
                 queued_prefill_tokens=e.load.queued_prefill_tokens,
-                active_blocks=e.load.active_blocks, block_size=self._block_size_of(e.name))
+                active_blocks=e.load.active_blocks, block_size=self._block_size_of(e.name),
+                foreign=e.foreign)
             for e in self.engines.values() if e.name not in exclude
         ]
 
@@ -342,6 +345,7 @@ class Planner:
                 rec.num_running = event.num_running
                 rec.num_waiting = event.num_waiting
                 rec.kv_usage = event.kv_usage
+                rec.foreign = max(0, event.num_running + event.num_waiting - rec.load.in_flight)
                 self._load_changed = True
 
     def release(self, now: float) -> list[Action]:
@@ -399,7 +403,7 @@ class Planner:
                 backed_up = True
                 waiting.append(rid)
                 continue
-            if not self._offer(rid, now, actions, open_views):
+            if not self._offer(rid, now, actions, views):
                 waiting.append(rid)
         self._buffer = waiting
         self._wakeup = now + self._interval() if waiting else None

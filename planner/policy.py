@@ -41,11 +41,22 @@ class EngineView:
     """KV blocks (index block size) held by the gateway's in-flight requests at the engine."""
     block_size: int = 0
     """The engine's own KV block size as its events report it (0 while unknown)."""
+    foreign: int = 0
+    """Requests the last scrape counted beyond what the gateway had in flight there then
+    (other clients, other replicas)."""
 
     @property
     def load(self) -> int:
-        """Requests at the engine: the fresher of the gateway's own count and the engine's."""
+        """Requests at the engine: the larger of the gateway's own count and the engine's last
+        scrape (which may be a scrape interval old)."""
         return max(self.in_flight, self.num_running + self.num_waiting)
+
+    @property
+    def fresh_load(self) -> int:
+        """Requests at the engine now: the gateway's own, which it sees start and finish, plus
+        the foreign ones the last scrape showed. Unlike `load`, a burst of finishes is seen at
+        once rather than at the next scrape."""
+        return self.in_flight + self.foreign
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ from kvgate.bench.workloads import (
 )
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
-from planner.dag import DagNode, topological_order
 from planner.core import planner_names
+from planner.dag import DagNode, topological_order
 from planner.profiles import get_profile
 
 LIVE_ONLY_POLICIES = ("sglang-router",)

@@ -29,6 +29,7 @@ class KvgatePolicy:
         self.cost = CostModel(ctx.profiles, ctx.default_profile)
         # Predictions per request id, for the online speed correction.
         self._pending: dict[str, _Prediction] = {}
+        self._in_flight: dict[str, int] = {}
 
     def choose(
         self, request: RouteRequest, engines: Sequence[EngineView], now: float
@@ -39,11 +40,18 @@ class KvgatePolicy:
 
     def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """Remember the prediction the placement made, for the online correction."""
+        engine = placement.engine
+        self._in_flight[engine] = self._in_flight.get(engine, 0) + 1
         est = placement.cost
-        if est is not None and est.engine == placement.engine:
-            batch_itl = est.decode_s / max(1, request.max_tokens or
-                                           self.cost.settings.default_output_tokens)
-            self._pending[request.request_id] = _Prediction(est.ttft_s, batch_itl, now)
+        if est is not None and est.engine == engine:
+            # The correction learns how far the engine is from its profile, so the prediction
+            # it is compared with is the profile's own (the correction in force divided out).
+            corr = self.cost.correction
+            ttft_raw = est.ttft_s / corr.prefill.get(engine, 1.0)
+            context = request.prompt_tokens + (request.max_tokens or
+                                               self.cost.settings.default_output_tokens) // 2
+            self._pending[request.request_id] = _Prediction(
+                ttft_raw, self._in_flight[engine], context, now)
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Correct the engine's prefill speed by observed vs predicted TTFT."""
@@ -55,12 +63,20 @@ class KvgatePolicy:
     def on_finish(
         self, request_id: str, engine: str, now: float, output_tokens: int = 0
     ) -> None:
-        """Correct the engine's decode speed by observed vs predicted inter-token latency."""
+        """Correct the engine's decode speed by observed vs predicted inter-token latency.
+
+        The batch a request decodes in grows and shrinks after it is placed; its ITL is
+        predicted again at the mean of the batch it was placed into and the batch it leaves,
+        so a fan-out that joined later is not mistaken for a slow engine."""
+        in_flight = self._in_flight.get(engine, 0)
+        self._in_flight[engine] = max(0, in_flight - 1)
         p = self._pending.pop(request_id, None)
         if p is None or p.first_token_at is None or output_tokens < MIN_TOKENS_FOR_ITL:
             return
         observed = (now - p.first_token_at) / (output_tokens - 1)
-        self.cost.correction.observe_itl(engine, observed, p.itl_s)
+        batch = max(1, round((p.batch + in_flight) / 2))
+        predicted = self.cost.profile(engine).decode_step_time(batch, p.context_tokens)
+        self.cost.correction.observe_itl(engine, observed, predicted)
 
 
 MIN_TOKENS_FOR_ITL = 8
@@ -70,6 +86,9 @@ MIN_TOKENS_FOR_ITL = 8
 @dataclass
 class _Prediction:
     ttft_s: float
-    itl_s: float
+    """Predicted time to first token, by the profile (no correction)."""
+    batch: int
+    """Requests at the engine, this one included, when it was placed."""
+    context_tokens: int
     sent_at: float
     first_token_at: float | None = None
