@@ -60,7 +60,7 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
         executor or LoopbackExecutor(loopback_url(config.host, config.port),
                                      config.connect_timeout_s, config.request_timeout_s),
         replica=wf.replica or f"{socket.gethostname()}:{config.port}",
-        known_models=state.planner.models,
+        known_models=state.planner.models, notify=state.notify,
     )
     state.workflows = workflows
     # The proxy enforces max_body_bytes itself with a clear error; aiohttp's own limit stays off.

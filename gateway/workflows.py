@@ -31,7 +31,11 @@ from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import ENGINE_HEADER, read_json
 from gateway.workflow_store import START, Json, WorkflowStore
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
+from planner.events import Event, TaskSpec, WorkflowOver, WorkflowSubmitted
 from planner.workflow import (
+    LiteralMessage,
+    OutputOf,
+    SegmentRef,
     Workflow,
     WorkflowError,
     dependencies,
@@ -267,6 +271,34 @@ def hint_state(snapshot: Json) -> Json:
             "finished_s": max(t["finished_s"] or 0.0 for t in tasks)}
 
 
+CHARS_PER_TOKEN = 4
+"""For the planner's priorities only: a task's prompt length estimated from its text."""
+
+DEFAULT_OUTPUT_TOKENS = 128
+
+
+def task_specs(spec: Workflow) -> tuple[TaskSpec, ...]:
+    """What the planner's priorities need of each task: its dependencies and estimated sizes
+    (prompt text at `CHARS_PER_TOKEN`, parents' outputs at their output limits)."""
+    out_tokens = {t.id: t.output_tokens or t.max_tokens or DEFAULT_OUTPUT_TOKENS
+                  for t in spec.tasks}
+    specs = []
+    for t in spec.tasks:
+        chars = 0
+        prompt = 0
+        for m in t.messages:
+            if isinstance(m, SegmentRef):
+                seg = spec.segments[m.segment]
+                chars += len(seg.content or "") + len(json.dumps(seg.tools or []))
+            elif isinstance(m, LiteralMessage):
+                chars += len(m.content)
+            elif isinstance(m, OutputOf):
+                prompt += out_tokens[m.output_of]
+        specs.append(TaskSpec(t.id, dependencies(t), prompt + chars // CHARS_PER_TOKEN,
+                              out_tokens[t.id], t.think_time_s))
+    return tuple(specs)
+
+
 class WorkflowService:
     """Runs submitted workflows, serves `/v1/workflows`, and records hint-mode calls."""
 
@@ -278,6 +310,7 @@ class WorkflowService:
         replica: str,
         known_models: Callable[[], list[str]] = list,
         clock: Callable[[], float] = time.time,
+        notify: Callable[[Event], None] = lambda _: None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -287,6 +320,9 @@ class WorkflowService:
         """Models the pool serves now (empty: unknown, so the model is not checked)."""
         self.clock = clock
         """Wall-clock epoch seconds: the store's timestamps are compared across replicas."""
+        self.notify = notify
+        """Where the planner hears of whole DAGs (`WorkflowSubmitted`, `WorkflowOver`), for its
+        priorities."""
         self._runs: dict[str, _Run] = {}
         self._drivers: set[asyncio.Task[None]] = set()
         self._hint_workflows: dict[str, tuple[bool, float]] = {}
@@ -337,6 +373,7 @@ class WorkflowService:
         if not await self.store.create(workflow, tasks):
             raise RuntimeError(f"workflow id {wf_id} collided")  # 64 random bits: never
         self._runs[wf_id] = run
+        self.notify(WorkflowSubmitted(wf_id, task_specs(spec)))
         snapshot = {**workflow, "tasks": json.loads(json.dumps(tasks))}
         driver = asyncio.create_task(self._drive(run))
         self._drivers.add(driver)
@@ -471,6 +508,7 @@ class WorkflowService:
             for handle in run.timers.values():
                 handle.cancel()
             self._runs.pop(run.id, None)
+            self.notify(WorkflowOver(run.id))
             run.over.set()
 
     def _step(self, run: _Run, msg: _Message, changes: _Changes) -> None:
