@@ -6,7 +6,7 @@ import pytest
 
 from kvindex.index import EngineMatch
 from planner.actions import Dispatch, Reject
-from planner.core import TRANSITIONS, Call, Planner, RequestState
+from planner.core import TRANSITIONS, Call, Planner, RequestState, make_planner, planner_settings
 from planner.dag import IllegalTransition
 from planner.events import (
     Cancelled,
@@ -16,8 +16,13 @@ from planner.events import (
     EngineScraped,
     Finished,
     FirstToken,
+    TaskSpec,
+    WorkflowOver,
+    WorkflowSubmitted,
 )
+from planner.hints import RequestHints
 from planner.policy import PolicyContext, RouteRequest, make_policy
+from planner.profiles import get_profile
 
 
 def planner(policy: str = "least-loaded", engines: tuple[str, ...] = ("a", "b"),
@@ -145,3 +150,107 @@ def test_transition_table_is_closed_and_terminal_states_are_final() -> None:
         assert targets <= set(RequestState)
         if state in (RequestState.FINISHED, RequestState.REJECTED, RequestState.CANCELLED):
             assert not targets
+
+
+# -- batch release (SBS) and DAG priorities ----------------------------------------------------
+
+
+PROFILE = get_profile("h100-llama3-8b")
+BUDGET = PROFILE.max_num_batched_tokens
+
+
+def batch_planner(variant: str = "kvgate", engines: tuple[str, ...] = ("a", "b")) -> Planner:
+    p = make_planner(variant, PolicyContext(default_profile=PROFILE))
+    for e in engines:
+        p.on_event(EngineJoined(e, healthy=True, models=frozenset({"m"})), 0.0)
+    return p
+
+
+def long_call(rid: str, workflow: str | None = None, task: str | None = None) -> Call:
+    """A prompt of one full prefill step: two of them back an engine up."""
+    return Call(RouteRequest(rid, "m", prompt_tokens=BUDGET, max_tokens=16),
+                hints=RequestHints(workflow=workflow, task=task))
+
+
+def test_variants_are_put_together_as_named() -> None:
+    assert planner_settings("kvgate").release == "batch"
+    assert planner_settings("kvgate").priorities
+    assert planner_settings("kvgate-no-batch").release == "immediate"
+    assert not planner_settings("kvgate-no-priority").priorities
+    assert planner_settings("dynamo-like").release == "immediate"
+    assert batch_planner("kvgate-routing-only").release_mode == "immediate"
+
+
+def test_batch_release_is_work_conserving_then_buffers_when_every_engine_is_backed_up() -> None:
+    p = batch_planner()
+    for i in range(4):
+        p.admit(long_call(f"r{i}"), 0.0)
+    sent = p.release(0.0)
+    assert len(sent) == 4  # two steps' worth on each engine: both have been open until now
+    assert p.next_wakeup() is None
+    p.admit(long_call("r4"), 0.1)
+    assert p.release(0.1) == []
+    assert p.buffered == 1 and p.state("r4") is RequestState.QUEUED
+    wake = p.next_wakeup()
+    assert wake is not None and wake > 0.1
+    # Nothing changed by the interval: still backed up, still buffered, next interval set.
+    assert p.release(wake) == [] and p.buffered == 1
+    p.on_event(FirstToken("r0"), 0.5)  # one engine's queue drains a step
+    (d,) = p.release(0.5)
+    assert isinstance(d, Dispatch) and d.request_id == "r4"
+    assert p.buffered == 0 and p.next_wakeup() is None
+
+
+def test_buffer_releases_the_workflow_closest_to_done_first() -> None:
+    p = batch_planner(engines=("a",))
+    short = (TaskSpec("t", (), 1000, 16),)
+    long = (TaskSpec("t", (), 1000, 16), TaskSpec("u", ("t",), 1000, 2000))
+    p.on_event(WorkflowSubmitted("long", long), 0.0)
+    p.on_event(WorkflowSubmitted("short", short), 0.0)
+    p.admit(long_call("fill0"), 0.0)
+    p.admit(long_call("fill1"), 0.0)
+    p.release(0.0)
+    p.admit(long_call("l", "long", "t"), 0.1)
+    p.admit(long_call("s", "short", "t"), 0.2)
+    assert p.release(0.2) == [] and p.buffered == 2
+    p.on_event(FirstToken("fill0"), 1.0)
+    (d,) = p.release(1.0)
+    assert isinstance(d, Dispatch) and d.request_id == "s"  # arrived later, finishes sooner
+    assert d.priority is not None
+    p.on_event(FirstToken("fill1"), 2.0)
+    (d2,) = p.release(2.0)
+    assert isinstance(d2, Dispatch) and d2.request_id == "l" and d2.priority is not None
+    assert d.priority < d2.priority  # the engine's own queue keeps the same order
+    p.on_event(WorkflowOver("short"), 3.0)
+
+
+def test_priorities_follow_the_critical_path_as_tasks_finish() -> None:
+    from planner.priorities import WorkflowPriorities
+
+    pr = WorkflowPriorities(PROFILE)
+    pr.submit("w", (TaskSpec("a", (), 100, 500), TaskSpec("b", ("a",), 100, 500),
+                    TaskSpec("c", ("a",), 100, 10)))
+    before = pr.rank(RequestHints(workflow="w", task="b"))
+    # Within the workflow, the task with more below it (b) goes before c.
+    assert before < pr.rank(RequestHints(workflow="w", task="c"))
+    pr.task_done("w", "a", 500)
+    after = pr.rank(RequestHints(workflow="w", task="b"))
+    assert after[1] < before[1]  # less remains
+    # Unknown DAG: least attained service; explicit priority first.
+    pr.task_done("h", "x", 300)
+    assert pr.rank(RequestHints(workflow="h2")) < pr.rank(RequestHints(workflow="h"))
+    assert pr.rank(RequestHints(workflow="h", priority=-1)) < pr.rank(RequestHints(workflow="h2"))
+
+
+def test_cancel_removes_a_buffered_call() -> None:
+    p = batch_planner(engines=("a",))
+    for i in range(2):
+        p.admit(long_call(f"f{i}"), 0.0)
+    p.release(0.0)
+    p.admit(long_call("x"), 0.1)
+    p.release(0.1)
+    assert p.buffered == 1
+    p.on_event(Cancelled("x"), 0.2)
+    assert p.buffered == 0 and not p.knows("x")
+    p.on_event(FirstToken("f0"), 0.3)
+    assert p.release(0.3) == []
