@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.actions import Action, Dispatch, Reject
 from planner.dag import IllegalTransition
@@ -87,12 +87,17 @@ class PlannerSettings:
     """`immediate` or `batch` (SBS)."""
     priorities: bool = False
     """Order the buffer by DAG priorities and hand engines vLLM's `priority`."""
+    siblings: bool = False
+    """Tell the routing policy when a call's siblings (same workflow, same parents: a join
+    waits for all of them) are predicted to finish, and where they run."""
 
 
 VARIANTS: dict[str, PlannerSettings] = {
-    "kvgate": PlannerSettings("kvgate", release="batch", priorities=True),
-    "kvgate-no-batch": PlannerSettings("kvgate", release="immediate", priorities=True),
-    "kvgate-no-priority": PlannerSettings("kvgate", release="batch", priorities=False),
+    "kvgate": PlannerSettings("kvgate", release="batch", priorities=True, siblings=True),
+    "kvgate-no-batch": PlannerSettings("kvgate", release="immediate", priorities=True,
+                                       siblings=True),
+    "kvgate-no-priority": PlannerSettings("kvgate", release="batch", siblings=True),
+    "kvgate-no-siblings": PlannerSettings("kvgate", release="batch", priorities=True),
     "kvgate-routing-only": PlannerSettings("kvgate"),
 }
 """The full planner and its ablations; every other name is a routing policy under `immediate`
@@ -194,6 +199,7 @@ class Planner:
         release: str = "immediate",
         priorities: WorkflowPriorities | None = None,
         profile_of: Callable[[str], EngineProfile] | None = None,
+        siblings: bool = False,
     ) -> None:
         if release not in ("immediate", "batch"):
             raise ValueError(f"unknown release policy {release!r}; known: immediate, batch")
@@ -204,6 +210,10 @@ class Planner:
         self.priorities = priorities
         """DAG priorities; None keeps admission order (and sends engines no priority)."""
         self._profile_of = profile_of
+        self.siblings = siblings
+        self._groups: dict[tuple[str, tuple[str, ...]], dict[str, tuple[str, float]]] = {}
+        """Sibling calls in flight per (workflow, parents): engine and predicted finish."""
+        self._group_of: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._seq = 0
         self._order: dict[str, int] = {}
         self._buffer: list[str] = []
@@ -298,6 +308,12 @@ class Planner:
                     self._withdraw(req)
                     return
                 req.move(RequestState.FINISHED)
+                group = self._group_of.pop(rid, None)
+                if group is not None:
+                    members = self._groups[group]
+                    del members[rid]
+                    if not members:
+                        del self._groups[group]
                 if self.priorities is not None:
                     hints = req.call.hints
                     self.priorities.task_done(hints.workflow, hints.task, tokens)
@@ -448,6 +464,15 @@ class Planner:
         route = req.call.route
         if views is None:
             views = self.views(req.call.exclude)
+        group = self._sibling_group(req.call.hints)
+        if group is not None:
+            members = self._groups.get(group)
+            if members:
+                at: dict[str, int] = {}
+                for engine_name, _ in members.values():
+                    at[engine_name] = at.get(engine_name, 0) + 1
+                finish = max(f for _, f in members.values())
+                route = replace(route, group_finish_s=max(0.0, finish - now), group_at=at)
         try:
             choice = self.policy.choose(route, views, now)
         except Hold:
@@ -464,6 +489,10 @@ class Planner:
         req.outstanding = open_dispatch(route, engine, rec.load, self._block_size_of(engine))
         req.move(RequestState.DISPATCHED)
         self.policy.on_dispatch(route, placement, now)
+        if group is not None:
+            finish = now + (placement.cost.total_s if placement.cost is not None else 0.0)
+            self._groups.setdefault(group, {})[rid] = (engine, finish)
+            self._group_of[rid] = group
         ttl = self.speculative_ttl_s
         priority = (self.priorities.engine_priority(req.call.hints)
                     if self.priorities is not None else None)
@@ -471,6 +500,11 @@ class Planner:
             rid, engine, req.outstanding.cached_tokens, placement.cost,
             route.block_keys if ttl > 0 else (), ttl, priority))
         return True
+
+    def _sibling_group(self, hints: RequestHints) -> tuple[str, tuple[str, ...]] | None:
+        if not self.siblings or hints.workflow is None:
+            return None
+        return (hints.workflow, tuple(sorted(hints.after)))
 
     def _withdraw(self, req: _Request) -> None:
         """A request leaves before any engine saw it."""
@@ -503,4 +537,5 @@ def make_planner(
     priorities = WorkflowPriorities(context.default_profile) if settings.priorities else None
     return Planner(policy, speculative_ttl_s=speculative_ttl_s,
                    engine_block_size=engine_block_size, release=settings.release,
-                   priorities=priorities, profile_of=context.profile)
+                   priorities=priorities, profile_of=context.profile,
+                   siblings=settings.siblings)

@@ -53,11 +53,15 @@ class PlacementCost:
         """Predicted completion time of the request."""
         return self.ttft_s + self.decode_s
 
+    group_s: float = 0.0
+    """When the request's sibling group would be done with it placed here (0: no siblings)."""
+
     @property
     def score(self) -> float:
-        """What placement minimises: the request's own completion time plus the delay it
-        imposes on the others at the engine."""
-        return self.ttft_s + self.decode_s + self.external_s
+        """What placement minimises: when the caller can go on — the later of the request's own
+        completion and its sibling group's (a join waits for the slowest) — plus the delay it
+        imposes on the other requests at the engine."""
+        return max(self.ttft_s + self.decode_s, self.group_s) + self.external_s
 
 
 @dataclass
@@ -111,6 +115,9 @@ class CostSettings:
     """Weight of the delay a placement imposes on the requests already at the engine: each of
     them waits through this request's prefill chunks and steps one sequence longer. Without it
     the greedy choice recomputes long prefixes on busy engines whose other requests pay."""
+    measured_contexts: bool = True
+    """Price the decode batch by the contexts the gateway has in flight at the engine (its
+    ledger's prompt blocks) rather than as copies of this request's context."""
     fresh_load: bool = True
     """Count the engine's load as the gateway's own in flight plus the foreign requests of the
     last scrape (`EngineView.fresh_load`) rather than the larger of in flight and the scrape."""
@@ -193,18 +200,33 @@ class CostModel:
                 else:
                     moved = 0
             batch = load + 1
-            step = self.decode_step_seconds(e.name, batch, prompt + output // 2)
-            decode = output * step
+            own = prompt + output // 2
+            # The contexts already decoding there: the gateway's own in-flight prompts (its
+            # ledger's blocks), and foreign requests priced like this one.
+            siblings = min(load, request.group_at.get(e.name, 0))
+            others = own * load
+            if s.measured_contexts and e.in_flight > 0:
+                others = (e.active_blocks * request.block_size
+                          + own * max(0, load - e.in_flight))
+            with_it = self.decode_step_seconds(e.name, batch, (others + own) // batch)
+            decode = output * with_it
             external = 0.0
-            if s.externality > 0 and load > 0:
+            group = 0.0
+            if load > 0:
                 # Each request already there waits through this one's prefill chunks, and
-                # steps one sequence longer while both decode.
-                slower = step - self.decode_step_seconds(e.name, load, prompt + output // 2)
-                external = s.externality * load * (prefill + output * max(0.0, slower))
+                # steps one sequence longer while both decode. Siblings pay it in the group's
+                # finish instead: the caller waits for the slowest of them, not for the sum.
+                without = self.decode_step_seconds(e.name, load, others // load)
+                delay = prefill + output * max(0.0, with_it - without)
+                external = s.externality * (load - siblings) * delay
+                if siblings:
+                    group = request.group_finish_s + delay
+            if request.group_finish_s > group:
+                group = request.group_finish_s
             out.append(PlacementCost(
                 engine=e.name, queue_s=queue, prefill_s=prefill, transfer_s=transfer,
                 decode_s=decode, cached_tokens=cached, transfer_from=source,
-                transfer_tokens=moved, cache_ignored=ignored, external_s=external,
+                transfer_tokens=moved, cache_ignored=ignored, external_s=external, group_s=group,
             ))
         return out
 
@@ -213,4 +235,5 @@ class CostModel:
         costs = self.estimate(request, engines)
         load = {e.name: self._load(e) for e in engines}
         order = {e.name: i for i, e in enumerate(engines)}
-        return min(costs, key=lambda c: (round(c.score, 9), load[c.engine], order[c.engine]))
+        return min(costs, key=lambda c: (round(c.score, 9), round(c.total_s, 9), load[c.engine],
+                                         order[c.engine]))

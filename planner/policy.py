@@ -78,6 +78,12 @@ class RouteRequest:
     """The prompt as text (rendered chat template), for character-level baselines."""
     max_tokens: int | None = None
     """The request's output limit, if it set one."""
+    group_finish_s: float = 0.0
+    """Seconds from now until the slowest of its siblings in flight (calls of the same workflow
+    that run after the same tasks, so a join waits for all of them) is predicted to finish; 0
+    without siblings. Only the planner knows it (from the DAG hints)."""
+    group_at: Mapping[str, int] = field(default_factory=dict)
+    """Those siblings in flight per engine."""
 
     def cached_tokens(self, engine: str, engine_block_size: int = 0) -> int:
         """Prompt tokens the engine is expected to serve from its cache.
