@@ -115,6 +115,10 @@ class CostSettings:
     """Weight of the delay a placement imposes on the requests already at the engine: each of
     them waits through this request's prefill chunks and steps one sequence longer. Without it
     the greedy choice recomputes long prefixes on busy engines whose other requests pay."""
+    opportunity: float = 1.0
+    """Weight of the prefill a placement spends, times the pool's mean load per engine: the
+    requests still to come that wait through it (an idle engine's compute is free only while
+    the pool is idle)."""
     measured_contexts: bool = True
     """Price the decode batch by the contexts the gateway has in flight at the engine (its
     ledger's prompt blocks) rather than as copies of this request's context."""
@@ -163,9 +167,9 @@ class CostModel:
         s = self.settings
         if not engines:
             return []
+        mean_load = sum(self._load(e) for e in engines) / len(engines)
         hot_limit = float("inf")
         if s.hot_spot_factor is not None:
-            mean_load = sum(self._load(e) for e in engines) / len(engines)
             hot_limit = mean_load * s.hot_spot_factor + s.hot_spot_slack
         output = request.max_tokens or s.default_output_tokens
         prompt = request.prompt_tokens
@@ -221,6 +225,9 @@ class CostModel:
                 external = s.externality * (load - siblings) * delay
                 if siblings:
                     group = request.group_finish_s + delay
+            # Compute spent recomputing is compute the requests still to come do not get: as
+            # many of them as the pool holds per engine now wait through it.
+            external += s.opportunity * mean_load * prefill
             if request.group_finish_s > group:
                 group = request.group_finish_s
             out.append(PlacementCost(
