@@ -88,8 +88,9 @@ class PlannerSettings:
     priorities: bool = False
     """Order the buffer by DAG priorities and hand engines vLLM's `priority`."""
     siblings: bool = False
-    """Tell the routing policy when a call's siblings (same workflow, same parents: a join
-    waits for all of them) are predicted to finish, and where they run."""
+    """Tell the routing policy when a call's siblings (the same workflow's calls in flight:
+    the workflow ends only when every branch has) are predicted to finish, and where they
+    run."""
 
 
 VARIANTS: dict[str, PlannerSettings] = {
@@ -211,9 +212,9 @@ class Planner:
         """DAG priorities; None keeps admission order (and sends engines no priority)."""
         self._profile_of = profile_of
         self.siblings = siblings
-        self._groups: dict[tuple[str, tuple[str, ...]], dict[str, tuple[str, float]]] = {}
-        """Sibling calls in flight per (workflow, parents): engine and predicted finish."""
-        self._group_of: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._groups: dict[str, dict[str, tuple[str, float]]] = {}
+        """Calls in flight per workflow (a sibling group): engine and predicted finish."""
+        self._group_of: dict[str, str] = {}
         self._seq = 0
         self._order: dict[str, int] = {}
         self._buffer: list[str] = []
@@ -501,10 +502,10 @@ class Planner:
             route.block_keys if ttl > 0 else (), ttl, priority))
         return True
 
-    def _sibling_group(self, hints: RequestHints) -> tuple[str, tuple[str, ...]] | None:
+    def _sibling_group(self, hints: RequestHints) -> str | None:
         if not self.siblings or hints.workflow is None:
             return None
-        return (hints.workflow, tuple(sorted(hints.after)))
+        return hints.workflow
 
     def _withdraw(self, req: _Request) -> None:
         """A request leaves before any engine saw it."""

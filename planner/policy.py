@@ -79,9 +79,9 @@ class RouteRequest:
     max_tokens: int | None = None
     """The request's output limit, if it set one."""
     group_finish_s: float = 0.0
-    """Seconds from now until the slowest of its siblings in flight (calls of the same workflow
-    that run after the same tasks, so a join waits for all of them) is predicted to finish; 0
-    without siblings. Only the planner knows it (from the DAG hints)."""
+    """Seconds from now until the slowest of its workflow's other calls in flight (its
+    siblings: the workflow ends only when every branch has) is predicted to finish; 0 without
+    any. Only the planner knows it (from the workflow hints)."""
     group_at: Mapping[str, int] = field(default_factory=dict)
     """Those siblings in flight per engine."""
 

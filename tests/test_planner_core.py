@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvindex.index import EngineMatch
@@ -21,7 +23,7 @@ from planner.events import (
     WorkflowSubmitted,
 )
 from planner.hints import RequestHints
-from planner.policy import PolicyContext, RouteRequest, make_policy
+from planner.policy import EngineView, PolicyContext, RouteRequest, make_policy
 from planner.profiles import get_profile
 
 
@@ -254,3 +256,53 @@ def test_cancel_removes_a_buffered_call() -> None:
     assert p.buffered == 0 and not p.knows("x")
     p.on_event(FirstToken("f0"), 0.3)
     assert p.release(0.3) == []
+
+
+def test_siblings_in_flight_reach_the_cost_model_and_leave_with_their_calls() -> None:
+    p = batch_planner()
+    seen: list[RouteRequest] = []
+    choose = p.policy.choose
+
+    def spy(route: RouteRequest, engines: Any, now: float) -> Any:
+        seen.append(route)
+        return choose(route, engines, now)
+
+    p.policy.choose = spy  # type: ignore[method-assign]
+    p.admit(Call(RouteRequest("a", "m", prompt_tokens=500, max_tokens=64),
+                 hints=RequestHints(workflow="w", task="a")), 0.0)
+    (first,) = p.release(0.0)
+    assert isinstance(first, Dispatch) and first.cost is not None
+    p.admit(Call(RouteRequest("b", "m", prompt_tokens=500, max_tokens=64),
+                 hints=RequestHints(workflow="w", task="b")), 0.5)
+    p.release(0.5)
+    assert seen[0].group_finish_s == 0.0 and not seen[0].group_at
+    assert seen[1].group_at == {first.engine: 1}
+    assert seen[1].group_finish_s == pytest.approx(first.cost.total_s - 0.5)
+    p.on_event(Finished("a"), 1.0)
+    p.on_event(Finished("b"), 1.0)
+    p.admit(Call(RouteRequest("c", "m", prompt_tokens=500, max_tokens=64),
+                 hints=RequestHints(workflow="w", task="c")), 2.0)
+    p.release(2.0)
+    assert seen[2].group_finish_s == 0.0 and not seen[2].group_at
+
+
+def test_a_sibling_that_would_finish_last_elsewhere_stays_with_the_cached_context() -> None:
+    from kvindex.index import EngineMatch
+    from planner.cost import CostModel, CostSettings
+
+    profile = get_profile("h100x4-llama3-70b")
+    # Without the opportunity term, which would keep it there on its own at this load.
+    model = CostModel({}, profile, CostSettings(opportunity=0.0))
+    holder = EngineView("a", True, frozenset({"m"}), in_flight=6, active_blocks=6 * 2250)
+    idle = EngineView("b", True, frozenset({"m"}))
+    prompt = 36_000
+    matches = {"a": EngineMatch("a", 2249, 2249, 2249.0)}
+    alone = RouteRequest("r", "m", prompt_tokens=prompt, block_keys=tuple(range(2250)),
+                         matches=matches, max_tokens=256)
+    with_siblings = RouteRequest("r", "m", prompt_tokens=prompt, block_keys=tuple(range(2250)),
+                                 matches=matches, max_tokens=256, group_finish_s=6.0,
+                                 group_at={"a": 6})
+    # Alone, recomputing 36k tokens on the idle engine looks cheapest; with six siblings
+    # decoding on the holder, the join waits for the slowest, so the request stays.
+    assert model.best(alone, [holder, idle]).engine == "b"
+    assert model.best(with_siblings, [holder, idle]).engine == "a"
