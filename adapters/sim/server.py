@@ -3,6 +3,16 @@
 This is the I/O shell around the sans-IO engine model: it owns the clock (steps sleep their
 roofline duration, scaled by `time_scale`), tokenises with the same tokenizer a real engine would
 load, streams SSE exactly as vLLM does, publishes KV events over ZMQ and exposes `vllm:` metrics.
+
+`priority` is taken as vLLM 0.32.0 takes it: the request body's integer field (0 by default,
+within int64 as the protocol's `Field(ge=_INT64_MIN, le=_INT64_MAX)` demands), overridden by an
+`X-Vllm-Priority` header that parses as an integer. The engine orders by it only when started
+with `--scheduling-policy priority` (`SimSettings.priority_scheduling`); under the default `fcfs`
+a non-zero priority is accepted and ignored. vLLM 0.32 raises no error for it: the protocol's
+field description still says "Any priority other than 0 will raise an error if the served model
+does not use priority scheduling", but that check ("Got priority ... but Priority scheduling is
+not enabled.") lived in the V0 engine and no V1 code path performs it (`InputProcessor`,
+`AsyncLLM`, the serving classes and `Scheduler.add_request` pass `priority` through untouched).
 """
 
 from __future__ import annotations
@@ -34,6 +44,11 @@ log = logging.getLogger(__name__)
 VLLM_VERSION = "0.32.0"
 SYSTEM_FINGERPRINT = f"vllm-{VLLM_VERSION}-kvgate-sim"
 
+PRIORITY_HEADER = "X-Vllm-Priority"
+"""vLLM 0.32 header that overrides the body's `priority` (generate/base/serving.py)."""
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SimSettings:
@@ -58,15 +73,17 @@ class SimSettings:
 class APIError(Exception):
     """An error answered in vLLM's `{"error": {...}}` shape."""
 
-    def __init__(self, status: int, message: str, err_type: str = "BadRequestError") -> None:
+    def __init__(self, status: int, message: str, err_type: str = "BadRequestError",
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.err_type = err_type
+        self.param = param
 
     def response(self) -> web.Response:
         """Render as vLLM's ErrorResponse."""
-        body = {"error": {"message": self.message, "type": self.err_type, "param": None,
+        body = {"error": {"message": self.message, "type": self.err_type, "param": self.param,
                           "code": self.status}}
         return web.json_response(body, status=self.status)
 
@@ -189,7 +206,8 @@ class SimEngine:
 
     # -- request plumbing -----------------------------------------------------------------------
 
-    def _submit(self, prompt_ids: list[int], body: dict[str, Any]) -> _Stream:
+    def _submit(self, prompt_ids: list[int], body: dict[str, Any],
+                priority_header: str | None = None) -> _Stream:
         """Queue a request in the engine model; its id inside the engine is always unique."""
         cfg = self.config
         n_prompt = len(prompt_ids)
@@ -221,9 +239,7 @@ class SimEngine:
         if min_tokens < 0 or min_tokens > max_tokens:
             raise APIError(400, f"min_tokens must be in [0, max_tokens], got {min_tokens}.")
         ignore_eos = bool(body.get("ignore_eos", False))
-        priority = _opt_int(body, "priority") or 0
-        if priority != 0 and not self.config.priority_scheduling:
-            raise APIError(400, "Priority scheduling is not enabled.")
+        priority = _priority(body, priority_header)
         cache_salt = body.get("cache_salt")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise APIError(400, "cache_salt must be a string.")
@@ -330,7 +346,7 @@ class SimEngine:
             )
         except TokenizerError as e:
             raise APIError(400, str(e)) from None
-        stream = self._submit(prompt_ids, body)
+        stream = self._submit(prompt_ids, body, request.headers.get(PRIORITY_HEADER))
         rid = f"chatcmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self.settings.model
@@ -398,7 +414,7 @@ class SimEngine:
         body = await self._json_body(request)
         self._check_n(body)
         prompt_ids = self._completion_prompt(body.get("prompt"))
-        stream = self._submit(prompt_ids, body)
+        stream = self._submit(prompt_ids, body, request.headers.get(PRIORITY_HEADER))
         rid = f"cmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self.settings.model
@@ -585,6 +601,33 @@ def _opt_int(body: dict[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise APIError(400, f"`{key}` must be an integer, got {value!r}.")
     return value
+
+
+def _priority(body: dict[str, Any], header: str | None) -> int:
+    """The request's `priority` as vLLM 0.32 takes it (see the module docstring)."""
+    priority = body.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise APIError(400, f"`priority` must be an integer, got {priority!r}.",
+                       param="body.priority")
+    if not _INT64_MIN <= priority <= _INT64_MAX:
+        # The protocol's `Field(ge=_INT64_MIN, le=_INT64_MAX)`, reported like vLLM's validation
+        # handler (vllm/entrypoints/serve/exception_handling/handlers/validation.py).
+        if priority < _INT64_MIN:
+            kind, op, word, bound = "greater_than_equal", "ge", "greater", _INT64_MIN
+        else:
+            kind, op, word, bound = "less_than_equal", "le", "less", _INT64_MAX
+        err = {"type": kind, "loc": "body.priority",
+               "msg": f"Input should be {word} than or equal to {bound}",
+               "input": str(priority), "ctx": {op: bound}}
+        raise APIError(400, f"1 validation error:\n  {err}", "Bad Request", "body.priority")
+    if header is not None:
+        # `_get_priority` (vllm/entrypoints/generate/base/serving.py), after the body validated:
+        # the header wins when it parses as an int and is ignored when it does not.
+        try:
+            return int(header)
+        except ValueError:
+            pass
+    return priority
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
