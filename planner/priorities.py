@@ -54,20 +54,22 @@ class WorkflowPriorities:
         """Learn a workflow's DAG; cyclic or dangling `after` ids are the caller's error."""
         est = {t.task: task_estimate_s(t, self.profile) for t in tasks}
         children: dict[str, list[str]] = {t.task: [] for t in tasks}
+        waiting_on = {t.task: 0 for t in tasks}
         for t in tasks:
             for parent in t.after:
                 children[parent].append(t.task)
+                waiting_on[t.task] += 1
+        # Longest path below each task, sinks first (Kahn's order reversed; no recursion, so a
+        # session of thousands of chained calls is as cheap as a fan-out).
+        order = [t for t, n in waiting_on.items() if n == 0]
+        for task in order:
+            for c in children[task]:
+                waiting_on[c] -= 1
+                if waiting_on[c] == 0:
+                    order.append(c)
         path: dict[str, float] = {}
-
-        def below(task: str) -> float:
-            got = path.get(task)
-            if got is None:
-                got = est[task] + max((below(c) for c in children[task]), default=0.0)
-                path[task] = got
-            return got
-
-        for t in tasks:
-            below(t.task)
+        for task in reversed(order):
+            path[task] = est[task] + max((path[c] for c in children[task]), default=0.0)
         self._workflows[workflow] = _Workflow(path, remaining_s=max(path.values(), default=0.0))
 
     def task_done(self, workflow: str | None, task: str | None, output_tokens: int) -> None:

@@ -2,7 +2,10 @@
 
 `data/claude_code_replay_report.json` was written by the harness before its hot paths were
 optimised (commit 1584ea3), with the command in `REPLAY`. A run today must reproduce every field
-recorded there; fields added to the report since are not compared.
+recorded there; fields added to the report since are not compared. The baselines' entries are
+the 1584ea3 originals; `kvgate`'s was re-recorded when the planner (batch release, DAG
+priorities, sibling-aware cost) replaced its per-request routing, a change of behaviour made on
+purpose.
 """
 
 from __future__ import annotations
