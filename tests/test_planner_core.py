@@ -306,3 +306,13 @@ def test_a_sibling_that_would_finish_last_elsewhere_stays_with_the_cached_contex
     # decoding on the holder, the join waits for the slowest, so the request stays.
     assert model.best(alone, [holder, idle]).engine == "b"
     assert model.best(with_siblings, [holder, idle]).engine == "a"
+
+
+def test_every_policy_module_is_registered_explicitly() -> None:
+    import pkgutil
+
+    import planner.policies as package
+    from planner.policy import POLICY_MODULES
+
+    found = {f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)}
+    assert found == set(POLICY_MODULES)
