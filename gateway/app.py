@@ -98,6 +98,8 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
         assert state.pool is not None
         for v in state.planner.views():
             state.metrics.healthy.labels(v.name).set(1 if v.healthy else 0)
+        state.metrics.buffered.set(state.planner.buffered)
+        state.metrics.held.set(state.planner.held)
         index_stats = await state.index.stats()
         return web.Response(body=generate_latest(state.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})

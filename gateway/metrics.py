@@ -39,6 +39,12 @@ class GatewayMetrics:
             "kvgate_engine_in_flight", "Requests the gateway has outstanding at each engine.",
             ["engine"], registry=r,
         )
+        self.buffered = Gauge(
+            "kvgate_planner_buffered", "Requests waiting in the planner's buffer (batch release: "
+            "every engine backed up).", registry=self.registry)
+        self.held = Gauge(
+            "kvgate_planner_held", "Requests the routing policy holds at the gateway.",
+            registry=self.registry)
         self.healthy = Gauge(
             "kvgate_engine_healthy", "1 if the engine passes health checks.", ["engine"],
             registry=r,

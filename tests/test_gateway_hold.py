@@ -87,12 +87,12 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
 def gated_gateway(
     threaded_server: Callable[[web.Application], ThreadedServer],
     spawn_gateway: Callable[[dict[str, Any]], Child],
-) -> Callable[[float], tuple[GatedEngine, Child]]:
-    def start(request_timeout_s: float) -> tuple[GatedEngine, Child]:
+) -> Callable[..., tuple[GatedEngine, Child]]:
+    def start(request_timeout_s: float, policy: str = "dynamo-like") -> tuple[GatedEngine, Child]:
         engine = GatedEngine(gated=2)
         server = threaded_server(engine.app)
         gw = spawn_gateway({"engines": [{"url": server.url, "profile": "cpu-tiny"}],
-                            "policy": "dynamo-like", "request_timeout_s": request_timeout_s})
+                            "policy": policy, "request_timeout_s": request_timeout_s})
         wait_healthy(gw)
         return engine, gw
 
@@ -104,7 +104,7 @@ def gated_gateway(
 
 
 def test_held_request_reaches_the_engine_only_once_another_finishes(
-    gated_gateway: Callable[[float], tuple[GatedEngine, Child]],
+    gated_gateway: Callable[..., tuple[GatedEngine, Child]],
 ) -> None:
     engine, gw = gated_gateway(60.0)
     with ThreadPoolExecutor(3) as pool:
@@ -119,6 +119,37 @@ def test_held_request_reaches_the_engine_only_once_another_finishes(
         assert (status, body["id"]) == (200, "c")
         assert [f.result(30)[0] for f in first] == [200, 200]
     assert engine.arrived[2] == "c"
+
+
+def metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not on /metrics")
+
+
+def test_kvgate_buffers_in_the_gateway_while_every_engine_is_backed_up(
+    gated_gateway: Callable[..., tuple[GatedEngine, Child]],
+) -> None:
+    # Batch release: one 40,000-token prompt is more than 2 full prefill steps (cpu-tiny's
+    # 4,096 batched tokens) waiting at the only engine, so the next ones wait in the buffer and
+    # go out in arrival order as the engine drains.
+    engine, gw = gated_gateway(60.0, "kvgate")
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(send, gw.url, "a")]
+        wait_for(lambda: len(engine.arrived) == 1)
+        futures.append(pool.submit(send, gw.url, "b"))
+        wait_for(lambda: metric(gw.url, "kvgate_planner_buffered") == 1.0)
+        futures.append(pool.submit(send, gw.url, "c"))
+        wait_for(lambda: metric(gw.url, "kvgate_planner_buffered") == 2.0)
+        assert engine.arrived == ["a"] and not any(f.done() for f in futures)
+        engine.gate.set()
+        results = [f.result(30) for f in futures]
+    assert [(status, body["id"]) for status, body in results] == [
+        (200, "a"), (200, "b"), (200, "c")]
+    assert engine.arrived == ["a", "b", "c"]
+    assert metric(gw.url, "kvgate_planner_buffered") == 0.0
 
 
 # The live engine's own reads are bounded by the same request_timeout_s, so an engine that stays
