@@ -52,3 +52,12 @@ def test_main_prints_every_report(tmp_path: Path, capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out
     assert "**fanout**" in out and "Goodput" in out
     assert main([]) == 2
+
+
+def test_kvgate_variants_are_compared_with_the_baselines_not_each_other() -> None:
+    from kvgate.bench.report import rivals
+
+    names = ["kvgate", "kvgate-no-batch", "dynamo-like", "least-loaded"]
+    assert rivals("kvgate", names) == ["dynamo-like", "least-loaded"]
+    assert rivals("kvgate-no-batch", names) == ["dynamo-like", "least-loaded"]
+    assert rivals("dynamo-like", names) == ["kvgate", "kvgate-no-batch", "least-loaded"]

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvgate.bench.report import rivals
+
 
 def _load_line(report: dict[str, Any]) -> str:
     load = report["load"]
@@ -51,7 +53,8 @@ def results_table(report: dict[str, Any]) -> str:
 
 
 def goodput_table(report: dict[str, Any]) -> str | None:
-    """Goodput per policy and its ratio to the best other policy; None without `--goodput`."""
+    """Goodput per policy and its ratio to the best rival's (`report.rivals`); None without
+    `--goodput`."""
     section = report.get("goodput")
     if not section:
         return None
@@ -59,9 +62,9 @@ def goodput_table(report: dict[str, Any]) -> str | None:
     rates = {name: v["rate"] for name, v in section.items() if isinstance(v, dict)}
     rows = [f"Goodput (highest Poisson workflow rate with mean JCT <= {slo:g} x bound, "
             "no failures):", "",
-            "| policy | goodput (workflows/s) | vs best other | probes |", "|---|---|---|---|"]
+            "| policy | goodput (workflows/s) | vs best rival | probes |", "|---|---|---|---|"]
     for name, rate in sorted(rates.items(), key=lambda kv: -kv[1]):
-        others = [r for n, r in rates.items() if n != name]
+        others = [rates[n] for n in rivals(name, rates)]
         best_other = max(others, default=0.0)
         ratio = f"{rate / best_other:.2f}x" if best_other > 0 else "-"
         points = section[name]["points"]
