@@ -12,11 +12,13 @@ another engine; one whose engine dies mid-stream ends with an OpenAI-shaped erro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Coroutine
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -38,6 +40,7 @@ from kvindex.tokenizer import TokenizerError
 from planner.actions import Dispatch, Reject
 from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
+from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
 from planner.policy import RouteRequest
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 ENGINE_HEADER = "x-kvgate-engine"
+RETRYING = -1
+"""`_Flight.status` of a call whose engine failed before answering: it is sent elsewhere."""
 SESSION_HEADER = "x-session-id"
 
 
@@ -128,6 +133,12 @@ class _Flight:
     streamed_tokens: int = 0
     """Output events seen in the stream."""
     first_token: bool = False
+    recorder: _Recorder | None = None
+    """Where a call that names a workflow reports its progress (hint mode)."""
+    answer: bytes | None = None
+    """A whole JSON answer, kept for the recorder."""
+    status: int = 0
+    """The engine's HTTP status once the answer is complete (0: it never completed)."""
 
 
 class Proxy:
@@ -138,11 +149,14 @@ class Proxy:
         self._placing: dict[str, tuple[asyncio.Future[Dispatch], RouteRequest]] = {}
         """Admitted requests whose handlers await the planner's decision."""
         self._timer: asyncio.TimerHandle | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        """Workflow-record writes of hint-mode calls, kept until done."""
         """The planner's next batch interval, when requests wait in its buffer."""
         state.pump = self._pump
 
     async def route_request(
-        self, request: web.Request, route: str, body: dict[str, Any]
+        self, request: web.Request, route: str, body: dict[str, Any],
+        hints: RequestHints = NO_HINTS,
     ) -> RouteRequest:
         """Everything the policy may know about this request, index matches included."""
         state = self.state
@@ -155,8 +169,10 @@ class Proxy:
         if state.planner.knows(request_id):
             # The client reused an id still in flight: the planner needs them told apart.
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        session = request.headers.get(SESSION_HEADER) or body.get("user")
+        session = hints.session or request.headers.get(SESSION_HEADER) or body.get("user")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = hints.osl
         t0 = time.perf_counter()
         keys = prompt_keys(state, route, body)
         matches = {}
@@ -181,27 +197,48 @@ class Proxy:
         route = request.path
         arrived = time.monotonic()
         raw, body = await read_json(request, state.config.max_body_bytes)
-        route_req = await self.route_request(request, route, body)
+        try:
+            hints, stripped = parse_hints(request.headers, body)
+        except HintError as e:
+            raise InvalidRequest(str(e), param="kvgate") from None
+        if stripped is not None:
+            body = stripped
+            raw = json.dumps(body).encode()
+        route_req = await self.route_request(request, route, body, hints)
+        if hints.workflow is not None and hints.task is None:
+            hints = replace(hints, task=route_req.request_id)
         # The client's x-request-id is forwarded untouched; vLLM uses it as its request id.
         headers = forward_headers(request.headers)
+        recorder = _Recorder.start(self, hints, route_req, body) if hints.in_workflow else None
+        if recorder is not None:
+            await recorder.started
         tried: set[str] = set()
         last_error = ""
         for _ in range(state.config.retries + 1):
-            d = await self._place(route_req, tried)
+            try:
+                d = await self._place(route_req, tried, hints)
+            except GatewayError as e:
+                if recorder is not None:
+                    recorder.finished(None, str(e))
+                raise
             engine = d.engine
             tried.add(engine)
+            if recorder is not None:
+                await recorder.dispatched(engine)
             sent = raw
             if d.priority is not None and state.priority_engine(engine):
                 # vLLM's own field, for an engine running --scheduling-policy priority.
                 sent = json.dumps({**body, "priority": d.priority}).encode()
             try:
-                return await self._forward(request, route, _Flight(route_req, d), sent, headers,
-                                           arrived)
+                return await self._forward(request, route, _Flight(route_req, d, recorder=recorder),
+                                           sent, headers, arrived)
             except _RetryableFailure as e:
                 last_error = str(e)
                 state.metrics.retries.labels(engine).inc()
                 log.warning("request %s: engine %s failed before answering (%s); retrying",
                             route_req.request_id, engine, e)
+        if recorder is not None:
+            recorder.finished(None, f"every engine tried failed: {last_error}")
         raise NoHealthyEngine(
             f"every engine tried failed before answering ({', '.join(sorted(tried))}); "
             f"last error: {last_error}"
@@ -209,7 +246,8 @@ class Proxy:
 
     # -- placing -------------------------------------------------------------------------------
 
-    async def _place(self, route_req: RouteRequest, exclude: set[str]) -> Dispatch:
+    async def _place(self, route_req: RouteRequest, exclude: set[str],
+                     hints: RequestHints = NO_HINTS) -> Dispatch:
         """Admit the request to the planner and wait for its decision; a request the planner
         holds waits here until it is placed, its client goes away, or `request_timeout_s`
         passes (504)."""
@@ -217,7 +255,7 @@ class Proxy:
         rid = route_req.request_id
         placed: asyncio.Future[Dispatch] = asyncio.get_running_loop().create_future()
         self._placing[rid] = (placed, route_req)
-        state.planner.admit(Call(route_req, frozenset(exclude)), state.now())
+        state.planner.admit(Call(route_req, frozenset(exclude), hints), state.now())
         self._pump()
         if placed.done():
             return placed.result()
@@ -273,6 +311,19 @@ class Proxy:
             self._timer = asyncio.get_running_loop().call_later(
                 max(0.0, wake - state.now()), self._wake)
 
+    def background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run a write the response does not wait for; a failure is logged, never raised."""
+        async def guarded() -> None:
+            try:
+                await work
+            except Exception:
+                log.exception("recording a hint-mode call failed")
+
+        task = asyncio.get_running_loop().create_task(guarded())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     def _wake(self) -> None:
         self._timer = None
         self._pump()
@@ -292,6 +343,8 @@ class Proxy:
         if not flight.first_token:
             flight.first_token = True
             self.state.notify(FirstToken(flight.route.request_id, observed))
+            if observed and flight.recorder is not None:
+                flight.recorder.first_token()
 
     def _finished(self, flight: _Flight, error: str | None = None) -> None:
         """The request ended at its engine: undo the dispatch accounting and tell the planner
@@ -299,6 +352,8 @@ class Proxy:
         state = self.state
         state.metrics.in_flight.labels(flight.dispatch.engine).dec()
         state.notify(Finished(flight.route.request_id, flight.streamed_tokens, error))
+        if flight.recorder is not None and flight.status != RETRYING:
+            flight.recorder.finished(flight, error)
 
     # -- forwarding -----------------------------------------------------------------------------
 
@@ -341,6 +396,7 @@ class Proxy:
                 # Refused, reset, disconnected or connect timeout: the engine never answered.
                 metrics.upstream_errors.labels(engine, "connect").inc()
                 state.pool.mark_failed(engine, repr(e))
+                flight.status = RETRYING
                 raise _RetryableFailure(f"{engine}: {e!r}") from None
             try:
                 return await self._relay(request, route, flight, upstream, arrived)
@@ -352,7 +408,8 @@ class Proxy:
                     # the disconnect and aborts the request.
                     upstream.close()
         finally:
-            self._finished(flight)
+            self._finished(flight, None if 200 <= flight.status < 300 else
+                           f"the call did not complete (engine status {flight.status or 'none'})")
             metrics.duration.labels(route).observe(time.monotonic() - arrived)
 
     async def _relay(
@@ -380,6 +437,9 @@ class Proxy:
                     aiohttp.ClientConnectionError) as e:
                 raise self._engine_failure(engine, e) from None
             metrics.requests.labels(route, str(upstream.status)).inc()
+            flight.status = upstream.status
+            if flight.recorder is not None:
+                flight.answer = body
             return web.Response(status=upstream.status, body=body, headers=out_headers)
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
         # SSE is forwarded in whole events only, so an error event can follow cleanly if the
@@ -415,6 +475,7 @@ class Proxy:
             metrics.requests.labels(route, "499").inc()
             return resp
         metrics.requests.labels(route, str(upstream.status)).inc()
+        flight.status = upstream.status
         return resp
 
     def _engine_failure(self, engine: str, error: BaseException) -> GatewayError:
@@ -443,6 +504,80 @@ def _token_events(events: bytes) -> int:
     """Output-carrying events in whole SSE events from vLLM (one token per event by default)."""
     return events.count(b'"content":"') + events.count(b'"text":"') - events.count(
         b'"content":""') - events.count(b'"text":""')
+
+
+class _Recorder:
+    """Reports a hint-mode call's progress to the workflow service (`GET /v1/workflows/{id}`).
+
+    `started` and `dispatched` are awaited in order before the call goes on, so the record
+    exists before anything updates it; first token and finish are written in the background
+    (a client hanging up must not lose them)."""
+
+    def __init__(self, proxy: Proxy, hints: RequestHints, route: RouteRequest,
+                 tenant: str | None) -> None:
+        assert hints.workflow is not None and hints.task is not None
+        self.proxy = proxy
+        self.workflow = hints.workflow
+        self.task = hints.task
+        self.after = hints.after
+        self.route = route
+        self.tenant = tenant
+        self._last: asyncio.Future[None] | None = None
+        """The previous background write: writes land in the order they were made."""
+
+    def _write(self, work: Coroutine[Any, Any, None]) -> None:
+        previous = self._last
+
+        async def in_order() -> None:
+            if previous is not None:
+                with contextlib.suppress(Exception):
+                    await previous
+            await work
+
+        self._last = self.proxy.background(in_order())
+
+    @classmethod
+    def start(cls, proxy: Proxy, hints: RequestHints, route: RouteRequest,
+              body: dict[str, Any]) -> _Recorder | None:
+        """A recorder for the call, or None when the gateway keeps no workflows."""
+        if proxy.state.workflows is None:
+            return None
+        salt = body.get("cache_salt")
+        return cls(proxy, hints, route, salt if isinstance(salt, str) else None)
+
+    @property
+    def started(self) -> Any:
+        assert self.proxy.state.workflows is not None
+        return self.proxy.state.workflows.hinted_task_started(
+            self.workflow, self.task, self.after, self.route.request_id, self.route.model,
+            self.tenant)
+
+    async def dispatched(self, engine: str) -> None:
+        assert self.proxy.state.workflows is not None
+        await self.proxy.state.workflows.hinted_task_dispatched(self.workflow, self.task, engine)
+
+    def first_token(self) -> None:
+        assert self.proxy.state.workflows is not None
+        self._write(self.proxy.state.workflows.hinted_first_token(self.workflow, self.task))
+
+    def finished(self, flight: _Flight | None, error: str | None) -> None:
+        assert self.proxy.state.workflows is not None
+        output = None
+        output_tokens = flight.streamed_tokens if flight is not None else None
+        cached = None
+        if flight is not None and flight.answer is not None:
+            with contextlib.suppress(ValueError, TypeError, KeyError, IndexError,
+                                     AttributeError):
+                doc = json.loads(flight.answer)
+                usage = doc.get("usage") or {}
+                output_tokens = usage.get("completion_tokens", output_tokens)
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                choice = doc["choices"][0]
+                output = (choice["message"]["content"] if "message" in choice
+                          else choice.get("text"))
+        self._write(self.proxy.state.workflows.hinted_task_finished(
+            self.workflow, self.task, prompt_tokens=self.route.prompt_tokens or None,
+            output_tokens=output_tokens, cached_tokens=cached, output=output, error=error))
 
 
 class _RetryableFailure(Exception):

@@ -7,7 +7,9 @@ Agents that drive their own loop send ordinary chat/completions calls annotated 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -35,3 +37,126 @@ class RequestHints:
     def in_workflow(self) -> bool:
         """The call named a workflow (it shows up in `GET /v1/workflows/{id}`)."""
         return self.workflow is not None
+
+
+class HintError(ValueError):
+    """A hint that cannot be read; the message names the header or field and the problem."""
+
+
+WORKFLOW_HEADER = "x-kvgate-workflow"
+TASK_HEADER = "x-kvgate-task"
+AFTER_HEADER = "x-kvgate-after"
+EXPECT_CHILDREN_HEADER = "x-kvgate-expect-children"
+SESSION_HEADER = "x-session-id"
+BODY_FIELD = "kvgate"
+"""`extra_body={"kvgate": {...}}`: read, then stripped before the body reaches the engine."""
+
+_BODY_KEYS = frozenset({"workflow", "task", "after", "expect_children", "priority", "deadline_s"})
+_MAX_ID = 256
+
+
+def _ident(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise HintError(f"{where} must be a non-empty string")
+    value = value.strip()
+    if len(value) > _MAX_ID:
+        raise HintError(f"{where} is longer than {_MAX_ID} characters")
+    return value
+
+
+def _ids(value: object, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        parts: list[object] = [p for p in value.split(",") if p.strip()]
+    elif isinstance(value, list):
+        parts = list(value)
+    else:
+        raise HintError(f"{where} must be a list of task ids or a comma-separated string")
+    return tuple(dict.fromkeys(_ident(p, where) for p in parts))
+
+
+def _int(value: object, where: str, low: int | None = None) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise HintError(f"{where} must be an integer, got {value!r}") from None
+    if type(value) is not int:
+        raise HintError(f"{where} must be an integer")
+    if low is not None and value < low:
+        raise HintError(f"{where} must be at least {low}")
+    return value
+
+
+def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
+                ) -> tuple[RequestHints, dict[str, Any] | None]:
+    """Read a call's hints from its headers and body; the body to forward instead (the
+    `kvgate` field removed) or None when it goes unchanged.
+
+    Sources, later ones winning field by field: `X-KVGate-*` headers, then the body's
+    `kvgate` object (the client's own code, closest to the call), with Dynamo's
+    `nvext.agent_hints` (`priority`, vLLM's convention, lower first; `osl`) for what those
+    leave unset. `nvext` is forwarded untouched: vLLM ignores fields it does not know.
+    The session is `x-session-id`, else the body's `user`. Raises `HintError` on a bad value.
+    """
+    get = headers.get
+    workflow = get(WORKFLOW_HEADER)
+    task = get(TASK_HEADER)
+    after_h = get(AFTER_HEADER)
+    expect_h = get(EXPECT_CHILDREN_HEADER)
+    fields: dict[str, Any] = {}
+    if workflow is not None:
+        fields["workflow"] = _ident(workflow, "header X-KVGate-Workflow")
+    if task is not None:
+        fields["task"] = _ident(task, "header X-KVGate-Task")
+    if after_h is not None:
+        fields["after"] = _ids(after_h, "header X-KVGate-After")
+    if expect_h is not None:
+        fields["expect_children"] = _int(expect_h, "header X-KVGate-Expect-Children", 0)
+    nvext = body.get("nvext")
+    if isinstance(nvext, dict):
+        agent = nvext.get("agent_hints")
+        if agent is not None:
+            if not isinstance(agent, dict):
+                raise HintError("nvext.agent_hints must be an object")
+            if agent.get("priority") is not None:
+                fields["priority"] = _int(agent["priority"], "nvext.agent_hints.priority")
+            if agent.get("osl") is not None:
+                fields["osl"] = _int(agent["osl"], "nvext.agent_hints.osl", 0)
+    forwarded = None
+    if BODY_FIELD in body:
+        ours = body[BODY_FIELD]
+        if not isinstance(ours, dict):
+            raise HintError("body field `kvgate` must be an object")
+        unknown = sorted(set(ours) - _BODY_KEYS)
+        if unknown:
+            raise HintError(f"body field `kvgate` has unknown keys: {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(_BODY_KEYS))}")
+        for key in ("workflow", "task"):
+            if ours.get(key) is not None:
+                fields[key] = _ident(ours[key], f"kvgate.{key}")
+        if ours.get("after") is not None:
+            fields["after"] = _ids(ours["after"], "kvgate.after")
+        if ours.get("expect_children") is not None:
+            fields["expect_children"] = _int(ours["expect_children"], "kvgate.expect_children",
+                                             0)
+        if ours.get("priority") is not None:
+            fields["priority"] = _int(ours["priority"], "kvgate.priority")
+        if ours.get("deadline_s") is not None:
+            deadline = ours["deadline_s"]
+            if isinstance(deadline, bool) or not isinstance(deadline, int | float) \
+                    or deadline <= 0:
+                raise HintError("kvgate.deadline_s must be a positive number of seconds")
+            fields["deadline_s"] = float(deadline)
+        forwarded = {k: v for k, v in body.items() if k != BODY_FIELD}
+    session = get(SESSION_HEADER)
+    if session is None and isinstance(body.get("user"), str):
+        session = body["user"]
+    if session:
+        fields["session"] = session
+    if ("task" in fields or "after" in fields) and "workflow" not in fields:
+        raise HintError("a task id or `after` needs a workflow id (X-KVGate-Workflow or "
+                        "kvgate.workflow)")
+    return (RequestHints(**fields) if fields else NO_HINTS), forwarded
+
+
+NO_HINTS = RequestHints()

@@ -351,3 +351,58 @@ def test_an_oversized_body_is_a_413(replicas: tuple[Child, Child]) -> None:
     status, _, body = call("POST", f"{replicas[0].url}/v1/workflows", spec)
     assert status == 413
     assert f"the limit is {MAX_BODY} bytes" in body["error"]["message"]
+
+
+# -- hint mode: plain OpenAI calls that name their workflow ---------------------------------
+
+
+def test_hint_mode_agent_with_the_openai_client_shows_up_as_a_workflow(
+    replicas: tuple[Child, Child],
+) -> None:
+    import openai
+
+    a, b = replicas
+    client = openai.OpenAI(base_url=f"{a.url}/v1", api_key="unused")
+    wf = f"agent-{time.monotonic_ns()}"
+    system = {"role": "system", "content": "You plan, then your workers research. " * 20}
+    plan = client.chat.completions.create(
+        model=MODEL, max_tokens=8, messages=[system, {"role": "user", "content": "Plan it."}],
+        extra_headers={"X-KVGate-Workflow": wf, "X-KVGate-Task": "plan",
+                       "X-KVGate-Expect-Children": "2"})
+    plan_text = plan.choices[0].message.content or ""
+    for i in range(2):
+        worker = client.chat.completions.create(
+            model=MODEL, max_tokens=8, stream=(i == 1),
+            messages=[system, {"role": "assistant", "content": plan_text},
+                      {"role": "user", "content": f"Research part {i}."}],
+            extra_body={"kvgate": {"workflow": wf, "task": f"worker{i}", "after": ["plan"],
+                                   "priority": 1}})
+        if i == 1:
+            assert "".join(c.choices[0].delta.content or "" for c in worker if c.choices)
+    # Readable from the other replica (Redis), with each call's place and outcome.
+    status, _, snap = call("GET", f"{b.url}/v1/workflows/{wf}")
+    assert status == 200, snap
+    assert snap["source"] == "hints" and snap["id"] == wf
+    wait_for(lambda: all(t["state"] == "done" for t in
+                         call("GET", f"{b.url}/v1/workflows/{wf}")[2]["tasks"].values()))
+    tasks = call("GET", f"{b.url}/v1/workflows/{wf}")[2]["tasks"]
+    assert set(tasks) == {"plan", "worker0", "worker1"}
+    assert tasks["worker0"]["after"] == ["plan"] and tasks["plan"]["after"] == []
+    assert all(t["engine"] for t in tasks.values())
+    assert tasks["plan"]["output"] == plan_text
+    assert tasks["worker1"]["first_token_s"] is not None  # streamed
+
+
+def test_bad_hints_are_a_400_naming_them(replicas: tuple[Child, Child]) -> None:
+    a, _ = replicas
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    status, _, err = call("POST", f"{a.url}/v1/chat/completions",
+                          {**body, "kvgate": {"workflow": "w", "colour": "red"}})
+    assert status == 400 and "unknown keys: colour" in err["error"]["message"]
+    status, _, err = call("POST", f"{a.url}/v1/chat/completions", body,
+                          headers={"X-KVGate-Workflow": "w",
+                                   "X-KVGate-Expect-Children": "many"})
+    assert status == 400 and "X-KVGate-Expect-Children" in err["error"]["message"]
+    status, _, err = call("POST", f"{a.url}/v1/chat/completions", body,
+                          headers={"X-KVGate-Task": "t"})
+    assert status == 400 and "needs a workflow id" in err["error"]["message"]

@@ -1,0 +1,68 @@
+"""Hint mode's parsing: headers, `extra_body={"kvgate": ...}`, Dynamo's `nvext.agent_hints`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from multidict import CIMultiDict
+
+from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
+
+BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_plain_call_has_no_hints_and_its_body_goes_unchanged() -> None:
+    hints, forwarded = parse_hints(CIMultiDict(), dict(BODY))
+    assert hints is NO_HINTS and not hints.in_workflow and forwarded is None
+
+
+def test_headers_are_read_case_insensitively() -> None:
+    headers = CIMultiDict({"X-KVGate-Workflow": "w1", "x-kvgate-task": "t3",
+                           "X-KVGATE-AFTER": "t1, t2,,t1", "X-KVGate-Expect-Children": "4",
+                           "X-Session-Id": "s"})
+    hints, forwarded = parse_hints(headers, dict(BODY))
+    assert hints == RequestHints(workflow="w1", task="t3", after=("t1", "t2"),
+                                 expect_children=4, session="s")
+    assert forwarded is None
+
+
+def test_the_body_field_wins_over_headers_and_is_stripped() -> None:
+    body = {**BODY, "user": "u", "kvgate": {"workflow": "w2", "after": ["a", "b"],
+                                             "expect_children": 0, "priority": -3,
+                                             "deadline_s": 2.5}}
+    hints, forwarded = parse_hints(CIMultiDict({"X-KVGate-Workflow": "w1"}), body)
+    assert hints == RequestHints(workflow="w2", after=("a", "b"), expect_children=0,
+                                 priority=-3, deadline_s=2.5, session="u")
+    assert forwarded == {**BODY, "user": "u"} and "kvgate" in body  # the caller's dict intact
+
+
+def test_dynamo_agent_hints_are_read_and_nvext_forwarded() -> None:
+    body = {**BODY, "nvext": {"agent_hints": {"priority": 5, "osl": 512,
+                                              "latency_sensitivity": 1.2}}}
+    hints, forwarded = parse_hints(CIMultiDict(), body)
+    assert (hints.priority, hints.osl) == (5, 512)
+    assert forwarded is None  # vLLM ignores fields it does not know
+    explicit = {**body, "kvgate": {"priority": 1}}
+    assert parse_hints(CIMultiDict(), explicit)[0].priority == 1
+
+
+@pytest.mark.parametrize(("headers", "body", "message"), [
+    ({"X-KVGate-Workflow": " "}, {}, "header X-KVGate-Workflow must be a non-empty string"),
+    ({"X-KVGate-Workflow": "w", "X-KVGate-Expect-Children": "x"}, {},
+     "header X-KVGate-Expect-Children must be an integer"),
+    ({"X-KVGate-Workflow": "w", "X-KVGate-Expect-Children": "-1"}, {}, "at least 0"),
+    ({}, {"kvgate": "w"}, "body field `kvgate` must be an object"),
+    ({}, {"kvgate": {"workflow": "w", "parents": []}}, "unknown keys: parents"),
+    ({}, {"kvgate": {"workflow": "w", "after": 3}}, "kvgate.after must be a list"),
+    ({}, {"kvgate": {"workflow": "w", "priority": 1.5}}, "kvgate.priority must be an integer"),
+    ({}, {"kvgate": {"workflow": "w", "deadline_s": 0}}, "kvgate.deadline_s must be a positive"),
+    ({}, {"kvgate": {"workflow": "w" * 300}}, "longer than 256"),
+    ({}, {"kvgate": {"task": "t"}}, "needs a workflow id"),
+    ({}, {"nvext": {"agent_hints": []}}, "nvext.agent_hints must be an object"),
+    ({}, {"nvext": {"agent_hints": {"osl": "long"}}}, "nvext.agent_hints.osl"),
+])
+def test_bad_hints_name_the_problem(headers: dict[str, str], body: dict[str, Any],
+                                    message: str) -> None:
+    with pytest.raises(HintError, match=message.replace("(", r"\(").replace("`", "`")):
+        parse_hints(CIMultiDict(headers), {**BODY, **body})
