@@ -42,6 +42,7 @@ from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
 from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
 from planner.policy import RouteRequest
+from planner.segments import KINDS
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 ENGINE_HEADER = "x-kvgate-engine"
+SEGMENTS_HEADER = "x-kvgate-segments"
+"""On a hint-mode call's answer: its prompt's full blocks by kind, e.g. `static=3,shared=9,..`."""
 RETRYING = -1
 """`_Flight.status` of a call whose engine failed before answering: it is sent elsewhere."""
 SESSION_HEADER = "x-session-id"
@@ -122,6 +125,35 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
     except (TokenizerError, ValueError, TypeError, KeyError) as e:
         log.debug("prompt could not be keyed: %s", e)
     return None
+
+
+def static_blocks(state: GatewayState, route: str, body: dict[str, Any]) -> int:
+    """Full index blocks of a chat call's leading system messages and tools (its static
+    segment), by rendering them alone: chat templates render a conversation's prefix first.
+    0 for completions or when nothing static leads."""
+    if route != "/v1/chat/completions":
+        return 0
+    messages = body.get("messages")
+    tools = body.get("tools")
+    if not isinstance(messages, list):
+        return 0
+    lead = []
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") in ("system", "developer")):
+            break
+        lead.append(m)
+    if not lead and not isinstance(tools, list):
+        return 0
+    salt = body.get("cache_salt")
+    try:
+        keys = state.keyer.chat(lead or [{"role": "system", "content": ""}],
+                                tools=tools if isinstance(tools, list) else None,
+                                extras=KeyExtras(cache_salt=salt if isinstance(salt, str)
+                                                 else None),
+                                add_generation_prompt=False)
+    except (TokenizerError, ValueError, TypeError, KeyError):
+        return 0
+    return len(keys.keys)
 
 
 @dataclass
@@ -210,13 +242,14 @@ class Proxy:
         # The client's x-request-id is forwarded untouched; vLLM uses it as its request id.
         headers = forward_headers(request.headers)
         recorder = _Recorder.start(self, hints, route_req, body) if hints.in_workflow else None
+        static = static_blocks(state, route, body) if hints.in_workflow else 0
         if recorder is not None:
             await recorder.started
         tried: set[str] = set()
         last_error = ""
         for _ in range(state.config.retries + 1):
             try:
-                d = await self._place(route_req, tried, hints)
+                d = await self._place(route_req, tried, hints, static)
             except GatewayError as e:
                 if recorder is not None:
                     recorder.finished(None, str(e))
@@ -247,7 +280,7 @@ class Proxy:
     # -- placing -------------------------------------------------------------------------------
 
     async def _place(self, route_req: RouteRequest, exclude: set[str],
-                     hints: RequestHints = NO_HINTS) -> Dispatch:
+                     hints: RequestHints = NO_HINTS, static: int = 0) -> Dispatch:
         """Admit the request to the planner and wait for its decision; a request the planner
         holds waits here until it is placed, its client goes away, or `request_timeout_s`
         passes (504)."""
@@ -255,7 +288,8 @@ class Proxy:
         rid = route_req.request_id
         placed: asyncio.Future[Dispatch] = asyncio.get_running_loop().create_future()
         self._placing[rid] = (placed, route_req)
-        state.planner.admit(Call(route_req, frozenset(exclude), hints), state.now())
+        state.planner.admit(Call(route_req, frozenset(exclude), hints, static_blocks=static),
+                            state.now())
         self._pump()
         if placed.done():
             return placed.result()
@@ -425,6 +459,10 @@ class Proxy:
         metrics.time_to_first_byte.labels(route).observe(time.monotonic() - arrived)
         out_headers = forward_headers(upstream.headers)
         out_headers[ENGINE_HEADER] = engine
+        if flight.recorder is not None:
+            seg = flight.dispatch.segments
+            out_headers[SEGMENTS_HEADER] = ",".join(
+                f"{kind}={seg.blocks_of(kind)}" for kind in KINDS)
         is_sse = upstream.content_type == "text/event-stream"
         if not is_sse:
             # A JSON response arrives whole: the engine is done with the prompt by now. It is

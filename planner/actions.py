@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvindex.index import BlockKey
 from planner.cost import PlacementCost
+from planner.segments import NO_SEGMENTS, Segments
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Dispatch:
     """... for this long (until the engine's own KV events confirm or expire them)."""
     priority: int | None = None
     """The engine-side priority to send (engines running `--scheduling-policy priority`)."""
+    segments: Segments = NO_SEGMENTS
+    """The prompt's blocks by kind (static/shared/transient), for per-segment stages."""
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,11 @@ Each request's state moves only along `TRANSITIONS`; anything else raises `Illeg
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from kvindex.index import BlockKey
 from planner.actions import Action, Dispatch, Reject
 from planner.dag import IllegalTransition
 from planner.events import (
@@ -69,6 +71,7 @@ from planner.policy import (
 )
 from planner.priorities import WorkflowPriorities
 from planner.profiles import EngineProfile
+from planner.segments import NO_SEGMENTS, Segments, common_prefix, tag_blocks
 
 PREFILL_STEPS_QUEUED = 2.0
 """Under `batch` release, an engine has headroom while the gateway's prompts waiting there for
@@ -152,6 +155,11 @@ class Call:
     exclude: frozenset[str] = frozenset()
     """Engines not to use (those that already failed this request)."""
     hints: RequestHints = field(default_factory=RequestHints)
+    segments: Segments | None = None
+    """The prompt's segments when the driver knows them (a spec's explicit kinds); else the
+    planner tags the call from its hints (`planner/segments.py`)."""
+    static_blocks: int = 0
+    """Leading blocks of system messages and tools, for the planner's own tagging."""
 
     @property
     def request_id(self) -> str:
@@ -175,11 +183,23 @@ class EngineRecord:
     """Requests the last scrape counted beyond the gateway's own in flight at that moment."""
 
 
+LINEAGE_WORKFLOWS = 10_000
+"""Workflows whose calls the planner remembers for segment tagging (least recent forgotten)."""
+
+
+@dataclass
+class _Lineage:
+    keys: tuple[BlockKey, ...]
+    expect_children: int
+    children: int = 0
+
+
 @dataclass
 class _Request:
     call: Call
     state: RequestState = RequestState.QUEUED
     outstanding: Outstanding | None = None
+    segments: Segments = NO_SEGMENTS
 
     def move(self, to: RequestState) -> None:
         if to not in TRANSITIONS[self.state]:
@@ -215,6 +235,9 @@ class Planner:
         self._groups: dict[str, dict[str, tuple[str, float]]] = {}
         """Calls in flight per workflow (a sibling group): engine and predicted finish."""
         self._group_of: dict[str, str] = {}
+        self._lineage: OrderedDict[str, dict[str, _Lineage]] = OrderedDict()
+        """Per workflow (most recent last), each task's prompt keys and children: what segment
+        tagging needs of a call's parents."""
         self._seq = 0
         self._order: dict[str, int] = {}
         self._buffer: list[str] = []
@@ -282,7 +305,7 @@ class Planner:
         rid = call.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already in flight")
-        self._requests[rid] = _Request(call)
+        self._requests[rid] = _Request(call, segments=self._tag(call))
         self._queued.append(rid)
         self._order[rid] = self._seq
         self._seq += 1
@@ -335,6 +358,7 @@ class Planner:
                 if self.priorities is not None:
                     self.priorities.submit(wf, tasks)
             case WorkflowOver(workflow=wf):
+                self._lineage.pop(wf, None)
                 if self.priorities is not None:
                     self.priorities.forget(wf)
             case EngineJoined(engine=name, healthy=healthy, models=models):
@@ -499,8 +523,47 @@ class Planner:
                     if self.priorities is not None else None)
         actions.append(Dispatch(
             rid, engine, req.outstanding.cached_tokens, placement.cost,
-            route.block_keys if ttl > 0 else (), ttl, priority))
+            route.block_keys if ttl > 0 else (), ttl, priority, req.segments))
         return True
+
+    def segments_of(self, request_id: str) -> Segments | None:
+        """The live request's segments."""
+        req = self._requests.get(request_id)
+        return req.segments if req is not None else None
+
+    def _tag(self, call: Call) -> Segments:
+        """The call's segments: the driver's, else by rule from what its workflow's calls so
+        far say (the prefix it shares with its parents is their context, shared when a parent
+        expects or has several children)."""
+        hints = call.hints
+        keys = call.route.block_keys
+        lineage = None
+        if hints.workflow is not None and hints.task is not None:
+            lineage = self._lineage.get(hints.workflow)
+            if lineage is None:
+                lineage = self._lineage[hints.workflow] = {}
+                if len(self._lineage) > LINEAGE_WORKFLOWS:
+                    self._lineage.popitem(last=False)
+            else:
+                self._lineage.move_to_end(hints.workflow)
+            for parent in hints.after:
+                known = lineage.get(parent)
+                if known is not None:
+                    known.children += 1
+            lineage[hints.task] = _Lineage(keys, hints.expect_children or 0)
+        if call.segments is not None:
+            return call.segments
+        context, shared = 0, False
+        if lineage is not None:
+            for parent in hints.after:
+                known = lineage.get(parent)
+                if known is None:
+                    continue
+                n = common_prefix(keys, known.keys)
+                if n > context:
+                    context = n
+                shared = shared or known.expect_children > 1 or known.children > 1
+        return tag_blocks(len(keys), call.static_blocks, context, shared)
 
     def _sibling_group(self, hints: RequestHints) -> str | None:
         if not self.siblings or hints.workflow is None:

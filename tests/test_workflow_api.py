@@ -383,14 +383,28 @@ def test_hint_mode_agent_with_the_openai_client_shows_up_as_a_workflow(
     status, _, snap = call("GET", f"{b.url}/v1/workflows/{wf}")
     assert status == 200, snap
     assert snap["source"] == "hints" and snap["id"] == wf
-    wait_for(lambda: all(t["state"] == "done" for t in
-                         call("GET", f"{b.url}/v1/workflows/{wf}")[2]["tasks"].values()))
-    tasks = call("GET", f"{b.url}/v1/workflows/{wf}")[2]["tasks"]
+    deadline = time.monotonic() + 30
+    while True:
+        tasks = call("GET", f"{b.url}/v1/workflows/{wf}")[2]["tasks"]
+        if all(t["state"] == "done" for t in tasks.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert all(t["state"] == "done" for t in tasks.values()), tasks
     assert set(tasks) == {"plan", "worker0", "worker1"}
     assert tasks["worker0"]["after"] == ["plan"] and tasks["plan"]["after"] == []
     assert all(t["engine"] for t in tasks.values())
     assert tasks["plan"]["output"] == plan_text
     assert tasks["worker1"]["first_token_s"] is not None  # streamed
+    # The planner tagged the workers' prompts: the system prompt static, the planner's context
+    # (which it said two children extend) shared, each worker's own ask transient.
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=2,
+        messages=[system, {"role": "assistant", "content": plan_text},
+                  {"role": "user", "content": "Research part 2, at length. " * 4}],
+        extra_headers={"X-KVGate-Workflow": wf, "X-KVGate-Task": "worker2",
+                       "X-KVGate-After": "plan"})
+    seg = dict(kv.split("=") for kv in raw.headers["x-kvgate-segments"].split(","))
+    assert int(seg["static"]) > 0 and int(seg["shared"]) > 0 and int(seg["transient"]) > 0
 
 
 def test_bad_hints_are_a_400_naming_them(replicas: tuple[Child, Child]) -> None:

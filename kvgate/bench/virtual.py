@@ -17,6 +17,7 @@ import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from adapters.sim.model import (
     BlockRemoved,
@@ -48,6 +49,7 @@ from planner.events import (
 from planner.hints import RequestHints
 from planner.policy import PolicyContext, RouteRequest, scrape_interval
 from planner.profiles import EngineProfile
+from planner.segments import SegmentKind, Segments, from_token_runs
 
 MODEL = "kvgate-bench"
 
@@ -319,6 +321,46 @@ class PromptBuilder:
             messages.append(m)
         return self.renderer.render(messages, task.tools, task.tools_key)
 
+    def segments(self, wf: BenchWorkflow, task: BenchTask, pieces: Sequence[Piece],
+                 block_size: int) -> Segments:
+        """The prompt's segments: the spec's explicit kinds; else system messages and tools
+        static, a parent's output shared when several tasks read it, the rest transient; and
+        everything before the last shared piece shared too (the parent's context its children
+        extend). Trace prompts (blocks, no messages) are transient."""
+        if task.blocks:
+            return from_token_runs([("transient", sum(len(p.ids) for p in pieces))], block_size)
+        readers: dict[str, int] = {}
+        for t in wf.tasks:
+            for dep in t.after:
+                readers[dep] = readers.get(dep, 0) + 1
+        messages = list(task.messages)
+        kinds: list[SegmentKind] = []
+        j = 0
+        for p in pieces:
+            if p.key == "<bos>":
+                kinds.append("static")
+            elif p.key.startswith("tools:"):
+                kinds.append("static")
+                lead = messages[j] if j < len(messages) else None
+                if isinstance(lead, ChatMessage) and lead.role in ("system", "developer"):
+                    j += 1
+            elif p.key == "<generation>" or j >= len(messages):
+                kinds.append("transient")
+            else:
+                m = messages[j]
+                j += 1
+                if isinstance(m, OutputRef):
+                    kinds.append("shared" if readers.get(m.task, 0) > 1 else "transient")
+                elif m.kind in ("static", "shared", "transient"):
+                    kinds.append(cast(SegmentKind, m.kind))
+                else:
+                    kinds.append("static" if m.role in ("system", "developer") else "transient")
+        if "shared" in kinds:
+            last = len(kinds) - 1 - kinds[::-1].index("shared")
+            kinds = [k if k == "static" or i > last else "shared" for i, k in enumerate(kinds)]
+        return from_token_runs([(k, len(p.ids)) for k, p in zip(kinds, pieces, strict=True)],
+                               block_size)
+
     def shape(self, wf: BenchWorkflow, task: BenchTask) -> tuple[list[tuple[str, int]],
                                                                  list[tuple[str, int]]]:
         """(prompt, prompt continued by the output) as named token counts, for the bound."""
@@ -513,7 +555,8 @@ class VirtualRun:
             max_tokens=task.output_tokens)
         self._waiting[rid] = _Waiting(record, wf, task, route, keys.token_ids)
         hints = RequestHints(workflow=wf.id, task=task.id, after=tuple(task.after))
-        self.planner.admit(Call(route, hints=hints), self.now)
+        segments = self.builder.segments(wf, task, pieces, self.block_size)
+        self.planner.admit(Call(route, hints=hints, segments=segments), self.now)
         self._release()
 
     def _release(self) -> None:

@@ -324,7 +324,8 @@ def compile_workflow(spec: Workflow, wf_id: str, vocab: Vocabulary,
         messages: list[ChatMessage | OutputRef] = []
         for m in t.messages:
             if isinstance(m, SegmentRef):
-                messages.append(ChatMessage(spec.segments[m.segment].role, contents[m.segment]))
+                seg = spec.segments[m.segment]
+                messages.append(ChatMessage(seg.role, contents[m.segment], seg.kind))
             elif isinstance(m, LiteralMessage):
                 messages.append(ChatMessage(m.role, Content(f"lit:{_digest(m.content)}",
                                                             m.content)))
