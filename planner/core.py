@@ -19,15 +19,16 @@ Two release policies:
   dispatched unless the policy holds it; held requests are offered again, oldest first, whenever
   load changes (a first token, a finish, a scrape, an engine's health). That reproduces every
   per-request router exactly (the seeded-report gate, tests/test_seeded_reports.py).
-- `batch` (SBS, ANCHORS.md): work-conserving — a request goes out at once while some engine has
-  headroom (less than `PREFILL_STEPS_QUEUED` full prefill steps of the gateway's own prompts
-  waiting for their first token, and fewer requests than its `max_num_seqs`). When every engine
-  is backed up, requests wait in the gateway's buffer and are released on every load change and
-  at least once per interval (the engines' observed gap between first tokens while backed up,
-  the profile's full prefill step until observed), in priority order (planner/priorities.py),
-  each onto the engine the routing policy's cost picks, until every engine is backed up again:
-  a batch water-fills the engines' prefill capacity; siblings that share a prefix rank together
-  and follow each other onto the engine whose (speculative) index entries hold it.
+- `batch` (SBS, ANCHORS.md): calls wait in the gateway's buffer, ranked by priority
+  (planner/priorities.py), and each release offers them in that order to the routing policy; a
+  call goes out when the engine the policy picks can take it: a small uncached prompt always,
+  a larger one while the engine's queue of the gateway's prompts awaiting a first token stays
+  within `PREFILL_STEPS_QUEUED` full prefill steps (work-conserving: an engine with nothing
+  queued always takes the next call). Releases run on every admission and load change and at
+  least once per interval (the engines' observed gap between first tokens while backed up, a
+  full prefill step of the profile until observed). A buffered call is placed with the
+  prefixes the planner sent while it waited counted as held (its index matches date from its
+  admission), so siblings that share a prefix follow each other onto the engine that holds it.
 
 Each request's state moves only along `TRANSITIONS`; anything else raises `IllegalTransition`.
 """
@@ -35,11 +36,11 @@ Each request's state moves only along `TRANSITIONS`; anything else raises `Illeg
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvindex.index import BlockKey
+from kvindex.index import BlockKey, EngineMatch
 from planner.actions import Action, Dispatch, Reject
 from planner.dag import IllegalTransition
 from planner.events import (
@@ -64,7 +65,6 @@ from planner.policy import (
     PolicyContext,
     RouteRequest,
     RoutingPolicy,
-    candidates,
     make_policy,
     placement_of,
     policy_names,
@@ -77,6 +77,14 @@ PREFILL_STEPS_QUEUED = 2.0
 """Under `batch` release, an engine has headroom while the gateway's prompts waiting there for
 their first token add up to fewer than this many full prefill steps (`max_num_batched_tokens`):
 enough queued to keep its batches full, no more committed to it ahead of time."""
+
+RECENT_PLACEMENT_S = 2.0
+"""How long a placement counts as holding its prompt for buffered requests (the index's own
+speculative entries live as long, by default)."""
+
+SMALL_PREFILL = 1 / 16
+"""A prompt whose uncached part is at most this share of a prefill step never waits: it adds
+next to nothing to the engine's prefill queue (a cached continuation, a short question)."""
 
 EWMA_ALPHA = 0.2
 
@@ -243,6 +251,8 @@ class Planner:
         self._buffer: list[str] = []
         self._wakeup: float | None = None
         self._step_gap: dict[str, float] = {}
+        self._placed: deque[tuple[float, str, tuple[BlockKey, ...]]] = deque()
+        """Under batch release, the prompts placed lately: (when, engine, block keys)."""
         self._last_first_token: dict[str, float] = {}
         self.speculative_ttl_s = speculative_ttl_s if policy.speculative_entries else 0.0
         """Index entries for dispatched prompts live this long; only for policies whose peer
@@ -427,36 +437,51 @@ class Planner:
             self._buffer.sort(key=lambda r: (rank(reqs[r].call.hints), order[r]))
         actions: list[Action] = []
         waiting: list[str] = []
-        backed_up = False
         for rid in self._buffer:
-            if backed_up:
-                waiting.append(rid)
-                continue
-            req = self._requests[rid]
-            views = self.views(req.call.exclude)
-            open_views = [v for v in views if self._headroom(v)]
-            if not open_views:
-                try:
-                    candidates(req.call.route, views)
-                except NoEngineAvailable:
-                    self._offer(rid, now, actions, views)  # rejected with the reason
-                    continue
-                backed_up = True
-                waiting.append(rid)
-                continue
-            if not self._offer(rid, now, actions, views):
+            if not self._offer(rid, now, actions, fits=self._fits, fresh=True):
                 waiting.append(rid)
         self._buffer = waiting
         self._wakeup = now + self._interval() if waiting else None
         return actions
 
-    def _headroom(self, v: EngineView) -> bool:
-        if not v.healthy:
-            return False
+    def _with_recent_placements(self, route: RouteRequest, now: float) -> RouteRequest:
+        """The request's index matches as of now: a request that waited in the buffer was
+        matched when it was admitted, before the planner placed its siblings; the prefixes
+        the planner sent since (`RECENT_PLACEMENT_S`) count as held where they went, as the
+        index's speculative entries would."""
+        placed = self._placed
+        while placed and placed[0][0] < now - RECENT_PLACEMENT_S:
+            placed.popleft()
+        if not placed or not route.block_keys:
+            return route
+        keys = route.block_keys
+        best: dict[str, int] = {}
+        for _, engine, sent in placed:
+            n = common_prefix(keys, sent)
+            if n > best.get(engine, 0):
+                best[engine] = n
+        matches = dict(route.matches)
+        changed = False
+        for engine, n in best.items():
+            m = matches.get(engine)
+            if m is None or m.blocks < n:
+                matches[engine] = EngineMatch(engine, n, m.confirmed_blocks if m else 0,
+                                              float(max(n, m.weighted_blocks if m else 0)))
+                changed = True
+        return replace(route, matches=matches) if changed else route
+
+    def _fits(self, route: RouteRequest, engine: EngineView) -> bool:
+        """The request may go to `engine` now: the engine takes another sequence, and the
+        request's uncached prompt is small or still fits in the engine's prefill headroom
+        (`PREFILL_STEPS_QUEUED` full steps of the gateway's prompts awaiting a first token)."""
         assert self._profile_of is not None
-        profile = self._profile_of(v.name)
-        return (v.queued_prefill_tokens < PREFILL_STEPS_QUEUED * profile.max_num_batched_tokens
-                and v.in_flight < profile.max_num_seqs)
+        profile = self._profile_of(engine.name)
+        if engine.in_flight >= profile.max_num_seqs:
+            return False
+        uncached = route.prompt_tokens - route.cached_tokens(engine.name, engine.block_size)
+        budget = profile.max_num_batched_tokens
+        return (engine.queued_prefill_tokens == 0 or uncached <= SMALL_PREFILL * budget
+                or engine.queued_prefill_tokens + uncached <= PREFILL_STEPS_QUEUED * budget)
 
     def _interval(self) -> float:
         """The batch interval: the engines' observed gap between first tokens while backed up
@@ -482,13 +507,19 @@ class Planner:
     # -- placing --------------------------------------------------------------------------------
 
     def _offer(self, rid: str, now: float, actions: list[Action],
-               views: list[EngineView] | None = None) -> bool:
+               views: list[EngineView] | None = None,
+               fits: Callable[[RouteRequest, EngineView], bool] | None = None,
+               fresh: bool = False) -> bool:
         """Let the policy place one request (among `views`, else every engine but those the
-        request excludes); False if it holds it."""
+        request excludes); False if it holds it, or if `fits` says the engine it chose cannot
+        take it yet (batch release; the policy's `choose` must then be free of side effects,
+        as the cost model's is)."""
         req = self._requests[rid]
         route = req.call.route
         if views is None:
             views = self.views(req.call.exclude)
+        if fresh:
+            route = self._with_recent_placements(route, now)
         group = self._sibling_group(req.call.hints)
         if group is not None:
             members = self._groups.get(group)
@@ -510,6 +541,10 @@ class Planner:
             return True
         placement = placement_of(choice)
         engine = placement.engine
+        if fits is not None:
+            chosen = next(v for v in views if v.name == engine)
+            if not fits(route, chosen):
+                return False
         rec = self.engines[engine]
         req.outstanding = open_dispatch(route, engine, rec.load, self._block_size_of(engine))
         req.move(RequestState.DISPATCHED)
@@ -519,6 +554,8 @@ class Planner:
             self._groups.setdefault(group, {})[rid] = (engine, finish)
             self._group_of[rid] = group
         ttl = self.speculative_ttl_s
+        if self.release_mode == "batch" and route.block_keys:
+            self._placed.append((now, engine, route.block_keys))
         priority = (self.priorities.engine_priority(req.call.hints)
                     if self.priorities is not None else None)
         actions.append(Dispatch(

@@ -316,3 +316,30 @@ def test_every_policy_module_is_registered_explicitly() -> None:
 
     found = {f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)}
     assert found == set(POLICY_MODULES)
+
+
+def test_a_buffered_call_sees_the_prefixes_placed_while_it_waited() -> None:
+    p = batch_planner()
+    seen: dict[str, RouteRequest] = {}
+    choose = p.policy.choose
+
+    def spy(route: RouteRequest, engines: Any, now: float) -> Any:
+        seen[route.request_id] = route
+        return choose(route, engines, now)
+
+    p.policy.choose = spy  # type: ignore[method-assign]
+    for i in range(4):  # two full steps on each engine: both backed up
+        p.admit(long_call(f"f{i}"), 0.0)
+    p.release(0.0)
+    keys = tuple(range(1000, 1000 + BUDGET // 32))
+    for rid in ("s1", "s2"):  # siblings on a context nobody holds yet, half a step long
+        p.admit(Call(RouteRequest(rid, "m", prompt_tokens=BUDGET // 2 + 5, block_keys=keys,
+                                  max_tokens=16)), 0.1)
+    assert p.release(0.1) == [] and p.buffered == 2
+    p.on_event(FirstToken("f0"), 0.5)
+    sent = [a for a in p.release(0.5) if isinstance(a, Dispatch)]
+    assert [a.request_id for a in sent][:1] == ["s1"]
+    # Matched when admitted, s2 knew of no holder; offered after s1 went out, it sees s1's
+    # engine as holding the whole prefix, as the index's speculative entries would.
+    match = seen["s2"].matches.get(sent[0].engine)
+    assert match is not None and match.blocks == len(keys)
