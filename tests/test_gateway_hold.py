@@ -63,8 +63,8 @@ class GatedEngine:
                                   "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]})
 
 
-def send(url: str, name: str) -> tuple[int, dict[str, Any]]:
-    body = json.dumps({"model": "gated", "prompt": [7] * PROMPT_TOKENS, "max_tokens": 1,
+def send(url: str, name: str, token: int = 7) -> tuple[int, dict[str, Any]]:
+    body = json.dumps({"model": "gated", "prompt": [token] * PROMPT_TOKENS, "max_tokens": 1,
                        "user": name}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -134,14 +134,15 @@ def test_kvgate_buffers_in_the_gateway_while_every_engine_is_backed_up(
 ) -> None:
     # Batch release: one 40,000-token prompt is more than 2 full prefill steps (cpu-tiny's
     # 4,096 batched tokens) waiting at the only engine, so the next ones wait in the buffer and
-    # go out in arrival order as the engine drains.
+    # go out in arrival order as the engine drains. (Three different prompts: a repeat of one
+    # just sent would be a cached continuation, which never waits.)
     engine, gw = gated_gateway(60.0, "kvgate")
     with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(send, gw.url, "a")]
+        futures = [pool.submit(send, gw.url, "a", 7)]
         wait_for(lambda: len(engine.arrived) == 1)
-        futures.append(pool.submit(send, gw.url, "b"))
+        futures.append(pool.submit(send, gw.url, "b", 8))
         wait_for(lambda: metric(gw.url, "kvgate_planner_buffered") == 1.0)
-        futures.append(pool.submit(send, gw.url, "c"))
+        futures.append(pool.submit(send, gw.url, "c", 9))
         wait_for(lambda: metric(gw.url, "kvgate_planner_buffered") == 2.0)
         assert engine.arrived == ["a"] and not any(f.done() for f in futures)
         engine.gate.set()
