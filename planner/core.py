@@ -82,6 +82,10 @@ RECENT_PLACEMENT_S = 2.0
 """How long a placement counts as holding its prompt for buffered requests (the index's own
 speculative entries live as long, by default)."""
 
+RECENT_PLACEMENTS = 256
+"""At most this many recent placements are compared with each buffered call (a bound on the
+work of a release at high rates)."""
+
 SMALL_PREFILL = 1 / 16
 """A prompt whose uncached part is at most this share of a prefill step never waits: it adds
 next to nothing to the engine's prefill queue (a cached continuation, a short question)."""
@@ -450,7 +454,8 @@ class Planner:
         the planner sent since (`RECENT_PLACEMENT_S`) count as held where they went, as the
         index's speculative entries would."""
         placed = self._placed
-        while placed and placed[0][0] < now - RECENT_PLACEMENT_S:
+        while placed and (placed[0][0] < now - RECENT_PLACEMENT_S
+                          or len(placed) > RECENT_PLACEMENTS):
             placed.popleft()
         if not placed or not route.block_keys:
             return route
