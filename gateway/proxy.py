@@ -130,7 +130,8 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
 def static_blocks(state: GatewayState, route: str, body: dict[str, Any]) -> int:
     """Full index blocks of a chat call's leading system messages and tools (its static
     segment), by rendering them alone: chat templates render a conversation's prefix first.
-    0 for completions or when nothing static leads."""
+    0 for completions or when no system message leads (tools alone render differently
+    without one in some templates, so they are not counted then)."""
     if route != "/v1/chat/completions":
         return 0
     messages = body.get("messages")
@@ -142,11 +143,11 @@ def static_blocks(state: GatewayState, route: str, body: dict[str, Any]) -> int:
         if not (isinstance(m, dict) and m.get("role") in ("system", "developer")):
             break
         lead.append(m)
-    if not lead and not isinstance(tools, list):
+    if not lead:
         return 0
     salt = body.get("cache_salt")
     try:
-        keys = state.keyer.chat(lead or [{"role": "system", "content": ""}],
+        keys = state.keyer.chat(lead,
                                 tools=tools if isinstance(tools, list) else None,
                                 extras=KeyExtras(cache_salt=salt if isinstance(salt, str)
                                                  else None),
@@ -250,9 +251,10 @@ class Proxy:
         for _ in range(state.config.retries + 1):
             try:
                 d = await self._place(route_req, tried, hints, static)
-            except GatewayError as e:
+            except BaseException as e:
                 if recorder is not None:
-                    recorder.finished(None, str(e))
+                    recorder.finished(None, str(e) if isinstance(e, GatewayError)
+                                      else "the client went away before the call was placed")
                 raise
             engine = d.engine
             tried.add(engine)
@@ -483,6 +485,7 @@ class Proxy:
         # SSE is forwarded in whole events only, so an error event can follow cleanly if the
         # engine dies mid-event; the incomplete tail waits for the rest of its event.
         tail = b""
+        done = False
         try:
             await resp.prepare(request)
             while True:
@@ -504,7 +507,17 @@ class Proxy:
                     if not chunk:
                         continue
                     flight.streamed_tokens += _token_events(chunk)
+                    if b"data: [DONE]" in chunk:
+                        # vLLM's last event: the answer is whole once it is written, even if
+                        # the client hangs up right after reading it (as the openai client may,
+                        # which cancels this handler before the engine's stream ends).
+                        done = True
                 await resp.write(chunk)
+                if done:
+                    flight.status = upstream.status
+            # The engine answered in full: a client that hangs up once it has read the last
+            # event (as the openai client may) does not make the call a failure.
+            flight.status = upstream.status
             if tail:
                 await resp.write(tail)
             await resp.write_eof()

@@ -389,7 +389,8 @@ def test_hint_mode_agent_with_the_openai_client_shows_up_as_a_workflow(
         if all(t["state"] == "done" for t in tasks.values()) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert all(t["state"] == "done" for t in tasks.values()), tasks
+    assert all(t["state"] == "done" for t in tasks.values()), {
+        k: (t["state"], t["error"]) for k, t in tasks.items()}
     assert set(tasks) == {"plan", "worker0", "worker1"}
     assert tasks["worker0"]["after"] == ["plan"] and tasks["plan"]["after"] == []
     assert all(t["engine"] for t in tasks.values())
