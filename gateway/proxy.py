@@ -42,7 +42,7 @@ from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
 from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
 from planner.policy import RouteRequest
-from planner.segments import KINDS
+from planner.segments import KINDS, static_lead
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,6 @@ SEGMENTS_HEADER = "x-kvgate-segments"
 """On a hint-mode call's answer: its prompt's full blocks by kind, e.g. `static=3,shared=9,..`."""
 RETRYING = -1
 """`_Flight.status` of a call whose engine failed before answering: it is sent elsewhere."""
-SESSION_HEADER = "x-session-id"
 
 
 def forward_headers(headers: Any) -> CIMultiDict[str]:
@@ -103,8 +102,7 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
 
     A prompt the gateway cannot key is still forwarded: the engine is the authority on validity.
     """
-    salt = body.get("cache_salt")
-    extras = KeyExtras(cache_salt=salt if isinstance(salt, str) else None)
+    extras = key_extras(body)
     try:
         if route == "/v1/chat/completions":
             messages = body.get("messages")
@@ -127,31 +125,27 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
     return None
 
 
+def key_extras(body: dict[str, Any]) -> KeyExtras:
+    """The body's fields that enter the block keys (`cache_salt`)."""
+    salt = body.get("cache_salt")
+    return KeyExtras(cache_salt=salt if isinstance(salt, str) else None)
+
+
 def static_blocks(state: GatewayState, route: str, body: dict[str, Any]) -> int:
-    """Full index blocks of a chat call's leading system messages and tools (its static
-    segment), by rendering them alone: chat templates render a conversation's prefix first.
+    """Full index blocks of a chat call's static segment (`planner.segments.static_lead`, with
+    the tools), by rendering it alone: chat templates render a conversation's prefix first.
     0 for completions or when no system message leads (tools alone render differently
     without one in some templates, so they are not counted then)."""
-    if route != "/v1/chat/completions":
-        return 0
     messages = body.get("messages")
-    tools = body.get("tools")
-    if not isinstance(messages, list):
+    if route != "/v1/chat/completions" or not isinstance(messages, list):
         return 0
-    lead = []
-    for m in messages:
-        if not (isinstance(m, dict) and m.get("role") in ("system", "developer")):
-            break
-        lead.append(m)
+    lead = static_lead(messages)
     if not lead:
         return 0
-    salt = body.get("cache_salt")
+    tools = body.get("tools")
     try:
-        keys = state.keyer.chat(lead,
-                                tools=tools if isinstance(tools, list) else None,
-                                extras=KeyExtras(cache_salt=salt if isinstance(salt, str)
-                                                 else None),
-                                add_generation_prompt=False)
+        keys = state.keyer.chat(lead, tools=tools if isinstance(tools, list) else None,
+                                extras=key_extras(body), add_generation_prompt=False)
     except (TokenizerError, ValueError, TypeError, KeyError):
         return 0
     return len(keys.keys)
@@ -202,7 +196,6 @@ class Proxy:
         if state.planner.knows(request_id):
             # The client reused an id still in flight: the planner needs them told apart.
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        session = hints.session or request.headers.get(SESSION_HEADER) or body.get("user")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:
             max_tokens = hints.osl
@@ -215,7 +208,7 @@ class Proxy:
         return RouteRequest(
             request_id=request_id,
             model=model,
-            session_id=session if isinstance(session, str) else None,
+            session_id=hints.session,
             prompt_tokens=keys.num_tokens if keys else 0,
             block_keys=keys.keys if keys else (),
             block_size=state.config.index.block_size,
@@ -245,7 +238,7 @@ class Proxy:
         recorder = _Recorder.start(self, hints, route_req, body) if hints.in_workflow else None
         static = static_blocks(state, route, body) if hints.in_workflow else 0
         if recorder is not None:
-            await recorder.started
+            await recorder.started()
         tried: set[str] = set()
         last_error = ""
         for _ in range(state.config.retries + 1):
@@ -596,10 +589,9 @@ class _Recorder:
         salt = body.get("cache_salt")
         return cls(proxy, hints, route, salt if isinstance(salt, str) else None)
 
-    @property
-    def started(self) -> Any:
+    async def started(self) -> None:
         assert self.proxy.state.workflows is not None
-        return self.proxy.state.workflows.hinted_task_started(
+        await self.proxy.state.workflows.hinted_task_started(
             self.workflow, self.task, self.after, self.route.request_id, self.route.model,
             self.tenant)
 

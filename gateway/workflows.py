@@ -31,24 +31,20 @@ from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import ENGINE_HEADER, read_json
 from gateway.workflow_store import START, Json, WorkflowStore
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
-from planner.events import Event, TaskSpec, WorkflowOver, WorkflowSubmitted
+from planner.events import Event, WorkflowOver, WorkflowSubmitted
+from planner.hints import AFTER_HEADER, TASK_HEADER, WORKFLOW_HEADER
 from planner.workflow import (
-    LiteralMessage,
-    OutputOf,
-    SegmentRef,
     Workflow,
     WorkflowError,
     dependencies,
     load_workflow,
     render_task,
     runnable_problems,
+    task_specs,
 )
 
 log = logging.getLogger(__name__)
 
-WORKFLOW_HEADER = "X-KVGate-Workflow"
-TASK_HEADER = "X-KVGate-Task"
-AFTER_HEADER = "X-KVGate-After"
 
 SSE_KEEPALIVE_S = 15.0
 """A comment line this often on a quiet event stream (keeps proxies from timing it out)."""
@@ -269,34 +265,6 @@ def hint_state(snapshot: Json) -> Json:
     failed = any(t["state"] == TaskState.FAILED.value for t in tasks)
     return {**snapshot, "state": "failed" if failed else "done",
             "finished_s": max(t["finished_s"] or 0.0 for t in tasks)}
-
-
-CHARS_PER_TOKEN = 4
-"""For the planner's priorities only: a task's prompt length estimated from its text."""
-
-DEFAULT_OUTPUT_TOKENS = 128
-
-
-def task_specs(spec: Workflow) -> tuple[TaskSpec, ...]:
-    """What the planner's priorities need of each task: its dependencies and estimated sizes
-    (prompt text at `CHARS_PER_TOKEN`, parents' outputs at their output limits)."""
-    out_tokens = {t.id: t.output_tokens or t.max_tokens or DEFAULT_OUTPUT_TOKENS
-                  for t in spec.tasks}
-    specs = []
-    for t in spec.tasks:
-        chars = 0
-        prompt = 0
-        for m in t.messages:
-            if isinstance(m, SegmentRef):
-                seg = spec.segments[m.segment]
-                chars += len(seg.content or "") + len(json.dumps(seg.tools or []))
-            elif isinstance(m, LiteralMessage):
-                chars += len(m.content)
-            elif isinstance(m, OutputOf):
-                prompt += out_tokens[m.output_of]
-        specs.append(TaskSpec(t.id, dependencies(t), prompt + chars // CHARS_PER_TOKEN,
-                              out_tokens[t.id], t.think_time_s))
-    return tuple(specs)
 
 
 class WorkflowService:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 SegmentKind = Literal["static", "shared", "transient"]
 KINDS: tuple[SegmentKind, ...] = ("static", "shared", "transient")
@@ -99,6 +99,44 @@ def tag_blocks(num_blocks: int, static_blocks: int, context_blocks: int,
         ("static", static), ("shared" if context_shared else "transient", context - static),
         ("transient", num_blocks - context)]
     return from_token_runs(runs, 1)
+
+
+SYSTEM_ROLES = frozenset({"system", "developer"})
+"""Roles whose messages (with the tool definitions) make a prompt's static segment."""
+
+
+def message_kind(role: str, explicit: str | None = None, readers: int | None = None
+                 ) -> SegmentKind:
+    """One message's kind: its explicit kind (a spec segment's) wins; a parent's output
+    (`readers`: how many tasks read it) is shared when several do; a system message is static;
+    anything else is the branch's own, transient."""
+    if readers is not None:
+        return "shared" if readers > 1 else "transient"
+    if explicit in KINDS:
+        return explicit
+    return "static" if role in SYSTEM_ROLES else "transient"
+
+
+def tag_parts(parts: Sequence[tuple[SegmentKind, int]], block_size: int) -> Segments:
+    """Segments of a prompt given as consecutive `(kind, tokens)` parts: everything before its
+    last shared part is shared too, static aside (the parents' context its children extend)."""
+    kinds = [k for k, _ in parts]
+    if "shared" in kinds:
+        last = len(kinds) - 1 - kinds[::-1].index("shared")
+        kinds = [k if k == "static" or i > last else "shared" for i, k in enumerate(kinds)]
+    return from_token_runs([(k, n) for k, (_, n) in zip(kinds, parts, strict=True)],
+                           block_size)
+
+
+def static_lead(messages: Sequence[object]) -> list[dict[str, Any]]:
+    """The leading system messages of an OpenAI `messages` list: with the tools, the static
+    segment a chat template renders first."""
+    lead: list[dict[str, Any]] = []
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") in SYSTEM_ROLES):
+            break
+        lead.append(m)
+    return lead
 
 
 def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:

@@ -11,12 +11,15 @@ Validation names the problem: unknown ids, cycles, dangling `output_of`, an empt
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from planner.events import TaskSpec
 
 SegmentKind = Literal["static", "shared", "transient"]
 
@@ -132,6 +135,34 @@ class Workflow(BaseModel):
             if t.id == task_id:
                 return t
         raise KeyError(task_id)
+
+
+CHARS_PER_TOKEN = 4
+"""For the planner's priorities only: a task's prompt length estimated from its text."""
+
+DEFAULT_OUTPUT_TOKENS = 128
+
+
+def task_specs(spec: Workflow) -> tuple[TaskSpec, ...]:
+    """What the planner's priorities need of each task: its dependencies and estimated sizes
+    (prompt text at `CHARS_PER_TOKEN`, parents' outputs at their output limits)."""
+    out_tokens = {t.id: t.output_tokens or t.max_tokens or DEFAULT_OUTPUT_TOKENS
+                  for t in spec.tasks}
+    specs = []
+    for t in spec.tasks:
+        chars = 0
+        prompt = 0
+        for m in t.messages:
+            if isinstance(m, SegmentRef):
+                seg = spec.segments[m.segment]
+                chars += len(seg.content or "") + len(json.dumps(seg.tools or []))
+            elif isinstance(m, LiteralMessage):
+                chars += len(m.content)
+            elif isinstance(m, OutputOf):
+                prompt += out_tokens[m.output_of]
+        specs.append(TaskSpec(t.id, dependencies(t), prompt + chars // CHARS_PER_TOKEN,
+                              out_tokens[t.id], t.think_time_s))
+    return tuple(specs)
 
 
 def dependencies(task: Task) -> tuple[str, ...]:

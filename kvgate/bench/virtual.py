@@ -17,7 +17,6 @@ import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from adapters.sim.model import (
     BlockRemoved,
@@ -49,7 +48,7 @@ from planner.events import (
 from planner.hints import RequestHints
 from planner.policy import PolicyContext, RouteRequest, scrape_interval
 from planner.profiles import EngineProfile
-from planner.segments import SegmentKind, Segments, from_token_runs
+from planner.segments import SYSTEM_ROLES, SegmentKind, Segments, message_kind, tag_parts
 
 MODEL = "kvgate-bench"
 
@@ -323,43 +322,32 @@ class PromptBuilder:
 
     def segments(self, wf: BenchWorkflow, task: BenchTask, pieces: Sequence[Piece],
                  block_size: int) -> Segments:
-        """The prompt's segments: the spec's explicit kinds; else system messages and tools
-        static, a parent's output shared when several tasks read it, the rest transient; and
-        everything before the last shared piece shared too (the parent's context its children
-        extend). Trace prompts (blocks, no messages) are transient."""
+        """The prompt's segments by the planner's rules (`planner.segments`), each piece tagged
+        as the message it renders; the template's framing (BOS, tools) is static and its
+        generation prompt transient. Trace prompts (blocks, no messages) are transient."""
         if task.blocks:
-            return from_token_runs([("transient", sum(len(p.ids) for p in pieces))], block_size)
+            return tag_parts([("transient", sum(len(p.ids) for p in pieces))], block_size)
         readers: dict[str, int] = {}
         for t in wf.tasks:
             for dep in t.after:
                 readers[dep] = readers.get(dep, 0) + 1
         messages = list(task.messages)
-        kinds: list[SegmentKind] = []
+        parts: list[tuple[SegmentKind, int]] = []
         j = 0
         for p in pieces:
-            if p.key == "<bos>":
-                kinds.append("static")
-            elif p.key.startswith("tools:"):
-                kinds.append("static")
-                lead = messages[j] if j < len(messages) else None
-                if isinstance(lead, ChatMessage) and lead.role in ("system", "developer"):
-                    j += 1
-            elif p.key == "<generation>" or j >= len(messages):
-                kinds.append("transient")
-            else:
+            kind: SegmentKind = "transient"
+            if p.key == "<bos>" or p.key.startswith("tools:"):
+                kind = "static"
+                lead = messages[j] if j < len(messages) and p.key != "<bos>" else None
+                if isinstance(lead, ChatMessage) and lead.role in SYSTEM_ROLES:
+                    j += 1  # the template folds the leading system message into the tools
+            elif p.key != "<generation>" and j < len(messages):
                 m = messages[j]
                 j += 1
-                if isinstance(m, OutputRef):
-                    kinds.append("shared" if readers.get(m.task, 0) > 1 else "transient")
-                elif m.kind in ("static", "shared", "transient"):
-                    kinds.append(cast(SegmentKind, m.kind))
-                else:
-                    kinds.append("static" if m.role in ("system", "developer") else "transient")
-        if "shared" in kinds:
-            last = len(kinds) - 1 - kinds[::-1].index("shared")
-            kinds = [k if k == "static" or i > last else "shared" for i, k in enumerate(kinds)]
-        return from_token_runs([(k, len(p.ids)) for k, p in zip(kinds, pieces, strict=True)],
-                               block_size)
+                kind = (message_kind(m.role, readers=readers.get(m.task, 0))
+                        if isinstance(m, OutputRef) else message_kind(m.role, m.kind))
+            parts.append((kind, len(p.ids)))
+        return tag_parts(parts, block_size)
 
     def shape(self, wf: BenchWorkflow, task: BenchTask) -> tuple[list[tuple[str, int]],
                                                                  list[tuple[str, int]]]:
