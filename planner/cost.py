@@ -14,15 +14,7 @@ from dataclasses import dataclass, field
 
 from planner.policy import EngineView, RouteRequest
 from planner.profiles import EngineProfile
-
-
-@dataclass(frozen=True)
-class TransferLink:
-    """How KV moves between engines (NIXL over RDMA/NVLink, or nothing)."""
-
-    bandwidth_bytes_s: float = 0.0
-    """0 disables transfers: every miss is recomputed."""
-    setup_s: float = 0.002
+from planner.transfer import NO_LINK, TransferLink
 
 
 @dataclass(frozen=True)
@@ -108,7 +100,7 @@ class CostSettings:
     against 86% without)."""
     hot_spot_slack: int = 2
     """...cannot win on its cache: its cached tokens are priced as if recomputed."""
-    link: TransferLink = TransferLink()
+    link: TransferLink = NO_LINK
     transfer_min_tokens: int = 256
     """Pulling fewer missing tokens than this is never worth a transfer's setup."""
     externality: float = 1.0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvindex.index import BlockKey, EngineMatch
 from planner.profiles import DEFAULT_PROFILE, EngineProfile, get_profile
+from planner.transfer import NO_LINK, Pull, TransferLink
 
 if TYPE_CHECKING:
     from planner.cost import PlacementCost
@@ -106,6 +107,9 @@ class Placement:
 
     engine: str
     cost: PlacementCost | None = None
+    pull: Pull | None = None
+    """Copy the prompt's leading KV here from a peer first (only policies that declare
+    `moves_kv`; the planner sends a `Transfer` and dispatches once it is done)."""
 
 
 class NoEngineAvailable(Exception):
@@ -134,6 +138,9 @@ class RoutingPolicy(Protocol):
     """The peer records its routing decisions as short-lived index entries (the gateway's
     speculative entries). Drivers add them only for policies that declare it, so a baseline
     never gets a mechanism its peer does not ship by default."""
+    moves_kv: bool
+    """The peer copies KV between engines (a `Placement.pull`, prefetch, replication); the
+    planner moves KV only for policies that declare it."""
 
     def choose(
         self, request: RouteRequest, engines: Sequence[EngineView], now: float
@@ -179,6 +186,7 @@ class StatelessPolicy:
 
     name = "stateless"
     speculative_entries = False
+    moves_kv = False
 
     def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """Nothing to remember."""
@@ -215,6 +223,8 @@ class PolicyContext:
     default_profile: EngineProfile = field(default_factory=lambda: get_profile(DEFAULT_PROFILE))
     block_size: int = 16
     seed: int = 0
+    link: TransferLink = NO_LINK
+    """The KV transfer path between engines (none by default: every miss is recomputed)."""
 
     def profile(self, engine: str) -> EngineProfile:
         """The engine's profile."""

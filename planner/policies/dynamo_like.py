@@ -90,6 +90,7 @@ class DynamoKvRouter:
 
     name = "dynamo-like"
     speculative_entries = False
+    moves_kv = False
 
     def __init__(
         self,

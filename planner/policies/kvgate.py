@@ -23,6 +23,7 @@ class KvgatePolicy:
 
     name = "kvgate"
     speculative_entries = True
+    moves_kv = True
 
     def __init__(self, context: PolicyContext | None = None) -> None:
         ctx = context or PolicyContext()

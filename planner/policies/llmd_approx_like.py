@@ -60,6 +60,7 @@ class LlmdApproximateScheduler:
 
     name = "llmd-approx-like"
     speculative_entries = False
+    moves_kv = False
     metrics_interval_s = 0.05
     """llm-d's metrics refresh interval; drivers scrape this often for this policy."""
 

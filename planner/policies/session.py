@@ -51,6 +51,7 @@ class SessionAffinity:
 
     name = "session"
     speculative_entries = False
+    moves_kv = False
 
     def __init__(
         self,

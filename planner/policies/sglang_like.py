@@ -129,6 +129,7 @@ class SglangCacheAware:
 
     name = "sglang-like"
     speculative_entries = False
+    moves_kv = False
     reads_prompt_text = True
     """Tells drivers that can skip rendering the prompt text that this policy needs it."""
 
