@@ -126,6 +126,17 @@ def _microbench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _link_arg(text: str) -> str:
+    """Validate `--link` at parse time (argparse prints the error and exits 2)."""
+    from planner.transfer import parse_link
+
+    try:
+        parse_link(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvgate.bench.options import BenchOptions
     from kvgate.bench.runner import run_bench
@@ -148,7 +159,7 @@ def _bench(args: argparse.Namespace) -> int:
         mode=args.mode, json_out=args.json, plot_out=args.plot,
         progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
         workflow_trace=args.workflow_trace, goodput=args.goodput, slo_jct=args.slo_jct,
-        goodput_precision=args.goodput_precision,
+        goodput_precision=args.goodput_precision, link=args.link,
     )
     try:
         run_bench(options)
@@ -301,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--goodput-precision", type=float, default=0.05, metavar="P",
                        help="stop bisecting when the rates are within P of each other "
                             "(relative; default 0.05)")
+    bench.add_argument("--link", default="none", type=_link_arg,
+                       help="KV transfer link between engines: nvlink (450 GB/s), rdma "
+                            "(50 GB/s), none (default: no KV moves), or a bandwidth in GB/s")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 

@@ -47,4 +47,40 @@ class Reject:
     """Models healthy engines serve now, for the error message."""
 
 
-Action = Dispatch | Reject
+@dataclass(frozen=True)
+class Transfer:
+    """Copy the KV of the leading `tokens` of `origin`'s prompt from `source` to `destination`:
+    vLLM's NixlConnector two legs (VLLM_FACTS.md §6), the prefix alone as the prompt, `max_tokens`
+    1 on both. Drivers report `TransferDone` or `TransferFailed` with `move_id`."""
+
+    move_id: str
+    source: str
+    destination: str
+    origin: str
+    """A request whose prompt starts with the prefix (the driver has its token ids)."""
+    tokens: int
+    block_keys: tuple[BlockKey, ...]
+    """The prefix's block keys (index block size)."""
+    num_bytes: int
+    """KV bytes the planner expects to move (the destination's missing part)."""
+    reason: str
+    """`pull` (a placement needs it now), `prefetch` (a task about to be ready) or
+    `replicate` (a hot segment)."""
+
+
+@dataclass(frozen=True)
+class Warm:
+    """Compute the leading `tokens` of `origin`'s prompt on `engine` ahead of need (a prompt-only
+    request, `max_tokens` 1): the fallback where no transfer path exists."""
+
+    move_id: str
+    engine: str
+    origin: str
+    tokens: int
+    block_keys: tuple[BlockKey, ...]
+    reason: str
+
+
+Move = Transfer | Warm
+
+Action = Dispatch | Reject | Transfer | Warm

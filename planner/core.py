@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kvindex.index import BlockKey, EngineMatch
-from planner.actions import Action, Dispatch, Reject
+from planner.actions import Action, Dispatch, Move, Reject, Transfer
 from planner.dag import IllegalTransition
 from planner.events import (
     Cancelled,
@@ -52,16 +52,20 @@ from planner.events import (
     Event,
     Finished,
     FirstToken,
+    TransferDone,
+    TransferFailed,
     WorkflowOver,
     WorkflowSubmitted,
 )
 from planner.hints import RequestHints
 from planner.holding import HoldQueue
 from planner.ledger import GatewayLoad, Outstanding, close_dispatch, open_dispatch, prefill_done
+from planner.movement import MoveRecord, Moves, warm_of
 from planner.policy import (
     EngineView,
     Hold,
     NoEngineAvailable,
+    Placement,
     PolicyContext,
     RouteRequest,
     RoutingPolicy,
@@ -72,6 +76,7 @@ from planner.policy import (
 from planner.priorities import WorkflowPriorities
 from planner.profiles import EngineProfile
 from planner.segments import NO_SEGMENTS, Segments, common_prefix, tag_blocks
+from planner.transfer import NO_LINK, TransferLink
 
 PREFILL_STEPS_QUEUED = 2.0
 """Under `batch` release, an engine has headroom while the gateway's prompts waiting there for
@@ -106,14 +111,22 @@ class PlannerSettings:
     """Tell the routing policy when a call's siblings (the same workflow's calls in flight:
     the workflow ends only when every branch has) are predicted to finish, and where they
     run."""
+    prefetch: bool = False
+    """When a task with several children starts answering, copy its prompt's KV to the
+    engines its children are planned for (a transfer, or a warm-up where no link exists)."""
 
 
 VARIANTS: dict[str, PlannerSettings] = {
-    "kvgate": PlannerSettings("kvgate", release="batch", priorities=True, siblings=True),
+    "kvgate": PlannerSettings("kvgate", release="batch", priorities=True, siblings=True,
+                              prefetch=True),
+    "kvgate-no-prefetch": PlannerSettings("kvgate", release="batch", priorities=True,
+                                          siblings=True),
     "kvgate-no-batch": PlannerSettings("kvgate", release="immediate", priorities=True,
-                                       siblings=True),
-    "kvgate-no-priority": PlannerSettings("kvgate", release="batch", siblings=True),
-    "kvgate-no-siblings": PlannerSettings("kvgate", release="batch", priorities=True),
+                                       siblings=True, prefetch=True),
+    "kvgate-no-priority": PlannerSettings("kvgate", release="batch", siblings=True,
+                                          prefetch=True),
+    "kvgate-no-siblings": PlannerSettings("kvgate", release="batch", priorities=True,
+                                          prefetch=True),
     "kvgate-routing-only": PlannerSettings("kvgate"),
 }
 """The full planner and its ablations; every other name is a routing policy under `immediate`
@@ -137,6 +150,8 @@ class RequestState(enum.Enum):
     """Admitted; not offered to the routing policy yet."""
     HELD = "held"
     """The policy keeps it at the gateway until load changes."""
+    AWAITING_KV = "awaiting_kv"
+    """Placed; waits for its prefix to arrive at the engine (a transfer) before it is sent."""
     DISPATCHED = "dispatched"
     """Sent to an engine; no first token yet."""
     PREFILLED = "prefilled"
@@ -148,9 +163,11 @@ class RequestState(enum.Enum):
 
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     RequestState.QUEUED: frozenset({RequestState.HELD, RequestState.DISPATCHED,
-                                    RequestState.REJECTED, RequestState.CANCELLED}),
-    RequestState.HELD: frozenset({RequestState.DISPATCHED, RequestState.REJECTED,
-                                  RequestState.CANCELLED}),
+                                    RequestState.AWAITING_KV, RequestState.REJECTED,
+                                    RequestState.CANCELLED}),
+    RequestState.HELD: frozenset({RequestState.DISPATCHED, RequestState.AWAITING_KV,
+                                  RequestState.REJECTED, RequestState.CANCELLED}),
+    RequestState.AWAITING_KV: frozenset({RequestState.DISPATCHED, RequestState.CANCELLED}),
     RequestState.DISPATCHED: frozenset({RequestState.PREFILLED, RequestState.FINISHED}),
     RequestState.PREFILLED: frozenset({RequestState.FINISHED}),
     RequestState.FINISHED: frozenset(),
@@ -212,6 +229,9 @@ class _Request:
     state: RequestState = RequestState.QUEUED
     outstanding: Outstanding | None = None
     segments: Segments = NO_SEGMENTS
+    dispatch: Dispatch | None = None
+    """While AWAITING_KV: the dispatch to send once its move ends."""
+    move_id: str | None = None
 
     def move(self, to: RequestState) -> None:
         if to not in TRANSITIONS[self.state]:
@@ -233,6 +253,8 @@ class Planner:
         priorities: WorkflowPriorities | None = None,
         profile_of: Callable[[str], EngineProfile] | None = None,
         siblings: bool = False,
+        link: TransferLink = NO_LINK,
+        prefetch: bool = False,
     ) -> None:
         if release not in ("immediate", "batch"):
             raise ValueError(f"unknown release policy {release!r}; known: immediate, batch")
@@ -268,6 +290,15 @@ class Planner:
         self._queued: list[str] = []
         self._held: HoldQueue[str] = HoldQueue()
         self._load_changed = False
+        self.moves_kv = bool(getattr(policy, "moves_kv", False))
+        """The policy's peer moves KV (pulls; prefetch where the variant plans it)."""
+        self.link = link
+        self.moves = Moves(link)
+        self.prefetch = prefetch and self.moves_kv and profile_of is not None
+        self._children: dict[str, dict[str, int]] = {}
+        """Per submitted workflow, each task's number of children (what prefetch plans for)."""
+        self._ready: list[Action] = []
+        """Actions decided on an event, handed out at the next `release`."""
 
     # -- what drivers may read ------------------------------------------------------------------
 
@@ -305,7 +336,13 @@ class Planner:
     @property
     def pending(self) -> bool:
         """`release` may have something to do."""
-        return bool(self._queued) or (self._load_changed and bool(self._held or self._buffer))
+        return (bool(self._queued) or bool(self._ready)
+                or (self._load_changed and bool(self._held or self._buffer)))
+
+    @property
+    def wants_workflows(self) -> bool:
+        """The planner uses whole DAGs (`WorkflowSubmitted`): for priorities or prefetch."""
+        return self.priorities is not None or self.prefetch
 
     @property
     def buffered(self) -> int:
@@ -337,6 +374,8 @@ class Planner:
                     if observed:
                         self.policy.on_first_token(rid, req.outstanding.engine, now)
                     self._load_changed = True
+                    if self.prefetch:
+                        self._plan_prefetch(req, now)
             case Finished(request_id=rid, output_tokens=tokens):
                 req = self._requests.pop(rid, None)
                 if req is None:
@@ -362,6 +401,12 @@ class Planner:
                 req = self._requests.get(rid)
                 if req is None:
                     return
+                if req.state is RequestState.AWAITING_KV:
+                    self._stop_waiting(req)
+                    del self._requests[rid]
+                    self._order.pop(rid, None)
+                    req.move(RequestState.CANCELLED)
+                    return
                 if req.outstanding is not None:
                     raise IllegalTransition(f"request {rid!r} is at an engine already: report "
                                             "its end with Finished")
@@ -371,7 +416,18 @@ class Planner:
             case WorkflowSubmitted(workflow=wf, tasks=tasks):
                 if self.priorities is not None:
                     self.priorities.submit(wf, tasks)
+                if self.prefetch:
+                    children: dict[str, int] = {}
+                    for t in tasks:
+                        for parent in t.after:
+                            children[parent] = children.get(parent, 0) + 1
+                    self._children[wf] = children
+            case TransferDone(move_id=mid):
+                self._move_over(mid, ok=True, now=now)
+            case TransferFailed(move_id=mid):
+                self._move_over(mid, ok=False, now=now)
             case WorkflowOver(workflow=wf):
+                self._children.pop(wf, None)
                 self._lineage.pop(wf, None)
                 if self.priorities is not None:
                     self.priorities.forget(wf)
@@ -405,9 +461,16 @@ class Planner:
 
     def release(self, now: float) -> list[Action]:
         """What to do now (see the module docstring for each release policy)."""
+        ready: list[Action] = []
+        if self._ready:
+            ready, self._ready = self._ready, []
+        if self.moves:
+            for record in self.moves.overdue(now):
+                self.moves.stats.late += 1
+                self._dispatch_waiters(record, ready)
         if self.release_mode == "batch":
-            return self._release_batch(now)
-        actions: list[Action] = []
+            return ready + self._release_batch(now)
+        actions: list[Action] = ready
         if self._load_changed:
             self._load_changed = False
             if self._held:
@@ -421,9 +484,15 @@ class Planner:
         return actions
 
     def next_wakeup(self) -> float | None:
-        """When `release` must run again without an event (never under `immediate`; the next
-        batch interval while requests wait in the buffer under `batch`)."""
-        return self._wakeup
+        """When `release` must run again without an event: the next batch interval while
+        requests wait in the buffer (`batch` release), and the deadline of a move requests
+        wait for (they stop waiting then)."""
+        wake = self._wakeup
+        for record in self.moves:
+            if record.waiters:
+                d = record.deadline()
+                wake = d if wake is None or d < wake else wake
+        return wake
 
     # -- batch release (SBS) --------------------------------------------------------------------
 
@@ -534,6 +603,10 @@ class Planner:
                     at[engine_name] = at.get(engine_name, 0) + 1
                 finish = max(f for _, f in members.values())
                 route = replace(route, group_finish_s=max(0.0, finish - now), group_at=at)
+        if self.prefetch and len(self.moves):
+            arriving = self.moves.arriving(route.block_keys, now)
+            if arriving:
+                route = replace(route, arriving=arriving)
         try:
             choice = self.policy.choose(route, views, now)
         except Hold:
@@ -551,8 +624,17 @@ class Planner:
             if not fits(route, chosen):
                 return False
         rec = self.engines[engine]
-        req.outstanding = open_dispatch(route, engine, rec.load, self._block_size_of(engine))
-        req.move(RequestState.DISPATCHED)
+        wait = self._kv_move_for(rid, route, placement, now, actions)
+        placed_route = route
+        if wait is not None:
+            # The ledger counts the prefix as held there: it will be by the time it runs.
+            n = common_prefix(route.block_keys, wait.keys)
+            m = route.matches.get(engine)
+            if m is None or m.blocks < n:
+                placed_route = replace(route, matches={**route.matches, engine: EngineMatch(
+                    engine, n, n, float(n))})
+        req.outstanding = open_dispatch(placed_route, engine, rec.load,
+                                        self._block_size_of(engine))
         self.policy.on_dispatch(route, placement, now)
         if group is not None:
             finish = now + (placement.cost.total_s if placement.cost is not None else 0.0)
@@ -563,10 +645,128 @@ class Planner:
             self._placed.append((now, engine, route.block_keys))
         priority = (self.priorities.engine_priority(req.call.hints)
                     if self.priorities is not None else None)
-        actions.append(Dispatch(
+        dispatch = Dispatch(
             rid, engine, req.outstanding.cached_tokens, placement.cost,
-            route.block_keys if ttl > 0 else (), ttl, priority, req.segments))
+            route.block_keys if ttl > 0 else (), ttl, priority, req.segments)
+        if wait is not None:
+            req.move(RequestState.AWAITING_KV)
+            req.dispatch = dispatch
+            req.move_id = wait.action.move_id
+            wait.waiters.append(rid)
+        else:
+            req.move(RequestState.DISPATCHED)
+            actions.append(dispatch)
         return True
+
+    # -- KV movement ----------------------------------------------------------------------------
+
+    def _kv_move_for(self, rid: str, route: RouteRequest, placement: Placement, now: float,
+                     actions: list[Action]) -> MoveRecord | None:
+        """The move the request must wait for at its engine: a pull its placement asks for
+        (started here), or a move in flight that brings more of its prefix than the engine
+        holds (a prefetch); None to dispatch at once."""
+        engine = placement.engine
+        if not self.moves_kv:
+            return None
+        held = route.matches.get(engine)
+        held_blocks = held.blocks if held is not None else 0
+        pull = placement.pull
+        if pull is not None and self.link.enabled and pull.source != engine:
+            blocks = min(len(route.block_keys), pull.tokens // max(1, route.block_size))
+            if blocks > held_blocks:
+                record = self.moves.covering(engine, route.block_keys, blocks)
+                if record is not None:
+                    return record
+                keys = route.block_keys[:blocks]
+                return self._start_transfer(pull.source, engine, rid, keys, route.block_size,
+                                            held_blocks, "pull", now, actions)
+        arriving = route.arriving.get(engine)
+        if arriving is not None and arriving[0] > held_blocks:
+            return self.moves.covering(engine, route.block_keys, arriving[0])
+        return None
+
+    def _start_transfer(self, source: str, destination: str, origin: str,
+                        keys: tuple[BlockKey, ...], block_size: int, held_blocks: int,
+                        reason: str, now: float, actions: list[Action]) -> MoveRecord:
+        assert self._profile_of is not None
+        per_token = self._profile_of(destination).kv_bytes_per_token
+        num_bytes = max(0, len(keys) - held_blocks) * block_size * per_token
+        action: Move = Transfer(self.moves.new_id(), source, destination, origin,
+                                len(keys) * block_size, keys, num_bytes, reason)
+        eta = self.moves.transfer_eta(source, destination, num_bytes, now)
+        actions.append(action)
+        return self.moves.start(action, now, eta)
+
+    def _plan_prefetch(self, req: _Request, now: float) -> None:
+        """A task with several children is answering: copy its prompt (the context its
+        children extend) to the engines the policy plans them on, overlapped with its decode."""
+        hints = req.call.hints
+        out = req.outstanding
+        if hints.workflow is None or hints.task is None or out is None:
+            return
+        children = self._children.get(hints.workflow, {}).get(hints.task, 0)
+        if hints.expect_children is not None:
+            children = max(children, hints.expect_children)
+        planner_fn = getattr(self.policy, "plan_prefetch", None)
+        route = req.call.route
+        # The children's prompts repeat the parent's messages; its generation prompt's block
+        # may differ, so the last block stays behind.
+        keys = route.block_keys[:-1]
+        if children < 2 or planner_fn is None or not keys:
+            return
+        source = out.engine
+        destinations: list[str] = planner_fn(route, children, self.views(), now)
+        bs = route.block_size
+        for dest in dict.fromkeys(destinations):
+            if dest == source or dest not in self.engines:
+                continue
+            held = route.matches.get(dest)
+            held_blocks = held.blocks if held is not None else 0
+            if held_blocks >= len(keys) or self.moves.covering(dest, keys, len(keys)):
+                continue
+            if self.link.enabled:
+                self._start_transfer(source, dest, route.request_id, keys, bs, held_blocks,
+                                     "prefetch", now, self._ready)
+            else:
+                assert self._profile_of is not None
+                profile = self._profile_of(dest)
+                warm = warm_of(self.moves.new_id(), dest, route.request_id, keys, bs,
+                               "prefetch")
+                eta = now + profile.prefill_time((len(keys) - held_blocks) * bs,
+                                                 held_blocks * bs)
+                self._ready.append(warm)
+                self.moves.start(warm, now, eta)
+
+    def _move_over(self, move_id: str, ok: bool, now: float) -> None:
+        record = self.moves.end(move_id, ok)
+        if record is None:
+            return
+        self._dispatch_waiters(record, self._ready)
+        self._load_changed = True
+
+    def _dispatch_waiters(self, record: MoveRecord, actions: list[Action]) -> None:
+        """Send the requests that waited for a move (done, failed or late: a request whose
+        prefix did not arrive recomputes it)."""
+        for rid in record.waiters:
+            req = self._requests.get(rid)
+            if req is None or req.state is not RequestState.AWAITING_KV:
+                continue
+            assert req.dispatch is not None
+            req.move(RequestState.DISPATCHED)
+            actions.append(req.dispatch)
+            req.dispatch = None
+            req.move_id = None
+        record.waiters.clear()
+
+    def _stop_waiting(self, req: _Request) -> None:
+        """A request awaiting KV leaves: it no longer waits, and its ledger entry closes."""
+        if req.move_id is not None:
+            record = self.moves.get(req.move_id)
+            if record is not None and req.call.request_id in record.waiters:
+                record.waiters.remove(req.call.request_id)
+        if req.outstanding is not None:
+            close_dispatch(req.outstanding)
+        req.dispatch = None
 
     def segments_of(self, request_id: str) -> Segments | None:
         """The live request's segments."""
@@ -644,4 +844,4 @@ def make_planner(
     return Planner(policy, speculative_ttl_s=speculative_ttl_s,
                    engine_block_size=engine_block_size, release=settings.release,
                    priorities=priorities, profile_of=context.profile,
-                   siblings=settings.siblings)
+                   siblings=settings.siblings, link=context.link, prefetch=settings.prefetch)

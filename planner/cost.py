@@ -149,6 +149,14 @@ class CostModel:
         step = self.profile(engine).decode_step_time(max(1, batch), context_tokens)
         return step * self.correction.decode.get(engine, 1.0)
 
+    @staticmethod
+    def _confirmed_tokens(request: RouteRequest, e: EngineView) -> int:
+        m = request.matches.get(e.name)
+        if m is None or request.prompt_tokens <= 0:
+            return 0
+        held = min(m.confirmed_blocks * request.block_size, request.prompt_tokens - 1)
+        return held - held % e.block_size if e.block_size > 0 else held
+
     def _load(self, e: EngineView) -> int:
         return e.fresh_load if self.settings.fresh_load else e.load
 
@@ -165,8 +173,10 @@ class CostModel:
             hot_limit = mean_load * s.hot_spot_factor + s.hot_spot_slack
         output = request.max_tokens or s.default_output_tokens
         prompt = request.prompt_tokens
+        # A pull's source must hold the blocks for real (the engine's own events), not by a
+        # speculative entry for a prompt that may still be prefilling there.
         holders = sorted(
-            ((request.cached_tokens(e.name, e.block_size), e.name) for e in engines),
+            ((self._confirmed_tokens(request, e), e.name) for e in engines),
             reverse=True,
         )
         out = []
@@ -193,8 +203,20 @@ class CostModel:
                 with_transfer = t + self.prefill_seconds(e.name, prompt - best_cached, best_cached)
                 if with_transfer < prefill:
                     transfer, prefill, source = t, with_transfer - t, best_holder
+                    cached = best_cached
                 else:
                     moved = 0
+            coming = request.arriving.get(e.name)
+            if coming is not None:
+                # A move in flight brings the prefix: wait for it, if that beats the rest.
+                blocks, wait = coming
+                landed = min(blocks * request.block_size, prompt - 1)
+                if e.block_size > 0:
+                    landed -= landed % e.block_size
+                if landed > cached:
+                    after = self.prefill_seconds(e.name, prompt - landed, landed)
+                    if wait + after < transfer + prefill:
+                        transfer, prefill, cached, source, moved = wait, after, landed, None, 0
             batch = load + 1
             own = prompt + output // 2
             # The contexts already decoding there: the gateway's own in-flight prompts (its

@@ -73,6 +73,20 @@ class EngineScraped:
     kv_usage: float
 
 
+@dataclass(frozen=True)
+class TransferDone:
+    """A `Transfer` or `Warm` finished: its destination holds the prefix."""
+
+    move_id: str
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    """A `Transfer` or `Warm` failed (a leg was refused, the lease ran out, an engine died);
+    requests waiting for it go ahead and recompute."""
+
+    move_id: str
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -103,4 +117,4 @@ class WorkflowOver:
 
 
 Event = (FirstToken | Finished | Cancelled | EngineJoined | EngineLeft | EngineHealth
-         | EngineScraped | WorkflowSubmitted | WorkflowOver)
+         | EngineScraped | TransferDone | TransferFailed | WorkflowSubmitted | WorkflowOver)

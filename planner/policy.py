@@ -85,6 +85,9 @@ class RouteRequest:
     any. Only the planner knows it (from the workflow hints)."""
     group_at: Mapping[str, int] = field(default_factory=dict)
     """Those siblings in flight per engine."""
+    arriving: Mapping[str, tuple[int, float]] = field(default_factory=dict)
+    """Per engine, leading blocks of `block_keys` a KV move in flight brings there, and the
+    seconds until it lands (only the planner knows; only for policies that move KV)."""
 
     def cached_tokens(self, engine: str, engine_block_size: int = 0) -> int:
         """Prompt tokens the engine is expected to serve from its cache.

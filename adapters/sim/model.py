@@ -69,6 +69,8 @@ class RequestStatus(enum.Enum):
     """Where a request is in the engine."""
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    """Blocks allocated, the prompt's KV being pulled from a peer (vLLM's NixlConnector)."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -297,6 +299,29 @@ class BlockPool:
         return events
 
 
+@dataclass(frozen=True)
+class RemotePrefill:
+    """The consumer leg of a KV transfer: the prompt's KV beyond the local prefix hit is pulled
+    from the producer's exported blocks instead of computed (`do_remote_prefill`)."""
+
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVPull:
+    """A consumer request waits for `num_blocks` blocks (`num_tokens` prompt tokens) from a peer:
+    the caller moves them over its link model and reports back with `finish_remote_load`."""
+
+    request_id: str
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: tuple[int, ...]
+    num_blocks: int
+    num_tokens: int
+
+
 @dataclass
 class SimRequest:
     """A request inside the engine model; the server owns everything about its HTTP life."""
@@ -314,6 +339,14 @@ class SimRequest:
     priority: int = 0
     # Seeds the simulated sampler so the same prompt yields the same output, like greedy decoding.
     sample_seed: int = 0
+    remote_decode: bool = False
+    """Producer leg (`do_remote_decode`): on finishing, its blocks stay allocated for a peer to
+    pull until released or the lease expires; `exported_block_ids` names them."""
+    remote_prefill: RemotePrefill | None = None
+    """Consumer leg (`do_remote_prefill`)."""
+    exported_block_ids: tuple[int, ...] = ()
+    num_external_tokens: int = 0
+    """Prompt tokens pulled from a peer rather than computed or found in the local cache."""
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
@@ -382,6 +415,11 @@ class EngineStats:
     generation_tokens: int = 0
     num_preemptions: int = 0
     steps: int = 0
+    external_prefix_cache_queries: int = 0
+    """Prompt tokens a KV connector was asked for (vLLM's `external_prefix_cache_queries`)."""
+    external_prefix_cache_hits: int = 0
+    """Prompt tokens a KV connector loaded (`external_prefix_cache_hits`)."""
+    kv_pulled_blocks: int = 0
     busy_time: float = 0.0
     flops: float = 0.0
     """Model FLOPs executed (the roofline's count), for compute utilisation."""
@@ -400,6 +438,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     priority_scheduling: bool = False
     """vLLM's `--scheduling-policy priority` (False is its default, `fcfs`): see the module doc."""
+    kv_lease_s: float = 30.0
+    """How long a producer holds exported blocks for a peer (NixlConnector's lease)."""
 
     @property
     def scheduling_policy(self) -> str:
@@ -433,6 +473,11 @@ class EngineModel:
         self.requests: dict[str, SimRequest] = {}
         self.stats = EngineStats()
         self._prefix_memo: _PrefixMemo | None = None
+        # KV transfer: consumer requests whose blocks are being pulled, pulls not yet handed to
+        # the caller, and producer blocks held for peers (request id -> blocks, lease expiry).
+        self.loading: dict[str, SimRequest] = {}
+        self._pulls: list[KVPull] = []
+        self.exports: dict[str, tuple[list[KVBlock], float]] = {}
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -470,14 +515,60 @@ class EngineModel:
             return None
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self.loading[request_id]
         elif req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, FinishReason.ABORT, now)
         return req
 
     def has_work(self) -> bool:
-        """True while any request waits or runs."""
+        """True while any request waits or runs (a request waiting for remote KV waits on the
+        link, not on a step)."""
         return bool(self.waiting or self.running)
+
+    def drain_pulls(self) -> list[KVPull]:
+        """Pulls consumer requests started since the last drain."""
+        pulls, self._pulls = self._pulls, []
+        return pulls
+
+    def finish_remote_load(self, request_id: str, ok: bool) -> SimRequest | None:
+        """A consumer request's pull ended: its loaded blocks join the prefix cache (announced
+        as BlockStored) and it is scheduled again with them computed (the last prompt token is
+        recomputed for its logits). On failure it recomputes what it could not load."""
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return None
+        if ok:
+            external = req.num_prompt_tokens - req.num_computed_tokens
+            req.num_external_tokens = external
+            self.stats.external_prefix_cache_hits += external
+            self.stats.kv_pulled_blocks += len(req.blocks) - req.num_cached_blocks
+            computed = req.num_prompt_tokens
+            if computed >= req.num_tokens:
+                computed -= 1
+            req.num_computed_tokens = computed
+            self._cache_full_blocks(req, computed)
+            req.num_cached_tokens = computed
+        req.status = RequestStatus.WAITING
+        if self.config.priority_scheduling:
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
+        return req
+
+    def release_export(self, request_id: str) -> bool:
+        """The peer pulled a producer request's blocks: free them."""
+        held = self.exports.pop(request_id, None)
+        if held is None:
+            return False
+        self.pool.free(held[0])
+        return True
+
+    def expire_exports(self, now: float) -> None:
+        """Free exported blocks whose lease ran out (the peer never pulled them)."""
+        for rid in [r for r, (_, until) in self.exports.items() if until <= now]:
+            self.release_export(rid)
 
     @property
     def num_running(self) -> int:
@@ -486,8 +577,9 @@ class EngineModel:
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued (new or preempted)."""
-        return len(self.waiting)
+        """Requests queued (new or preempted), those waiting for remote KV included (vLLM keeps
+        them in its waiting queue)."""
+        return len(self.waiting) + len(self.loading)
 
     # -- prefix cache ---------------------------------------------------------------------------
 
@@ -652,6 +744,21 @@ class EngineModel:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.blocks:
+                # Back from a remote load: its blocks are allocated and its prompt computed.
+                num_cached = req.num_computed_tokens
+                n = min(req.num_tokens - num_cached, budget)
+                need = self._blocks_needed(req, num_cached + n)
+                if need > self.pool.num_free:
+                    break
+                self.waiting.popleft()
+                req.blocks.extend(self.pool.allocate(need))
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                self._cache_full_blocks(req, num_cached + n)
+                scheduled.append((req, n))
+                budget -= n
+                continue
             hits: list[KVBlock] = []
             # Reusing a cached block that sits in the free queue takes it out of the free count.
             reusable_free = 0
@@ -659,6 +766,10 @@ class EngineModel:
                 hits, reusable_free = self._cached_prefix(req)
             num_cached = len(hits) * self.config.block_size
             n = min(req.num_tokens - num_cached, budget)
+            loads = req.remote_prefill is not None and req.num_cached_tokens < 0
+            if loads:
+                # The whole prompt's blocks are allocated now and filled by the pull.
+                n = req.num_prompt_tokens - num_cached
             need = -(-(num_cached + n) // self.config.block_size) - len(hits)
             if need > self.pool.num_free - reusable_free:
                 break
@@ -669,6 +780,9 @@ class EngineModel:
             req.blocks.extend(self.pool.allocate(need))
             req.num_computed_tokens = num_cached
             req.num_cached_blocks = len(hits)
+            if loads:
+                self._start_remote_load(req, num_cached)
+                continue
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 self.stats.prefix_cache_queries += req.num_prompt_tokens
@@ -683,8 +797,30 @@ class EngineModel:
             budget -= n
         return scheduled
 
+    def _start_remote_load(self, req: SimRequest, num_cached: int) -> None:
+        """vLLM's WAITING_FOR_REMOTE_KVS: the request holds its blocks and waits off the queue
+        while the connector pulls what the local cache lacks."""
+        remote = req.remote_prefill
+        assert remote is not None
+        req.num_cached_tokens = num_cached
+        stats = self.stats
+        stats.prefix_cache_queries += req.num_prompt_tokens
+        stats.prefix_cache_hits += num_cached
+        stats.prompt_tokens += req.num_prompt_tokens
+        external = req.num_prompt_tokens - num_cached
+        stats.external_prefix_cache_queries += external
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[req.request_id] = req
+        # The producer's blocks line up with the prompt's; the local hit's are not pulled.
+        skip = req.num_cached_blocks
+        self._pulls.append(KVPull(
+            req.request_id, remote.remote_engine_id, remote.remote_request_id,
+            remote.remote_block_ids[skip:], len(req.blocks) - skip, external))
+
     def step(self, now: float) -> StepOutput:
         """Schedule and run one engine step starting at `now`."""
+        if self.exports:
+            self.expire_exports(now)
         scheduled = self._schedule(now)
         kv_events = self.pool.drain_events()
         new_tokens = attended = kv_tokens = 0.0
@@ -737,7 +873,12 @@ class EngineModel:
         return StepOutput(duration, outputs, finished, kv_events, int(new_tokens))
 
     def _finish(self, req: SimRequest, reason: FinishReason, now: float) -> None:
-        self.pool.free(req.blocks)
+        if req.remote_decode and reason is not FinishReason.ABORT and req.blocks:
+            # The producer keeps the prompt's blocks for the peer that will pull them.
+            req.exported_block_ids = tuple(b.block_id for b in req.blocks)
+            self.exports[req.request_id] = (req.blocks, now + self.config.kv_lease_s)
+        else:
+            self.pool.free(req.blocks)
         req.blocks = []
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -18,6 +18,7 @@ from kvgate.bench.virtual import Load, PromptBuilder
 from kvgate.bench.workloads import BenchWorkflow
 from planner.profile_file import load_profile_file
 from planner.profiles import EngineProfile, get_profile
+from planner.transfer import TransferLink, parse_link
 
 
 @dataclass
@@ -52,6 +53,8 @@ class BenchOptions:
     """The goodput SLO: mean JCT at most this many times the bound (default 1.5)."""
     goodput_precision: float = DEFAULT_PRECISION
     """Bisect until the passing and failing rates are this close (relative)."""
+    link: str = "none"
+    """The KV transfer link between engines: nvlink, rdma, none, or GB/s."""
 
     @property
     def name(self) -> str:
@@ -59,6 +62,10 @@ class BenchOptions:
         if self.workflow_trace is not None:
             return f"workflow-trace:{self.workflow_trace}"
         return self.workload or f"dag-file:{self.dag_file}"
+
+    def transfer_link(self) -> TransferLink:
+        """The link `--link` names."""
+        return parse_link(self.link)
 
     def engine_profile(self) -> EngineProfile:
         """The engines' profile: from --profile-file if given, else the built-in --profile."""

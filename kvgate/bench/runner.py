@@ -48,7 +48,6 @@ from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
 from planner.core import planner_names
 from planner.dag import DagNode, topological_order
-from planner.profiles import get_profile
 
 LIVE_ONLY_POLICIES = ("sglang-router",)
 DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,
@@ -158,14 +157,15 @@ def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     for policy in o.policies:
         run = VirtualRun(policy, prepared.workflows, prepared.load, profile, o.engines,
                          prepared.builder, seed=o.seed,
-                         progress=progress_bar(policy) if o.progress else None)
+                         progress=progress_bar(policy) if o.progress else None,
+                         link=o.transfer_link())
         runs[policy] = run.run()
     return runs
 
 
 def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
     """Each policy's goodput: the report's `goodput` section."""
-    profile = get_profile(o.profile)
+    profile = o.engine_profile()
     slo = o.slo_jct if o.slo_jct is not None else DEFAULT_SLO
     bound = prepared.bound
     first = start_rate(len(prepared.workflows), o.engines, sum(bound.jct_s.values()))
@@ -175,7 +175,7 @@ def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
         def probe(rate: float, policy: str = policy) -> GoodputPoint:
             load = Load(arrivals=poisson_arrivals(prepared.workflows, rate, o.seed))
             run = VirtualRun(policy, prepared.workflows, load, profile, o.engines,
-                             prepared.builder, seed=o.seed).run()
+                             prepared.builder, seed=o.seed, link=o.transfer_link()).run()
             jct = summarise(run)["jct_mean_s"]
             failed = sum(1 for w in run.workflows if w.failed or w.finished_s is None)
             x = jct / bound.jct_mean_s if bound.jct_mean_s > 0 else float("inf")

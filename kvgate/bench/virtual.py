@@ -18,11 +18,14 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from adapters.sim.link import LinkModel
 from adapters.sim.model import (
     BlockRemoved,
     EngineConfig,
     EngineModel,
     KVEvent,
+    KVPull,
+    RemotePrefill,
     SimRequest,
     StepOutput,
 )
@@ -33,7 +36,7 @@ from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef
 from kvindex.index import InMemoryIndex
 from kvindex.ingest import EventIngestor, apply_ops_sync
 from kvindex.keys import KeyExtras, PromptKeyer, block_key
-from planner.actions import Action, Dispatch
+from planner.actions import Action, Reject, Transfer, Warm
 from planner.core import Call, make_planner, planner_settings, reject_message
 from planner.dag import DagNode, DagRun, Wakeup
 from planner.events import (
@@ -42,6 +45,8 @@ from planner.events import (
     Finished,
     FirstToken,
     TaskSpec,
+    TransferDone,
+    TransferFailed,
     WorkflowOver,
     WorkflowSubmitted,
 )
@@ -49,6 +54,7 @@ from planner.hints import RequestHints
 from planner.policy import PolicyContext, RouteRequest, scrape_interval
 from planner.profiles import EngineProfile
 from planner.segments import SYSTEM_ROLES, SegmentKind, Segments, message_kind, tag_parts
+from planner.transfer import NO_LINK, TransferLink
 
 MODEL = "kvgate-bench"
 
@@ -185,6 +191,16 @@ class _Live:
     route: RouteRequest
     outputs: tuple[int, ...]
     output_piece: Piece
+    token_ids: Sequence[int]
+
+
+@dataclass
+class _Leg:
+    """One engine request of a KV move: a transfer's producer or consumer leg, or a warm-up."""
+
+    move: Transfer | Warm
+    token_ids: list[int]
+    cache_salt: str | None
 
 
 @dataclass
@@ -228,7 +244,8 @@ class Fleet:
 
     def __init__(self, names: list[str], profile: EngineProfile, eos_token_id: int,
                  sample: Callable[[SimRequest], int], index_block_size: int,
-                 bucket_s: float, priority_scheduling: bool = False) -> None:
+                 bucket_s: float, priority_scheduling: bool = False,
+                 link: TransferLink = NO_LINK) -> None:
         bs = profile.block_size
         num_blocks = profile.num_blocks(bs)
         self.config = EngineConfig(
@@ -246,6 +263,10 @@ class Fleet:
         self.bucket_s = bucket_s
         self.utilisation: dict[str, dict[int, float]] = {n: {} for n in names}
         self._dirty: list[_Engine] = []
+        self.link = LinkModel(link) if link.enabled else None
+        self.block_bytes = bs * profile.kv_bytes_per_token
+        self.pulls: list[tuple[float, str, KVPull]] = []
+        """Pulls the last kicks started: (when the link delivers, destination, pull)."""
 
     def add(self, engine: str, request: SimRequest) -> None:
         """Queue a request at an engine (it starts at the next kick)."""
@@ -269,12 +290,39 @@ class Fleet:
             if e.busy or not e.model.has_work():
                 continue
             out = e.model.step(now)
+            if e.model.loading:
+                for pull in e.model.drain_pulls():
+                    self._pull(e.name, pull, now)
             if out.num_scheduled_tokens == 0 and not out.outputs:
                 continue  # nothing schedulable until something finishes
             e.busy = True
             self._account(e, now, out)
             started.append((now + out.duration, e, out))
         return started
+
+    def _pull(self, destination: str, pull: KVPull, now: float) -> None:
+        if self.link is None:
+            # No transfer path: the connector's load fails at once and the engine recomputes.
+            self.pulls.append((now, destination, pull))
+            return
+        done = self.link.schedule(pull.remote_engine_id, destination,
+                                  pull.num_blocks * self.block_bytes, now)
+        self.pulls.append((done, destination, pull))
+
+    def pulled(self, destination: str, pull: KVPull) -> None:
+        """The link delivered a pull: the consumer goes on, the producer frees its blocks."""
+        dest = self.engines[destination]
+        dest.model.finish_remote_load(pull.request_id, ok=self.link is not None)
+        source = self.engines.get(pull.remote_engine_id)
+        if source is not None:
+            source.model.release_export(pull.remote_request_id)
+            self._dirty.append(source)
+        self._dirty.append(dest)
+
+    @property
+    def transferred_bytes(self) -> int:
+        """KV bytes moved between engines so far."""
+        return self.link.bytes_moved if self.link is not None else 0
 
     def step_done(self, e: _Engine, out: StepOutput, now: float) -> None:
         """A step ended: the engine may start another; its KV events reach the index."""
@@ -379,6 +427,7 @@ class VirtualRun:
         seed: int = 0,
         bucket_s: float = 1.0,
         progress: Callable[[int, int], None] | None = None,
+        link: TransferLink = NO_LINK,
     ) -> None:
         self.workflows = workflows
         self.load = load
@@ -393,13 +442,14 @@ class VirtualRun:
         self.speculative_ttl_s = index.speculative_ttl_s
         names = [f"engine-{i}" for i in range(engines)]
         ctx = PolicyContext(profiles=dict.fromkeys(names, profile), default_profile=profile,
-                            block_size=self.block_size, seed=seed)
+                            block_size=self.block_size, seed=seed, link=link)
         self.policy_name = policy
         # A planner that ranks calls runs its engines with `--scheduling-policy priority` (its
         # deployment); the per-request routers' engines run vLLM's default, fcfs.
         self.fleet = Fleet(names, profile, builder.vocab.tokenizer.eos_token_id, self._sample,
                            self.block_size, bucket_s,
-                           priority_scheduling=planner_settings(policy).priorities)
+                           priority_scheduling=planner_settings(policy).priorities,
+                           link=link)
         self.config = self.fleet.config
         self.index = self.fleet.index
         self.planner = make_planner(policy, ctx, speculative_ttl_s=self.speculative_ttl_s,
@@ -414,6 +464,7 @@ class VirtualRun:
         self._heap = EventHeap()
         self._live: dict[str, _Live] = {}
         self._waiting: dict[str, _Waiting] = {}
+        self._legs: dict[str, _Leg] = {}
         self._over = 0
         self._runs: dict[str, DagRun] = {}
         self._rid = itertools.count()
@@ -425,7 +476,9 @@ class VirtualRun:
     # -- engine model hooks ---------------------------------------------------------------------
 
     def _sample(self, req: SimRequest) -> int:
-        return self._live[req.request_id].outputs[len(req.output_token_ids)]
+        live = self._live.get(req.request_id)
+        # A move's legs answer one token nobody reads.
+        return live.outputs[len(req.output_token_ids)] if live is not None else 0
 
     # -- event loop -----------------------------------------------------------------------------
 
@@ -472,6 +525,9 @@ class VirtualRun:
                 finished += self._step_done(*data)
                 if self.progress is not None:
                     self.progress(finished, total)
+            elif kind == "pulled":
+                assert isinstance(data, tuple)
+                self.fleet.pulled(*data)
             elif kind == "wakeup":
                 if self._wakeup_at == t:
                     self._wakeup_at = None
@@ -488,11 +544,14 @@ class VirtualRun:
         engines = self.fleet.engines
         busy = {n: e.model.stats.busy_time for n, e in engines.items()}
         # As live mode reads it from /metrics: prefix-cache queries minus hits.
+        # As live mode reads it from /metrics: prefix-cache queries minus local and external
+        # hits.
         self.computed_prompt_tokens = sum(
             e.model.stats.prefix_cache_queries - e.model.stats.prefix_cache_hits
-            for e in engines.values())
+            - e.model.stats.external_prefix_cache_hits for e in engines.values())
         return RunResult(self.policy_name, self.records, list(self.wf_records.values()), busy,
                          self.fleet.utilisation, self.bucket_s, self.computed_prompt_tokens,
+                         transferred_bytes=self.fleet.transferred_bytes,
                          flops=sum(e.model.stats.flops for e in engines.values()),
                          peak_flops=self.profile.peak_flops)
 
@@ -504,13 +563,17 @@ class VirtualRun:
         """Start a step on every idle engine that may have work (those touched since)."""
         for end, e, out in self.fleet.kick(self.now):
             self._push(end, "step", (e, out))
+        if self.fleet.pulls:
+            for done, dest, pull in self.fleet.pulls:
+                self._push(done, "pulled", (dest, pull))
+            self.fleet.pulls = []
 
     # -- workflows ------------------------------------------------------------------------------
 
     def _arrive(self, wf: BenchWorkflow) -> None:
         self.wf_records[wf.id] = WorkflowRecord(wf.id, self.now)
         run = DagRun(wf.id, [DagNode(t.id, t.after, t.think_time_s) for t in wf.tasks])
-        if self.planner.priorities is not None:
+        if self.planner.wants_workflows:
             self.planner.on_event(WorkflowSubmitted(wf.id, tuple(
                 TaskSpec(t.id, tuple(t.after), sum(n for _, n in self.builder.shape(wf, t)[0]),
                          t.output_tokens, t.think_time_s) for t in wf.tasks)), self.now)
@@ -561,9 +624,12 @@ class VirtualRun:
             self._push(wake, "wakeup", None)
 
     def _carry_out(self, action: Action) -> None:
+        if isinstance(action, Transfer | Warm):
+            self._start_move(action)
+            return
         w = self._waiting.pop(action.request_id)
         record, wf, task, route = w.record, w.wf, w.task, w.route
-        if not isinstance(action, Dispatch):
+        if isinstance(action, Reject):
             record.failed = reject_message(action)
             self._task_failed(wf, task, record.failed)
             return
@@ -576,7 +642,7 @@ class VirtualRun:
         record.engine = engine_name
         self._runs[wf.id].dispatched(task.id, self.now)
         out_piece = self.builder.output_piece(wf, task)
-        self._live[rid] = _Live(record, wf, task, route, out_piece.ids, out_piece)
+        self._live[rid] = _Live(record, wf, task, route, out_piece.ids, out_piece, w.token_ids)
         same_blocks = self.config.block_size == self.block_size
         self.fleet.add(engine_name, SimRequest(
             request_id=rid, prompt_token_ids=list(w.token_ids), max_tokens=task.output_tokens,
@@ -584,6 +650,61 @@ class VirtualRun:
             cache_salt=wf.tenant,
             priority=action.priority if action.priority is not None else task.priority,
             block_hashes=list(route.block_keys) if same_blocks else []))
+
+    # -- KV moves -------------------------------------------------------------------------------
+
+    def _origin(self, request_id: str) -> tuple[Sequence[int], str | None] | None:
+        """Token ids and cache salt of a request the driver knows (waiting or in flight)."""
+        w = self._waiting.get(request_id)
+        if w is not None:
+            return w.token_ids, w.wf.tenant
+        live = self._live.get(request_id)
+        if live is not None:
+            return live.token_ids, live.wf.tenant
+        return None
+
+    def _start_move(self, move: Transfer | Warm) -> None:
+        """A transfer's first leg at its source (the prefix alone, `do_remote_decode`), or a
+        warm-up at its engine (the prefix alone, `max_tokens` 1)."""
+        origin = self._origin(move.origin)
+        if origin is None or len(origin[0]) < move.tokens or move.tokens <= 0:
+            self.planner.on_event(TransferFailed(move.move_id, "origin request gone"), self.now)
+            return
+        ids, salt = list(origin[0][:move.tokens]), origin[1]
+        leg = _Leg(move, ids, salt)
+        if isinstance(move, Transfer):
+            rid, engine = f"{move.move_id}:produce", move.source
+        else:
+            rid, engine = f"{move.move_id}:warm", move.engine
+        self._legs[rid] = leg
+        produce = isinstance(move, Transfer)
+        self.fleet.add(engine, self._leg_request(rid, leg, remote_decode=produce))
+
+    def _leg_request(self, rid: str, leg: _Leg, remote_decode: bool = False,
+                     remote: RemotePrefill | None = None) -> SimRequest:
+        same_blocks = self.config.block_size == self.block_size
+        keys = leg.move.block_keys
+        return SimRequest(
+            request_id=rid, prompt_token_ids=list(leg.token_ids), max_tokens=1,
+            arrival_time=self.now, ignore_eos=True, natural_output_len=1,
+            cache_salt=leg.cache_salt, remote_decode=remote_decode, remote_prefill=remote,
+            block_hashes=list(keys) if same_blocks and len(keys) * self.block_size
+            == len(leg.token_ids) else [])
+
+    def _leg_done(self, req: SimRequest) -> None:
+        leg = self._legs.pop(req.request_id)
+        move = leg.move
+        if isinstance(move, Transfer) and req.remote_decode:
+            if req.finish_reason is None or not req.exported_block_ids:
+                self.planner.on_event(TransferFailed(move.move_id, "producer leg failed"),
+                                      self.now)
+                return
+            rid = f"{move.move_id}:consume"
+            self._legs[rid] = leg
+            self.fleet.add(move.destination, self._leg_request(rid, leg, remote=RemotePrefill(
+                move.source, req.request_id, req.exported_block_ids)))
+            return
+        self.planner.on_event(TransferDone(move.move_id), self.now)
 
     def _step_done(self, e: _Engine, out: StepOutput) -> int:
         self.fleet.step_done(e, out, self.now)
@@ -593,6 +714,8 @@ class VirtualRun:
             if live is not None:
                 live.record.cached_tokens = max(0, req.num_cached_tokens)
                 live.record.output_tokens = len(req.output_token_ids)
+            elif req.request_id in self._legs:
+                self._leg_done(req)
         live_requests = self._live
         planner = self.planner
         for o in out.outputs:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from planner.cost import CostModel
+from kvindex.index import EngineMatch
+from planner.cost import CostModel, CostSettings
 from planner.policy import (
     EngineView,
     Placement,
@@ -14,6 +15,7 @@ from planner.policy import (
     candidates,
     register,
 )
+from planner.transfer import Pull
 
 
 @register("kvgate")
@@ -27,7 +29,7 @@ class KvgatePolicy:
 
     def __init__(self, context: PolicyContext | None = None) -> None:
         ctx = context or PolicyContext()
-        self.cost = CostModel(ctx.profiles, ctx.default_profile)
+        self.cost = CostModel(ctx.profiles, ctx.default_profile, CostSettings(link=ctx.link))
         # Predictions per request id, for the online speed correction.
         self._pending: dict[str, _Prediction] = {}
         self._in_flight: dict[str, int] = {}
@@ -37,7 +39,33 @@ class KvgatePolicy:
     ) -> Placement:
         """The engine with the cheapest placement, with its estimate."""
         best = self.cost.best(request, candidates(request, engines))
-        return Placement(best.engine, best)
+        pull = None
+        if best.transfer_from is not None:
+            pull = Pull(best.transfer_from, best.cached_tokens)
+        return Placement(best.engine, best, pull)
+
+    def plan_prefetch(self, request: RouteRequest, children: int,
+                      engines: Sequence[EngineView], now: float) -> list[str]:
+        """Where `children` calls extending `request` (its prompt, then its output) should run,
+        if its prompt's KV were copied ahead to wherever they go: each child placed in turn by
+        the cost model on the pool as the earlier ones leave it."""
+        pool = {e.name: e for e in candidates(request, engines)}
+        blocks = len(request.block_keys)
+        output = request.max_tokens or self.cost.settings.default_output_tokens
+        child = replace(
+            request, prompt_tokens=request.prompt_tokens + output,
+            matches={n: EngineMatch(n, blocks, blocks, float(blocks)) for n in pool},
+            group_finish_s=0.0, group_at={}, arriving={})
+        picks = []
+        for _ in range(children):
+            best = self.cost.best(child, list(pool.values()))
+            picks.append(best.engine)
+            v = pool[best.engine]
+            pool[best.engine] = replace(
+                v, in_flight=v.in_flight + 1, prefilling=v.prefilling + 1,
+                queued_prefill_tokens=v.queued_prefill_tokens + child.prompt_tokens
+                - best.cached_tokens, active_blocks=v.active_blocks + blocks)
+        return picks
 
     def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """Remember the prediction the placement made, for the online correction."""
