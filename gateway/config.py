@@ -20,6 +20,7 @@ from pydantic import (
 from planner.core import planner_names
 from planner.profile_file import ProfileFileError, load_profile_file
 from planner.profiles import DEFAULT_PROFILE, PROFILES, EngineProfile, get_profile
+from planner.transfer import TransferLink, parse_link
 
 
 class ConfigError(ValueError):
@@ -151,6 +152,26 @@ class WorkflowSettings(BaseModel):
         return self
 
 
+class KvTransferSettings(BaseModel):
+    """How the gateway may move KV between engines (ARCHITECTURE.md, capability 5)."""
+
+    model_config = ConfigDict(extra="forbid")
+    link: str = "none"
+    """`nvlink`, `rdma`, a bandwidth in GB/s, or `none`: without a link the planner moves KV
+    by recompute warm-ups only. With one, every engine must run a KV connector (vLLM's
+    NixlConnector, `kv_role` `kv_both`) so the two-leg transfer works."""
+
+    @field_validator("link")
+    @classmethod
+    def _known_link(cls, v: str) -> str:
+        parse_link(v)
+        return v
+
+    def transfer_link(self) -> TransferLink:
+        """The link, parsed."""
+        return parse_link(self.link)
+
+
 class GatewayConfig(BaseModel):
     """Everything `kvgate serve` needs."""
 
@@ -169,6 +190,7 @@ class GatewayConfig(BaseModel):
     kv_events_bind: str | None = None
     """Bind mode: one SUB socket engines connect to, e.g. tcp://127.0.0.1:5557."""
     index: IndexSettings = Field(default_factory=IndexSettings)
+    kv_transfer: KvTransferSettings = Field(default_factory=lambda: KvTransferSettings())
     workflows: WorkflowSettings = Field(default_factory=WorkflowSettings)
     tokenizer: str | None = None
     """HF tokenizer directory the engines load (default: the shipped tiny tokenizer)."""

@@ -72,6 +72,19 @@ class GatewayMetrics:
             "Tokenising and keying a prompt plus the index match, per request.",
             buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1), registry=r,
         )
+        self.kv_moves = Counter(
+            "kvgate_kv_moves", "KV moves the planner decided, by kind (transfer, warm), reason "
+            "(pull, prefetch, replicate) and outcome (done, failed).",
+            ["kind", "reason", "outcome"], registry=r,
+        )
+        self.kv_move_bytes = Counter(
+            "kvgate_kv_move_bytes", "KV bytes the planner moved between engines (its estimate "
+            "of the missing part), by reason.", ["reason"], registry=r,
+        )
+        self.kv_move_seconds = Histogram(
+            "kvgate_kv_move_seconds", "From a move's start to its end, by kind.", ["kind"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
         self.routing_time = Histogram(
             "kvgate_routing_decision_seconds", "Time the policy took to choose an engine.",
             buckets=(1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2), registry=r,

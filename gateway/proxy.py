@@ -37,7 +37,7 @@ from gateway.errors import (
 from gateway.state import GatewayState
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
-from planner.actions import Dispatch, Reject
+from planner.actions import Dispatch, Reject, Transfer, Warm
 from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
 from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
@@ -204,6 +204,9 @@ class Proxy:
         matches = {}
         if keys is not None and keys.keys:
             matches = await state.index.match(keys.keys, state.now())
+            if state.planner.moves_kv:
+                # The prompt may be the origin of a KV move (a pull, a prefetch).
+                state.mover.remember(request_id, model, keys.token_ids)
         state.metrics.lookup_time.observe(time.perf_counter() - t0)
         return RouteRequest(
             request_id=request_id,
@@ -231,6 +234,15 @@ class Proxy:
             body = stripped
             raw = json.dumps(body).encode()
         route_req = await self.route_request(request, route, body, hints)
+        try:
+            return await self._handle(request, route, raw, body, hints, route_req, arrived)
+        finally:
+            state.mover.forget(route_req.request_id)
+
+    async def _handle(self, request: web.Request, route: str, raw: bytes, body: dict[str, Any],
+                      hints: RequestHints, route_req: RouteRequest, arrived: float
+                      ) -> web.StreamResponse:
+        state = self.state
         if hints.workflow is not None and hints.task is None:
             hints = replace(hints, task=route_req.request_id)
         # The client's x-request-id is forwarded untouched; vLLM uses it as its request id.
@@ -321,6 +333,9 @@ class Proxy:
         actions = state.planner.release(state.now())
         state.metrics.routing_time.observe(time.perf_counter() - t0)
         for action in actions:
+            if isinstance(action, Transfer | Warm):
+                state.mover.carry_out(action)
+                continue
             waiter = self._placing.pop(action.request_id, None)
             if waiter is None:
                 continue

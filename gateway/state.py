@@ -12,6 +12,7 @@ import aiohttp
 from gateway.config import EngineEntry, GatewayConfig
 from gateway.kv_events import EventSource, KVEventListener
 from gateway.metrics import GatewayMetrics
+from gateway.moves import KvMover
 from gateway.pool import EnginePool
 from kvindex.index import InMemoryIndex, KVIndexBackend
 from kvindex.ingest import EventIngestor
@@ -51,6 +52,7 @@ class GatewayState:
         self.policy_context = PolicyContext(
             profiles={e.engine_name: e.engine_profile for e in config.engines},
             block_size=config.index.block_size,
+            link=config.kv_transfer.transfer_link(),
         )
         self.metrics = GatewayMetrics()
         self.tokenizer = Tokenizer.load(config.tokenizer)
@@ -69,6 +71,8 @@ class GatewayState:
                                   if e.scheduling_policy == "priority"}
         self.pump: Callable[[], None] = lambda: None
         """Runs the planner's `release` and carries out its actions (set by the proxy)."""
+        self.mover = KvMover(self)
+        """Carries out the planner's KV moves (gateway/moves.py)."""
         self.workflows: WorkflowService | None = None
         """The workflow API (set by `build_app`); the proxy reports hint-mode calls to it."""
         self.listener: KVEventListener | None = None
@@ -97,6 +101,7 @@ class GatewayState:
 
     async def stop(self) -> None:
         """Stop background work and close connections."""
+        await self.mover.stop()
         if self.pool is not None:
             await self.pool.stop()
         if self.listener is not None:

@@ -419,8 +419,10 @@ class Planner:
                 if self.prefetch:
                     children: dict[str, int] = {}
                     for t in tasks:
-                        for parent in t.after:
-                            children[parent] = children.get(parent, 0) + 1
+                        # A join's prompt extends several parents: no one parent's prompt
+                        # is its prefix, so only single-parent children are counted.
+                        if len(t.after) == 1:
+                            children[t.after[0]] = children.get(t.after[0], 0) + 1
                     self._children[wf] = children
             case TransferDone(move_id=mid):
                 self._move_over(mid, ok=True, now=now)
@@ -603,10 +605,11 @@ class Planner:
                     at[engine_name] = at.get(engine_name, 0) + 1
                 finish = max(f for _, f in members.values())
                 route = replace(route, group_finish_s=max(0.0, finish - now), group_at=at)
-        if self.prefetch and len(self.moves):
+        if self.moves_kv and len(self.moves):
             arriving = self.moves.arriving(route.block_keys, now)
-            if arriving:
-                route = replace(route, arriving=arriving)
+            busy = self.moves.nic_wait(now)
+            if arriving or busy:
+                route = replace(route, arriving=arriving, link_wait=busy)
         try:
             choice = self.policy.choose(route, views, now)
         except Hold:
@@ -668,7 +671,9 @@ class Planner:
         engine = placement.engine
         if not self.moves_kv:
             return None
-        held = route.matches.get(engine)
+        # What the engine holds by the index, not by the recent-placements overlay: a sibling
+        # placed there a moment ago may itself be waiting for this prefix to arrive.
+        held = self._requests[rid].call.route.matches.get(engine)
         held_blocks = held.blocks if held is not None else 0
         pull = placement.pull
         if pull is not None and self.link.enabled and pull.source != engine:
@@ -695,7 +700,10 @@ class Planner:
                                 len(keys) * block_size, keys, num_bytes, reason)
         eta = self.moves.transfer_eta(source, destination, num_bytes, now)
         actions.append(action)
-        return self.moves.start(action, now, eta)
+        profile = self._profile_of(destination)
+        recompute = profile.prefill_time(max(0, len(keys) - held_blocks) * block_size,
+                                         held_blocks * block_size)
+        return self.moves.start(action, now, eta, recompute)
 
     def _plan_prefetch(self, req: _Request, now: float) -> None:
         """A task with several children is answering: copy its prompt (the context its
@@ -709,10 +717,14 @@ class Planner:
             children = max(children, hints.expect_children)
         planner_fn = getattr(self.policy, "plan_prefetch", None)
         route = req.call.route
-        # The children's prompts repeat the parent's messages; its generation prompt's block
-        # may differ, so the last block stays behind.
+        # Single-parent children extend the parent's whole prompt (its generation prompt's
+        # block may differ, so the last block stays behind). Only a parent with a shared
+        # context prefetches: a static prompt alone is every workflow's, and a prompt
+        # without a lasting part is cheap to recompute.
+        segments = req.segments
         keys = route.block_keys[:-1]
-        if children < 2 or planner_fn is None or not keys:
+        if (children < 2 or planner_fn is None or not keys
+                or segments.blocks_of("shared") == 0):
             return
         source = out.engine
         destinations: list[str] = planner_fn(route, children, self.views(), now)
@@ -735,7 +747,7 @@ class Planner:
                 eta = now + profile.prefill_time((len(keys) - held_blocks) * bs,
                                                  held_blocks * bs)
                 self._ready.append(warm)
-                self.moves.start(warm, now, eta)
+                self.moves.start(warm, now, eta, eta - now)
 
     def _move_over(self, move_id: str, ok: bool, now: float) -> None:
         record = self.moves.end(move_id, ok)

@@ -199,7 +199,9 @@ class CostModel:
                     and best_cached - cached >= s.transfer_min_tokens):
                 moved = best_cached - cached
                 kv_bytes = moved * self.profile(e.name).kv_bytes_per_token
-                t = s.link.setup_s + kv_bytes / s.link.bandwidth_bytes_s
+                busy = request.link_wait
+                t = (s.link.setup_s + kv_bytes / s.link.bandwidth_bytes_s
+                     + max(busy.get(best_holder, 0.0), busy.get(e.name, 0.0)))
                 with_transfer = t + self.prefill_seconds(e.name, prompt - best_cached, best_cached)
                 if with_transfer < prefill:
                     transfer, prefill, source = t, with_transfer - t, best_holder

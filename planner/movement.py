@@ -17,12 +17,11 @@ from planner.actions import Move, Transfer, Warm
 from planner.segments import common_prefix
 from planner.transfer import TransferLink
 
-LATE_FACTOR = 3.0
-"""A move still running this many times its estimate (plus `LATE_SLACK_S`) is given up on by
-the requests waiting for it: they go ahead and recompute (vLLM's `kv_load_failure_policy`
-recompute, applied by the planner before the engine ever waits)."""
-
 LATE_SLACK_S = 1.0
+"""A move still running this long after its estimate plus the time recomputing its prefix
+would take is given up on by the requests waiting for it: they go ahead and recompute (vLLM's
+`kv_load_failure_policy` recompute, applied by the planner before the engine ever waits).
+Until then waiting cannot lose much against recomputing from the start."""
 
 
 @dataclass
@@ -33,6 +32,8 @@ class MoveRecord:
     started: float
     eta: float
     """When the planner expects it done."""
+    recompute_s: float = 0.0
+    """What computing the prefix at the destination instead would take."""
     waiters: list[str] = field(default_factory=list)
     """Requests placed on the destination that wait for it before they are dispatched."""
 
@@ -49,7 +50,7 @@ class MoveRecord:
 
     def deadline(self) -> float:
         """After this, waiting requests stop waiting."""
-        return self.eta + (self.eta - self.started) * (LATE_FACTOR - 1) + LATE_SLACK_S
+        return self.eta + self.recompute_s + LATE_SLACK_S
 
 
 @dataclass
@@ -91,14 +92,19 @@ class Moves:
                     self._nic_free.get(destination, 0.0))
         return start + num_bytes / self.link.bandwidth_bytes_s
 
-    def start(self, action: Move, now: float, eta: float) -> MoveRecord:
+    def nic_wait(self, now: float) -> dict[str, float]:
+        """Per engine, seconds until the planner's own transfers leave its NIC free."""
+        return {e: t - now for e, t in self._nic_free.items() if t > now}
+
+    def start(self, action: Move, now: float, eta: float, recompute_s: float = 0.0
+              ) -> MoveRecord:
         """Remember a move the planner is about to hand to its driver."""
         if isinstance(action, Transfer):
             self._nic_free[action.source] = self._nic_free[action.destination] = eta
             self.stats.bytes_planned += action.num_bytes
         key = f"{'transfer' if isinstance(action, Transfer) else 'warm'}:{action.reason}"
         self.stats.started[key] = self.stats.started.get(key, 0) + 1
-        record = MoveRecord(action, now, eta)
+        record = MoveRecord(action, now, eta, recompute_s)
         self._moves[action.move_id] = record
         return record
 

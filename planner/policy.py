@@ -88,6 +88,8 @@ class RouteRequest:
     arriving: Mapping[str, tuple[int, float]] = field(default_factory=dict)
     """Per engine, leading blocks of `block_keys` a KV move in flight brings there, and the
     seconds until it lands (only the planner knows; only for policies that move KV)."""
+    link_wait: Mapping[str, float] = field(default_factory=dict)
+    """Per engine, seconds until its NIC is done with the transfers already under way."""
 
     def cached_tokens(self, engine: str, engine_block_size: int = 0) -> int:
         """Prompt tokens the engine is expected to serve from its cache.

@@ -57,6 +57,16 @@ class Segments:
         """Full blocks covered."""
         return self.ranges[-1].end if self.ranges else 0
 
+    def lasting_prefix(self) -> int:
+        """Leading blocks before the first transient one: the static and shared context that
+        other calls reuse (what KV movement may copy; transient blocks never move)."""
+        end = 0
+        for r in self.ranges:
+            if r.kind == "transient":
+                break
+            end = r.end
+        return end
+
 
 NO_SEGMENTS = Segments()
 

@@ -1,0 +1,84 @@
+"""Carries out the planner's KV moves against live engines (the driver side of `Transfer` and
+`Warm`), and reports each end back as `TransferDone` / `TransferFailed`.
+
+The planner names a move's prefix by an origin request; the proxy lends this module the token
+ids of every request it is placing or forwarding (`remember` / `forget`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from adapters.vllm.transport import TransportError, nixl_transfer, warm
+from planner.actions import Transfer, Warm
+from planner.events import TransferDone, TransferFailed
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+log = logging.getLogger("kvgate.moves")
+
+
+class KvMover:
+    """Runs each move as a task: the two NIXL legs, or a warm-up."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self._origins: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def remember(self, request_id: str, model: str, token_ids: tuple[int, ...]) -> None:
+        """A request's prompt, while it may be a move's origin."""
+        self._origins[request_id] = (model, token_ids)
+
+    def forget(self, request_id: str) -> None:
+        """The request is over."""
+        self._origins.pop(request_id, None)
+
+    def carry_out(self, move: Transfer | Warm) -> None:
+        """Start the move; its end reaches the planner as an event."""
+        task = asyncio.get_running_loop().create_task(self._run(move))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        """Cancel moves still under way."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _url(self, engine: str) -> str:
+        pool = self.state.pool
+        if pool is None or engine not in pool.engines:
+            raise TransportError(f"engine {engine} is not in the pool")
+        return pool.engines[engine].url
+
+    async def _run(self, move: Transfer | Warm) -> None:
+        state = self.state
+        kind = "transfer" if isinstance(move, Transfer) else "warm"
+        origin = self._origins.get(move.origin)
+        started = time.monotonic()
+        m = state.metrics
+        try:
+            if origin is None or len(origin[1]) < move.tokens:
+                raise TransportError(f"origin request {move.origin} is gone")
+            model, ids = origin[0], origin[1][:move.tokens]
+            session = state.session
+            assert session is not None
+            if isinstance(move, Transfer):
+                await nixl_transfer(session, (move.source, self._url(move.source)),
+                                    (move.destination, self._url(move.destination)), model, ids)
+                m.kv_move_bytes.labels(move.reason).inc(move.num_bytes)
+            else:
+                await warm(session, self._url(move.engine), move.engine, model, ids)
+        except TransportError as e:
+            log.warning("%s %s (%s) failed: %s", kind, move.move_id, move.reason, e)
+            m.kv_moves.labels(kind, move.reason, "failed").inc()
+            state.notify(TransferFailed(move.move_id, str(e)))
+            return
+        m.kv_moves.labels(kind, move.reason, "done").inc()
+        m.kv_move_seconds.labels(kind).observe(time.monotonic() - started)
+        state.notify(TransferDone(move.move_id))

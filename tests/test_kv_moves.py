@@ -1,0 +1,338 @@
+"""Moving KV: the engine model's two NixlConnector legs, the link model, the planner's
+Transfer / Warm actions and its waiting requests, prefetch, and the virtual driver's moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.sim.link import LinkModel
+from adapters.sim.model import (
+    BlockStored,
+    EngineConfig,
+    EngineModel,
+    RemotePrefill,
+    RequestStatus,
+    SimRequest,
+)
+from kvgate.bench.options import BenchOptions
+from kvgate.bench.runner import prepare
+from kvgate.bench.virtual import RunResult, VirtualRun
+from kvindex.index import EngineMatch
+from planner.actions import Dispatch, Transfer, Warm
+from planner.core import Call, Planner, RequestState, make_planner
+from planner.events import (
+    Cancelled,
+    EngineJoined,
+    FirstToken,
+    TaskSpec,
+    TransferDone,
+    TransferFailed,
+    WorkflowSubmitted,
+)
+from planner.hints import RequestHints
+from planner.policy import Placement, PolicyContext, RouteRequest
+from planner.profiles import get_profile
+from planner.segments import tag_parts
+from planner.transfer import NAMED_LINKS, Pull, TransferLink, parse_link
+
+PROFILE = get_profile("h100-llama3-8b")
+
+
+def engine(num_blocks: int = 256) -> EngineModel:
+    cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=8192,
+                       max_num_seqs=64, max_model_len=4096, eos_token_id=3, kv_lease_s=30.0)
+    return EngineModel(cfg, PROFILE, sampler=lambda req: 100)
+
+
+def run(e: EngineModel, now: float = 0.0) -> float:
+    while e.has_work():
+        now += e.step(now).duration
+    return now
+
+
+PROMPT = list(range(1000, 1160))  # 160 tokens: 10 blocks of 16
+
+
+# -- the engine model's legs -------------------------------------------------------------------
+
+
+def test_producer_keeps_exported_blocks_until_released() -> None:
+    src = engine()
+    req = SimRequest("p", PROMPT, max_tokens=1, arrival_time=0.0, ignore_eos=True,
+                     remote_decode=True)
+    src.add_request(req)
+    run(src)
+    # The prompt's 10 blocks (its one output token was sampled, never computed into KV).
+    assert len(req.exported_block_ids) == 10
+    assert src.pool.num_free == src.pool.num_blocks - 10
+    assert src.release_export("p")
+    assert src.pool.num_free == src.pool.num_blocks
+
+
+def test_exported_blocks_are_freed_when_the_lease_runs_out() -> None:
+    src = engine()
+    src.add_request(SimRequest("p", PROMPT, max_tokens=1, arrival_time=0.0, ignore_eos=True,
+                               remote_decode=True))
+    end = run(src)
+    src.expire_exports(end + 29.0)
+    assert "p" in src.exports
+    src.expire_exports(end + 30.0)
+    assert not src.exports and src.pool.num_free == src.pool.num_blocks
+
+
+def test_consumer_waits_for_remote_kv_then_computes_only_the_last_token() -> None:
+    dst = engine()
+    req = SimRequest("c", PROMPT, max_tokens=1, arrival_time=0.0, ignore_eos=True,
+                     remote_prefill=RemotePrefill("src", "p", tuple(range(10))))
+    dst.add_request(req)
+    out = dst.step(0.0)
+    assert out.num_scheduled_tokens == 0
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and dst.num_waiting == 1
+    (pull,) = dst.drain_pulls()
+    assert (pull.num_blocks, pull.num_tokens, pull.remote_engine_id) == (10, 160, "src")
+    dst.finish_remote_load("c", ok=True)
+    stored = [e for e in dst.pool.drain_events() if isinstance(e, BlockStored)]
+    assert sum(len(e.block_hashes) for e in stored) == 9  # 159 tokens loaded as computed
+    step = dst.step(1.0)
+    assert step.num_scheduled_tokens == 1
+    assert dst.stats.external_prefix_cache_hits == 160 and dst.stats.kv_pulled_blocks == 10
+    run(dst, 2.0)
+    later = SimRequest("again", [*PROMPT, 7, 8], max_tokens=1, arrival_time=3.0,
+                       ignore_eos=True)
+    dst.add_request(later)
+    run(dst, 3.0)
+    assert later.num_cached_tokens == 160  # the imported prefix is in the local cache
+
+
+def test_a_failed_load_recomputes_the_prompt() -> None:
+    dst = engine()
+    req = SimRequest("c", PROMPT, max_tokens=1, arrival_time=0.0, ignore_eos=True,
+                     remote_prefill=RemotePrefill("src", "p", tuple(range(10))))
+    dst.add_request(req)
+    dst.step(0.0)
+    dst.finish_remote_load("c", ok=False)
+    assert dst.step(1.0).num_scheduled_tokens == 160
+    assert dst.stats.external_prefix_cache_hits == 0
+
+
+def test_consumer_pulls_only_what_its_local_cache_lacks() -> None:
+    dst = engine()
+    dst.add_request(SimRequest("warm", [*PROMPT[:64], 1], max_tokens=1, arrival_time=0.0,
+                               ignore_eos=True))
+    run(dst)
+    dst.add_request(SimRequest("c", PROMPT, max_tokens=1, arrival_time=1.0, ignore_eos=True,
+                               remote_prefill=RemotePrefill("src", "p", tuple(range(10)))))
+    dst.step(1.0)
+    (pull,) = dst.drain_pulls()
+    assert pull.num_blocks == 6 and pull.num_tokens == 96
+    assert pull.remote_block_ids == tuple(range(4, 10))
+
+
+# -- the link ------------------------------------------------------------------------------------
+
+
+def test_transfers_sharing_a_nic_take_turns_and_others_run_in_parallel() -> None:
+    link = LinkModel(TransferLink(1e9, 0.0))
+    assert link.schedule("a", "b", 10**9, 0.0) == pytest.approx(1.0)
+    assert link.schedule("a", "c", 10**9, 0.0) == pytest.approx(2.0)
+    assert link.schedule("d", "e", 10**9, 0.0) == pytest.approx(1.0)
+    assert link.bytes_moved == 3 * 10**9
+
+
+def test_links_parse_by_name_or_bandwidth_and_name_a_bad_value() -> None:
+    assert parse_link("rdma") == NAMED_LINKS["rdma"]
+    assert parse_link("25").bandwidth_bytes_s == 25e9
+    assert not parse_link("none").enabled
+    with pytest.raises(ValueError, match="'fast'"):
+        parse_link("fast")
+    with pytest.raises(ValueError, match="positive"):
+        parse_link("-3")
+
+
+# -- the planner ---------------------------------------------------------------------------------
+
+
+class PullFrom:
+    """A test policy: always place on `engine`, pulling from `source`."""
+
+    name = "pull-from"
+    speculative_entries = False
+    moves_kv = True
+
+    def __init__(self, engine: str, source: str | None) -> None:
+        self.engine, self.source = engine, source
+
+    def choose(self, request: RouteRequest, engines: object, now: float) -> Placement:
+        pull = Pull(self.source, 4096) if self.source else None
+        return Placement(self.engine, pull=pull)
+
+    def on_dispatch(self, request: object, placement: object, now: float) -> None:
+        pass
+
+    def on_first_token(self, request_id: str, engine: str, now: float) -> None:
+        pass
+
+    def on_finish(self, request_id: str, engine: str, now: float, output_tokens: int = 0
+                  ) -> None:
+        pass
+
+
+def pulling_planner(link: TransferLink = NAMED_LINKS["rdma"]) -> Planner:
+    p = Planner(PullFrom("b", "a"), profile_of=lambda _: PROFILE, link=link)  # type: ignore[arg-type]
+    for e in ("a", "b"):
+        p.on_event(EngineJoined(e, healthy=True, models=frozenset({"m"})), 0.0)
+    return p
+
+
+def long_call(rid: str = "r") -> Call:
+    return Call(RouteRequest(rid, "m", prompt_tokens=4200, block_keys=tuple(range(262)),
+                             matches={"a": EngineMatch("a", 262, 262, 262.0)}))
+
+
+def test_a_pull_is_sent_first_and_the_request_only_once_it_is_done() -> None:
+    p = pulling_planner()
+    p.admit(long_call(), 0.0)
+    (move,) = p.release(0.0)
+    assert isinstance(move, Transfer)
+    assert (move.source, move.destination, move.reason, move.origin) == ("a", "b", "pull", "r")
+    assert move.tokens == 4096 and move.num_bytes == 4096 * PROFILE.kv_bytes_per_token
+    assert p.state("r") is RequestState.AWAITING_KV
+    assert {v.name: v.in_flight for v in p.views()}["b"] == 1
+    p.on_event(TransferDone(move.move_id), 0.5)
+    assert p.pending
+    (d,) = p.release(0.5)
+    assert isinstance(d, Dispatch) and d.engine == "b" and d.cached_tokens == 4096
+    assert p.state("r") is RequestState.DISPATCHED
+
+
+def test_a_failed_move_sends_its_waiting_requests_to_recompute() -> None:
+    p = pulling_planner()
+    p.admit(long_call(), 0.0)
+    (move,) = p.release(0.0)
+    p.on_event(TransferFailed(move.move_id, "lease expired"), 0.2)
+    (d,) = p.release(0.2)
+    assert isinstance(d, Dispatch) and d.engine == "b"
+    assert p.moves.stats.failed == 1
+
+
+def test_a_late_move_is_given_up_at_its_deadline() -> None:
+    p = pulling_planner()
+    p.admit(long_call(), 0.0)
+    (move,) = p.release(0.0)
+    deadline = p.next_wakeup()
+    assert deadline is not None and deadline > 0
+    assert p.release(deadline - 0.01) == []
+    (d,) = p.release(deadline)
+    assert isinstance(d, Dispatch) and p.moves.stats.late == 1
+    p.on_event(TransferDone(move.move_id), deadline + 1)
+    assert p.release(deadline + 1) == []  # nothing sent twice
+
+
+def test_a_request_cancelled_while_awaiting_kv_is_never_sent() -> None:
+    p = pulling_planner()
+    p.admit(long_call(), 0.0)
+    (move,) = p.release(0.0)
+    p.on_event(Cancelled("r"), 0.1)
+    assert not p.knows("r")
+    assert {v.name: v.in_flight for v in p.views()}["b"] == 0
+    p.on_event(TransferDone(move.move_id), 0.2)
+    assert p.release(0.2) == []
+
+
+def test_no_link_means_no_pull() -> None:
+    p = pulling_planner(TransferLink())
+    p.admit(long_call(), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch) and d.engine == "b" and d.cached_tokens == 0
+
+
+def fanout_parent(p: Planner, shared: bool = True) -> None:
+    p.on_event(WorkflowSubmitted("w", (
+        TaskSpec("plan"), TaskSpec("r0", ("plan",)), TaskSpec("r1", ("plan",)),
+        TaskSpec("r2", ("plan",)), TaskSpec("join", ("r0", "r1", "r2")))), 0.0)
+    parts = [("static", 256), ("shared" if shared else "transient", 3840), ("transient", 64)]
+    route = RouteRequest("w/plan", "m", prompt_tokens=4160, block_keys=tuple(range(260)),
+                         max_tokens=128)
+    p.admit(Call(route, hints=RequestHints(workflow="w", task="plan"),
+                 segments=tag_parts(parts, 16)), 0.0)
+
+
+def kvgate_planner(link: TransferLink, name: str = "kvgate") -> Planner:
+    ctx = PolicyContext(profiles={}, default_profile=PROFILE, block_size=16, link=link)
+    p = make_planner(name, ctx, engine_block_size=lambda _: 16)
+    for e in ("a", "b", "c", "d"):
+        p.on_event(EngineJoined(e, healthy=True, models=frozenset({"m"})), 0.0)
+    return p
+
+
+def test_a_fanout_parent_prefetches_its_context_to_where_its_children_will_run() -> None:
+    p = kvgate_planner(NAMED_LINKS["rdma"])
+    fanout_parent(p)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch)
+    p.on_event(FirstToken("w/plan"), 0.5)
+    moves = [a for a in p.release(0.5) if isinstance(a, Transfer)]
+    assert moves and all(m.reason == "prefetch" and m.source == d.engine for m in moves)
+    assert {m.destination for m in moves} <= {"a", "b", "c", "d"} - {d.engine}
+    assert all(m.block_keys == tuple(range(259)) for m in moves)
+
+
+def test_without_a_link_prefetch_warms_up_instead() -> None:
+    p = kvgate_planner(TransferLink())
+    fanout_parent(p)
+    p.release(0.0)
+    p.on_event(FirstToken("w/plan"), 0.5)
+    warms = p.release(0.5)
+    assert warms and all(isinstance(w, Warm) and w.reason == "prefetch" for w in warms)
+
+
+@pytest.mark.parametrize("name,shared", [("kvgate-no-prefetch", True), ("kvgate", False)])
+def test_no_prefetch_for_the_ablation_or_a_parent_without_shared_context(
+        name: str, shared: bool) -> None:
+    p = kvgate_planner(NAMED_LINKS["rdma"], name)
+    fanout_parent(p, shared=shared)
+    p.release(0.0)
+    p.on_event(FirstToken("w/plan"), 0.5)
+    assert p.release(0.5) == []
+
+
+# -- the virtual driver --------------------------------------------------------------------------
+
+
+def long_fanout(link: str) -> tuple[BenchOptions, object]:
+    o = BenchOptions(workload="fanout", workload_args={
+        "context_tokens": "16000", "width": "4"}, profile="h100x4-llama3-70b", rate=0.2,
+        workflows=4, engines=4, link=link, progress=False)
+    return o, prepare(o)
+
+
+def run_policy(policy: str, link: str) -> tuple[RunResult, Planner]:
+    o, prepared = long_fanout(link)
+    run = VirtualRun(policy, prepared.workflows, prepared.load,  # type: ignore[attr-defined]
+                     o.engine_profile(), o.engines, prepared.builder,  # type: ignore[attr-defined]
+                     link=o.transfer_link())
+    result = run.run()
+    assert not any(w.failed or w.finished_s is None for w in result.workflows)
+    return result, run.planner
+
+
+def test_virtual_prefetch_copies_the_context_children_then_find_local() -> None:
+    result, planner = run_policy("kvgate", "rdma")
+    assert planner.moves.stats.started.get("transfer:prefetch", 0) > 0
+    assert planner.moves.stats.done == sum(planner.moves.stats.started.values())
+    assert result.transferred_bytes > 0
+    research = [r for r in result.requests if r.task.startswith("research")]
+    assert research and all(r.cached_tokens >= 16000 for r in research)
+    assert len({r.engine for r in research}) > 1
+
+
+def test_virtual_ablation_and_baselines_prefetch_nothing() -> None:
+    _, planner = run_policy("kvgate-no-prefetch", "rdma")
+    assert "transfer:prefetch" not in planner.moves.stats.started
+    result, planner = run_policy("dynamo-like", "rdma")
+    assert result.transferred_bytes == 0  # a baseline whose peer moves no KV never moves any
+
+
+def test_virtual_run_without_a_link_moves_nothing() -> None:
+    result, _ = run_policy("kvgate", "none")
+    assert result.transferred_bytes == 0
