@@ -39,8 +39,10 @@ class KvMover:
         self._origins.pop(request_id, None)
 
     def carry_out(self, move: Transfer | Warm) -> None:
-        """Start the move; its end reaches the planner as an event."""
-        task = asyncio.get_running_loop().create_task(self._run(move))
+        """Start the move; its end reaches the planner as an event. The origin's prompt is
+        taken now: the origin may end before the move's task first runs."""
+        origin = self._origins.get(move.origin)
+        task = asyncio.get_running_loop().create_task(self._run(move, origin))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -56,10 +58,10 @@ class KvMover:
             raise TransportError(f"engine {engine} is not in the pool")
         return pool.engines[engine].url
 
-    async def _run(self, move: Transfer | Warm) -> None:
+    async def _run(self, move: Transfer | Warm, origin: tuple[str, tuple[int, ...]] | None
+                   ) -> None:
         state = self.state
         kind = "transfer" if isinstance(move, Transfer) else "warm"
-        origin = self._origins.get(move.origin)
         started = time.monotonic()
         m = state.metrics
         try:

@@ -37,9 +37,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
+    from adapters.sim.nixl import parse_connector_config
     from adapters.sim.server import SimSettings, run
     from planner.profile_file import load_profile_file
     from planner.profiles import get_profile
+    from planner.transfer import parse_link
 
     try:
         profile = (load_profile_file(args.profile_file) if args.profile_file
@@ -52,6 +54,14 @@ def _sim(args: argparse.Namespace) -> int:
         print("kvgate sim: --block-size must be positive", file=sys.stderr)
         return 2
     num_blocks = args.kv_blocks or profile.num_blocks(block_size)
+    connector = None
+    try:
+        if args.kv_transfer_config:
+            connector = parse_connector_config(args.kv_transfer_config)
+        link = parse_link(args.kv_link)
+    except ValueError as e:
+        print(f"kvgate sim: {e}", file=sys.stderr)
+        return 2
     settings = SimSettings(
         model=args.model or profile.model,
         profile=profile,
@@ -66,6 +76,8 @@ def _sim(args: argparse.Namespace) -> int:
         priority_scheduling=args.scheduling_policy == "priority",
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_drop_seqs=frozenset(int(x) for x in args.kv_drop_seqs.split(",") if x.strip()),
+        kv_connector=connector, kv_link=link, engine_id=args.engine_id or "",
+        host=args.host, port=args.port,
     )
     run(settings, args.host, args.port)
     return 0
@@ -241,6 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="vLLM's flag: fcfs (default) or priority (the request's `priority`, "
                         "lower first, orders the queue and picks preemption victims)")
+    m.add_argument("--kv-transfer-config",
+                   help="vLLM's flag, e.g. '{\"kv_connector\":\"NixlConnector\",\"kv_role\":"
+                        "\"kv_both\"}': answer the NIXL two-leg kv_transfer_params flow")
+    m.add_argument("--kv-link", default="rdma",
+                   help="the simulated fabric KV pulls cross: nvlink, rdma (default) or GB/s")
+    m.add_argument("--engine-id", help="the KV connector's engine id (default: the URL)")
     m.add_argument("--priority-scheduling", dest="scheduling_policy", action="store_const",
                    const="priority", help="same as --scheduling-policy priority")
     m.set_defaults(func=_sim)

@@ -807,6 +807,12 @@ class Planner:
             lineage[hints.task] = _Lineage(keys, hints.expect_children or 0)
         if call.segments is not None:
             return call.segments
+        if hints.workflow is not None and hints.task is not None:
+            expect = max(hints.expect_children or 0,
+                         self._children.get(hints.workflow, {}).get(hints.task, 0))
+            if expect > 1:
+                # Its own prompt is the context its children extend.
+                return tag_blocks(len(keys), call.static_blocks, len(keys), True)
         context, shared = 0, False
         if lineage is not None:
             for parent in hints.after:

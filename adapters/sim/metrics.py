@@ -75,6 +75,16 @@ class EngineMetrics:
             "vllm:external_prefix_cache_hits",
             "External prefix cache hits from KV connector cross-instance cache sharing.",
         ).labels(*lv)
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+            [*LABELS, "source"], registry=r,
+        )
+        self.prompt_by_source = {src: by_source.labels(*lv, src) for src in (
+            "local_compute", "local_cache_hit", "external_kv_transfer")}
+        self.kv_transfer_bytes = counter(
+            "vllm:nixl_bytes_transferred",
+            "Bytes of KV pulled from peers by the KV connector (simulated NIXL reads).",
+        ).labels(*lv)
         self.preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         ).labels(*lv)
@@ -121,7 +131,9 @@ class EngineMetrics:
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
         ).labels(*lv)
-        self._seen = {"queries": 0, "hits": 0, "preempt": 0, "prompt": 0, "gen": 0}
+        self._seen = dict.fromkeys(("queries", "hits", "preempt", "prompt", "gen",
+                                    "ext_queries", "ext_hits", "src_compute", "src_cache",
+                                    "src_external"), 0)
 
     def after_step(self, engine: EngineModel) -> None:
         """Refresh gauges and advance counters from the engine model's monotonic stats."""
@@ -137,6 +149,12 @@ class EngineMetrics:
             ("preempt", s.num_preemptions, self.preemptions),
             ("prompt", s.prompt_tokens, self.prompt_tokens),
             ("gen", s.generation_tokens, self.generation_tokens),
+            ("ext_queries", s.external_prefix_cache_queries, self.external_queries),
+            ("ext_hits", s.external_prefix_cache_hits, self.external_hits),
+            ("src_compute", s.prompt_tokens_computed, self.prompt_by_source["local_compute"]),
+            ("src_cache", s.prefix_cache_hits, self.prompt_by_source["local_cache_hit"]),
+            ("src_external", s.external_prefix_cache_hits,
+             self.prompt_by_source["external_kv_transfer"]),
         ):
             delta = value - self._seen[key]
             if delta:

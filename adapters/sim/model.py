@@ -420,6 +420,8 @@ class EngineStats:
     external_prefix_cache_hits: int = 0
     """Prompt tokens a KV connector loaded (`external_prefix_cache_hits`)."""
     kv_pulled_blocks: int = 0
+    prompt_tokens_computed: int = 0
+    """Prompt tokens neither found in the local cache nor loaded from a peer."""
     busy_time: float = 0.0
     flops: float = 0.0
     """Model FLOPs executed (the roofline's count), for compute utilisation."""
@@ -550,6 +552,8 @@ class EngineModel:
             req.num_computed_tokens = computed
             self._cache_full_blocks(req, computed)
             req.num_cached_tokens = computed
+        else:
+            self.stats.prompt_tokens_computed += req.num_prompt_tokens - req.num_computed_tokens
         req.status = RequestStatus.WAITING
         if self.config.priority_scheduling:
             self._insert_by_priority(req)
@@ -788,6 +792,7 @@ class EngineModel:
                 self.stats.prefix_cache_queries += req.num_prompt_tokens
                 self.stats.prefix_cache_hits += num_cached
                 self.stats.prompt_tokens += req.num_prompt_tokens
+                self.stats.prompt_tokens_computed += req.num_prompt_tokens - num_cached
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING

@@ -28,16 +28,33 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import xxhash
 from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from adapters.sim.link import LinkModel
 from adapters.sim.metrics import EngineMetrics
-from adapters.sim.model import EngineConfig, EngineModel, FinishReason, SimRequest, TokenOutput
+from adapters.sim.model import (
+    EngineConfig,
+    EngineModel,
+    FinishReason,
+    KVPull,
+    SimRequest,
+    TokenOutput,
+)
+from adapters.sim.nixl import (
+    SIDE_CHANNEL_PATH,
+    ConnectorConfig,
+    Peer,
+    producer_params,
+    request_params,
+)
 from adapters.sim.publisher import KVEventPublisher
 from kvindex.tokenizer import Tokenizer, TokenizerError
 from planner.profiles import EngineProfile
+from planner.transfer import NAMED_LINKS, TransferLink
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +85,15 @@ class SimSettings:
     priority_scheduling: bool = False
     mean_output_tokens: int = 48
     kv_drop_seqs: frozenset[int] = frozenset()
+    kv_connector: ConnectorConfig | None = None
+    """vLLM's `--kv-transfer-config` (NixlConnector): the engine answers the two legs."""
+    kv_link: TransferLink = NAMED_LINKS["rdma"]
+    """The simulated fabric a pull crosses (this engine's NIC; transfers take turns)."""
+    engine_id: str = ""
+    """The connector's engine id (`remote_engine_id`); the server's URL if empty."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """Where peers reach this engine's side channel (`remote_host`, `remote_port`)."""
 
 
 class APIError(Exception):
@@ -113,6 +139,7 @@ class SimEngine:
             max_model_len=min(profile.max_model_len, settings.num_blocks * settings.block_size),
             eos_token_id=self.tokenizer.eos_token_id,
             priority_scheduling=settings.priority_scheduling,
+            kv_lease_s=settings.kv_connector.lease_s if settings.kv_connector else 30.0,
         )
         self._word_ids = self._readable_token_ids()
         self.model = EngineModel(self.config, profile, self._sample)
@@ -123,6 +150,11 @@ class SimEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._t0 = time.monotonic()
         self.healthy = True
+        self.engine_id = settings.engine_id or f"http://{settings.host}:{settings.port}"
+        self.link = LinkModel(settings.kv_link)
+        self._peers: dict[str, Peer] = {}
+        self._pulls: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
 
     # -- engine loop ----------------------------------------------------------------------------
 
@@ -156,6 +188,8 @@ class SimEngine:
                 s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_topic, drop_seqs=s.kv_drop_seqs
             )
             self.publisher.start()
+        if s.kv_connector is not None:
+            self._session = aiohttp.ClientSession()
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -164,6 +198,11 @@ class SimEngine:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        for task in list(self._pulls):
+            task.cancel()
+        await asyncio.gather(*self._pulls, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
         if self.publisher is not None:
             await self.publisher.close()
 
@@ -180,6 +219,11 @@ class SimEngine:
                 continue
             started = time.monotonic()
             out = self.model.step(self.now())
+            if self.model.loading:
+                for pull in self.model.drain_pulls():
+                    task = asyncio.get_running_loop().create_task(self._pull(pull))
+                    self._pulls.add(task)
+                    task.add_done_callback(self._pulls.discard)
             duration = out.duration * self.settings.time_scale
             if deadline is not None and started - deadline <= duration:
                 started = deadline
@@ -203,6 +247,70 @@ class SimEngine:
                 req.finished_time = t
                 self.metrics.request_finished(req)
             self.metrics.after_step(self.model)
+
+    # -- KV connector ---------------------------------------------------------------------------
+
+    async def _pull(self, pull: KVPull) -> None:
+        """Read a consumer request's missing blocks from its producer over the side channel;
+        on failure the request recomputes them (vLLM's default `kv_load_failure_policy`)."""
+        peer = self._peers.pop(pull.request_id, None)
+        ok = False
+        if peer is not None and self._session is not None:
+            body = {"remote_request_id": pull.remote_request_id,
+                    "block_ids": list(pull.remote_block_ids), "consumer": self.engine_id,
+                    "num_bytes": pull.num_blocks * self.block_bytes}
+            try:
+                async with self._session.post(
+                        f"http://{peer.host}:{peer.port}{SIDE_CHANNEL_PATH}", json=body,
+                        timeout=aiohttp.ClientTimeout(total=60)) as r:
+                    ok = r.status == 200
+                    if not ok:
+                        log.warning("KV pull for %s refused by %s:%d: %s", pull.request_id,
+                                    peer.host, peer.port, (await r.text())[:200])
+            except (aiohttp.ClientError, TimeoutError) as e:
+                log.warning("KV pull for %s failed: %r", pull.request_id, e)
+        if self.model.finish_remote_load(pull.request_id, ok) is not None:
+            if ok:
+                self.metrics.kv_transfer_bytes.inc(pull.num_blocks * self.block_bytes)
+            self._wakeup.set()
+
+    @property
+    def block_bytes(self) -> int:
+        """KV bytes of one block under the profile."""
+        return self.config.block_size * self.settings.profile.kv_bytes_per_token
+
+    async def nixl_read(self, request: web.Request) -> web.Response:
+        """The side channel: a consumer reads a finished producer request's exported blocks.
+        Answers when the simulated transfer is over, then frees them."""
+        if self.settings.kv_connector is None:
+            raise APIError(404, "this engine runs no KV connector", "NotFoundError")
+        try:
+            body = await request.json()
+            rid = body["remote_request_id"]
+            consumer = str(body["consumer"])
+            num_bytes = int(body["num_bytes"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise APIError(400, f"bad side-channel read: {e!r}") from None
+        if rid not in self.model.exports:
+            raise APIError(404, f"no exported blocks for request {rid!r} (lease expired?)",
+                           "NotFoundError")
+        now = self.now()
+        done = self.link.schedule(self.engine_id, consumer, num_bytes, now)
+        await asyncio.sleep(max(0.0, done - now) * self.settings.time_scale)
+        released = self.model.release_export(rid)
+        self.metrics.after_step(self.model)
+        if not released:
+            raise APIError(404, f"exported blocks of {rid!r} expired during the read",
+                           "NotFoundError")
+        return web.json_response({"ok": True, "num_bytes": num_bytes})
+
+    def _transfer_params(self, req: SimRequest) -> dict[str, Any] | None:
+        """A producer request's answer for its consumer (None for any other request)."""
+        if not req.remote_decode or not req.exported_block_ids:
+            return None
+        s = self.settings
+        return producer_params(self.engine_id, req.request_id, req.exported_block_ids, s.host,
+                               s.port)
 
     # -- request plumbing -----------------------------------------------------------------------
 
@@ -248,6 +356,12 @@ class SimEngine:
         )
         rng = random.Random(digest)
         natural = 1 + int(rng.expovariate(1.0 / self.settings.mean_output_tokens))
+        produce, remote, peer = False, None, None
+        if self.settings.kv_connector is not None:
+            try:
+                produce, remote, peer = request_params(body.get("kv_transfer_params"))
+            except ValueError as e:
+                raise APIError(400, str(e), param="kv_transfer_params") from None
         rid = uuid.uuid4().hex
         req = SimRequest(
             request_id=rid,
@@ -260,7 +374,11 @@ class SimEngine:
             cache_salt=cache_salt,
             priority=priority,
             sample_seed=digest,
+            remote_decode=produce,
+            remote_prefill=remote,
         )
+        if peer is not None:
+            self._peers[rid] = peer
         stream = _Stream(req)
         self._streams[rid] = stream
         self.model.add_request(req)
@@ -365,7 +483,8 @@ class SimEngine:
             }],
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": self._usage(stream.request),
-            "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None,
+            "prompt_logprobs": None, "prompt_token_ids": None,
+            "kv_transfer_params": self._transfer_params(stream.request),
             "ec_transfer_params": None, "metrics": None,
         })
 
@@ -449,7 +568,8 @@ class SimEngine:
                          "finish_reason": final.value, "stop_reason": None, "token_ids": None,
                          "prompt_logprobs": None, "prompt_token_ids": None}],
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": self._usage(stream.request), "kv_transfer_params": None,
+            "usage": self._usage(stream.request),
+            "kv_transfer_params": self._transfer_params(stream.request),
             "ec_transfer_params": None, "metrics": None,
         })
 
@@ -657,6 +777,7 @@ def build_app(engine: SimEngine, client_max_size: int = 64 * 1024 * 1024) -> web
     app.router.add_post("/detokenize", engine.detokenize)
     app.router.add_get("/metrics", engine.metrics_endpoint)
     app.router.add_post("/reset_prefix_cache", engine.reset_prefix_cache)
+    app.router.add_post(SIDE_CHANNEL_PATH, engine.nixl_read)
 
     async def on_startup(_: web.Application) -> None:
         await engine.start()

@@ -1,0 +1,183 @@
+"""KV moves in the live gateway: a workflow submitted over HTTP to a real gateway in front of
+four real simulated engines that run the NixlConnector two-leg flow. While the fan-out's parent
+decodes, the planner copies its prompt to the engines its children are planned for; the children
+then find it in those engines' local prefix caches. Everything is read from the engines' own
+`/metrics` and the gateway's."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.procs import Child, free_port, spawn, wait_healthy
+from tests.conftest import MODEL
+
+SYSTEM = "You are a careful researcher who cites sources and checks every figure twice. " * 60
+CONNECTOR = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
+WORKERS = 4
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, list[Child]]]:
+    logs = tmp_path_factory.mktemp("kv-moves-live")
+    events = free_port()
+    sims = []
+    gateway = None
+    try:
+        for i in range(4):
+            port = free_port()
+            sim = spawn(f"sim-{i}", ["sim", "--host", "127.0.0.1", "--port", str(port),
+                                     "--model", MODEL, "--seed", str(i),
+                                     "--kv-events", f"tcp://127.0.0.1:{events}",
+                                     "--kv-transfer-config", CONNECTOR, "--kv-link", "rdma",
+                                     "--enable-prompt-tokens-details"],
+                        f"http://127.0.0.1:{port}", logs)
+            sims.append(sim)
+        for sim in sims:
+            wait_healthy(sim)
+        port = free_port()
+        config = {"host": "127.0.0.1", "port": port, "policy": "kvgate",
+                  "kv_events_bind": f"tcp://127.0.0.1:{events}", "scrape_interval_s": 0.2,
+                  "health_interval_s": 0.5, "kv_transfer": {"link": "rdma"},
+                  "engines": [{"url": s.url} for s in sims]}
+        path = logs / "gateway.yaml"
+        path.write_text(yaml.safe_dump(config))
+        gateway = spawn("gateway", ["serve", "--config", str(path)],
+                        f"http://127.0.0.1:{port}", logs)
+        wait_healthy(gateway)
+        yield gateway, sims
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for sim in sims:
+            sim.stop()
+
+
+def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                  if k not in ("model_name", "engine")))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def by_source(url: str, source: str) -> float:
+    return metrics(url).get(("vllm:prompt_tokens_by_source_total", (("source", source),)), 0.0)
+
+
+def post(url: str, body: Any) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.status, json.loads(r.read())
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def fanout() -> dict[str, Any]:
+    """plan -> WORKERS children that extend the plan's whole conversation."""
+    head = [{"segment": "sys"}, {"role": "user", "content": "Plan the survey in steps."}]
+    return {
+        "model": MODEL,
+        "segments": {"sys": {"kind": "static", "content": SYSTEM}},
+        "tasks": [
+            {"id": "plan", "output_tokens": 48, "messages": head},
+            *({"id": f"w{i}", "after": ["plan"], "output_tokens": 8,
+               "messages": [*head, {"output_of": "plan"},
+                            {"role": "user", "content": f"Now do step {i}."}]}
+              for i in range(WORKERS)),
+        ],
+    }
+
+
+def test_a_fanout_parent_is_copied_to_its_childrens_engines_over_the_two_legs(
+        pool: tuple[Child, list[Child]]) -> None:
+    gateway, sims = pool
+    status, snap = post(f"{gateway.url}/v1/workflows", fanout())
+    assert status == 201, snap
+    deadline = time.monotonic() + 60
+    while snap["state"] not in ("done", "failed", "cancelled"):
+        assert time.monotonic() < deadline, (snap["tasks"], {
+            k: v for k, v in metrics(gateway.url).items() if k[0].startswith("kvgate_kv")})
+        time.sleep(0.1)
+        snap = get(f"{gateway.url}/v1/workflows/{snap['id']}")
+    assert snap["state"] == "done", snap
+    engines = {t: rec["engine"] for t, rec in snap["tasks"].items()}
+    plan_engine = engines["plan"]
+    gw = metrics(gateway.url)
+    done = gw.get(("kvgate_kv_moves_total", (("kind", "transfer"), ("outcome", "done"),
+                                             ("reason", "prefetch"))), 0.0)
+    assert done >= 1, {k: v for k, v in gw.items() if k[0].startswith("kvgate_kv_move")}
+    urls = {s.url: s for s in sims}
+    child_engines = {engines[f"w{i}"] for i in range(WORKERS)} - {plan_engine}
+    assert child_engines, engines  # the children did not all stay with their parent
+    for engine in child_engines:
+        url = next(u for u in urls if engine in (u, u.removeprefix("http://")))
+        # The parent's prompt arrived by transfer (the engine computed none of it) ...
+        assert by_source(url, "external_kv_transfer") > 0, engine
+        assert metrics(url).get(("vllm:nixl_bytes_transferred_total", ()), 0.0) > 0
+        # ... and the children there found it in the engine's local prefix cache.
+        assert by_source(url, "local_cache_hit") > by_source(url, "local_compute"), engine
+    plan_url = next(u for u in urls if plan_engine in (u, u.removeprefix("http://")))
+    assert by_source(plan_url, "external_kv_transfer") == 0
+
+
+def post_status(url: str, body: Any) -> tuple[int, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_two_legs_answer_as_vllm_and_a_lost_lease_falls_back_to_recompute(
+        pool: tuple[Child, list[Child]]) -> None:
+    _, sims = pool
+    a, b = sims[0].url, sims[1].url
+    ids = [(7 * i) % 3000 + 10 for i in range(640)]
+    status, first = post_status(f"{a}/v1/completions", {
+        "model": MODEL, "prompt": ids, "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200, first
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_block_ids"]
+    assert {"remote_engine_id", "remote_request_id", "remote_host", "remote_port"} <= set(params)
+    before = by_source(b, "external_kv_transfer")
+    status, second = post_status(f"{b}/v1/completions", {
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params})
+    assert status == 200, second
+    assert by_source(b, "external_kv_transfer") - before == len(ids)
+    # The producer freed its blocks once read: the same params again find nothing to pull,
+    # and the consumer computes the prompt itself.
+    computed = by_source(sims[2].url, "local_compute")
+    status, third = post_status(f"{sims[2].url}/v1/completions", {
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params})
+    assert status == 200, third
+    assert by_source(sims[2].url, "local_compute") - computed == len(ids)
+
+
+def test_malformed_transfer_params_are_a_400_naming_the_field(
+        pool: tuple[Child, list[Child]]) -> None:
+    _, sims = pool
+    status, body = post_status(f"{sims[0].url}/v1/completions", {
+        "model": MODEL, "prompt": [11, 12, 13], "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": "all"}})
+    assert status == 400
+    assert "remote_block_ids" in body["error"]["message"]
