@@ -683,8 +683,19 @@ class Planner:
                 if record is not None:
                     return record
                 keys = route.block_keys[:blocks]
-                return self._start_transfer(pull.source, engine, rid, keys, route.block_size,
-                                            held_blocks, "pull", now, actions)
+                record = self._start_transfer(pull.source, engine, rid, keys, route.block_size,
+                                              held_blocks, pull.reason, now, actions)
+                if pull.reason == "disaggregate" and pull.source in self.engines:
+                    # The source computes the prompt first: its ledger carries that prefill
+                    # until the move ends, and the move lands after it.
+                    record.source_load = open_dispatch(
+                        route, pull.source, self.engines[pull.source].load,
+                        self._block_size_of(pull.source))
+                    cost = placement.cost
+                    if cost is not None:
+                        record.eta = max(record.eta, now + cost.queue_s + cost.prefill_s
+                                         + cost.transfer_s)
+                return record
         arriving = route.arriving.get(engine)
         if arriving is not None and arriving[0] > held_blocks:
             return self.moves.covering(engine, route.block_keys, arriving[0])
@@ -753,6 +764,8 @@ class Planner:
         record = self.moves.end(move_id, ok)
         if record is None:
             return
+        if record.source_load is not None:
+            close_dispatch(record.source_load)
         self._dispatch_waiters(record, self._ready)
         self._load_changed = True
 

@@ -10,8 +10,9 @@ profile and is corrected online by the ratio of observed to predicted TTFT and I
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from kvindex.index import EngineMatch
 from planner.policy import EngineView, RouteRequest
 from planner.profiles import EngineProfile
 from planner.transfer import NO_LINK, TransferLink
@@ -47,6 +48,9 @@ class PlacementCost:
 
     group_s: float = 0.0
     """When the request's sibling group would be done with it placed here (0: no siblings)."""
+    prefill_engine: str | None = None
+    """Disaggregated: the prompt is computed on this other engine, then its KV copied here
+    (`transfer_from` is the same engine) and the request decodes here."""
 
     @property
     def score(self) -> float:
@@ -101,6 +105,10 @@ class CostSettings:
     hot_spot_slack: int = 2
     """...cannot win on its cache: its cached tokens are priced as if recomputed."""
     link: TransferLink = NO_LINK
+    disaggregate_min_steps: float | None = 1.0
+    """With a link, a prompt whose uncached part needs at least this many full prefill steps
+    may be computed on one engine and decoded on another (`CostModel.split`), when that costs
+    less: its chunks then stall no decode at the engine it runs on. None: never."""
     transfer_min_tokens: int = 256
     """Pulling fewer missing tokens than this is never worth a transfer's setup."""
     externality: float = 1.0
@@ -253,10 +261,60 @@ class CostModel:
             ))
         return out
 
+    def split(self, request: RouteRequest, engines: Sequence[EngineView],
+              costs: Sequence[PlacementCost]) -> PlacementCost | None:
+        """Prefill on one engine, decode on another (the NIXL two legs as vLLM's P/D flow
+        uses them): the prefill engine is the one where the prompt's computation costs least
+        counting the decodes it stalls there; the decode engine the one where the request,
+        its prompt copied in, decodes at least cost. None without a link or a second engine."""
+        s = self.settings
+        if not s.link.enabled or len(engines) < 2:
+            return None
+        by_name = {e.name: e for e in engines}
+        mean_load = sum(self._load(e) for e in engines) / len(engines)
+        best_p: tuple[float, PlacementCost] | None = None
+        for c in costs:
+            if c.transfer_from is not None or c.prefill_s <= 0:
+                continue
+            load = self._load(by_name[c.engine])
+            stall = (s.externality * load + s.opportunity * mean_load) * c.prefill_s
+            key = c.queue_s + c.prefill_s + stall
+            if best_p is None or key < best_p[0]:
+                best_p = (key, c)
+        if best_p is None:
+            return None
+        pre = best_p[1]
+        blocks = len(request.block_keys)
+        full = replace(request, arriving={}, matches={
+            e.name: EngineMatch(e.name, blocks, blocks, float(blocks)) for e in engines})
+        after = [c for c in self.estimate(full, engines) if c.engine != pre.engine]
+        if not after:
+            return None
+        dest = min(after, key=lambda c: (round(c.score, 9), c.engine))
+        moved = min(blocks * request.block_size, request.prompt_tokens - 1)
+        kv_bytes = moved * self.profile(dest.engine).kv_bytes_per_token
+        busy = request.link_wait
+        t = (s.link.setup_s + kv_bytes / s.link.bandwidth_bytes_s
+             + max(busy.get(pre.engine, 0.0), busy.get(dest.engine, 0.0)))
+        stall = (best_p[0] - pre.queue_s - pre.prefill_s)
+        return replace(
+            dest, queue_s=pre.queue_s + dest.queue_s, prefill_s=pre.prefill_s + dest.prefill_s,
+            transfer_s=t, transfer_from=pre.engine, transfer_tokens=moved,
+            cached_tokens=moved, external_s=dest.external_s + stall,
+            prefill_engine=pre.engine)
+
     def best(self, request: RouteRequest, engines: Sequence[EngineView]) -> PlacementCost:
         """The cheapest placement; ties go to the less loaded engine, then pool order."""
         costs = self.estimate(request, engines)
         load = {e.name: self._load(e) for e in engines}
         order = {e.name: i for i, e in enumerate(engines)}
-        return min(costs, key=lambda c: (round(c.score, 9), round(c.total_s, 9), load[c.engine],
+        best = min(costs, key=lambda c: (round(c.score, 9), round(c.total_s, 9), load[c.engine],
                                          order[c.engine]))
+        steps = self.settings.disaggregate_min_steps
+        if steps is not None and self.settings.link.enabled:
+            uncached = request.prompt_tokens - best.cached_tokens
+            if uncached >= steps * self.profile(best.engine).max_num_batched_tokens:
+                split = self.split(request, engines, costs)
+                if split is not None and split.score < best.score:
+                    return split
+        return best

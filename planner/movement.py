@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvindex.index import BlockKey
 from planner.actions import Move, Transfer, Warm
+from planner.ledger import Outstanding
 from planner.segments import common_prefix
 from planner.transfer import TransferLink
 
@@ -36,6 +37,8 @@ class MoveRecord:
     """What computing the prefix at the destination instead would take."""
     waiters: list[str] = field(default_factory=list)
     """Requests placed on the destination that wait for it before they are dispatched."""
+    source_load: Outstanding | None = None
+    """A disaggregated prefill's account at its source (closed when the move ends)."""
 
     @property
     def destination(self) -> str:

@@ -68,3 +68,6 @@ class Pull:
     source: str
     tokens: int
     """Leading prompt tokens the destination holds once the pull is done (the source's run)."""
+    reason: str = "pull"
+    """`pull` (the source holds the prefix) or `disaggregate` (the source computes it first:
+    prefill there, decode at the destination)."""

@@ -41,7 +41,8 @@ class KvgatePolicy:
         best = self.cost.best(request, candidates(request, engines))
         pull = None
         if best.transfer_from is not None:
-            pull = Pull(best.transfer_from, best.cached_tokens)
+            reason = "disaggregate" if best.prefill_engine is not None else "pull"
+            pull = Pull(best.transfer_from, best.cached_tokens, reason)
         return Placement(best.engine, best, pull)
 
     def plan_prefetch(self, request: RouteRequest, children: int,
