@@ -17,7 +17,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     overrides = {"host": args.host, "port": args.port, "policy": args.policy,
                  "kv_events_bind": args.kv_events_bind, "admin_key": args.admin_key,
-                 "tokenizer": args.tokenizer}
+                 "tokenizer": args.tokenizer, "kv_transfer.link": args.kv_link}
     if args.redis:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis})
     try:
@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--admin-key", default=os.environ.get("KVGATE_ADMIN_KEY"),
                    help="key for /admin endpoints (default: $KVGATE_ADMIN_KEY)")
     s.add_argument("--tokenizer", help="HF tokenizer directory the engines use")
+    s.add_argument("--kv-link", help="KV transfer link between the engines (nvlink, rdma, GB/s "
+                                     "or none): they must run a KV connector (NixlConnector)")
     s.set_defaults(func=_serve)
 
     m = sub.add_parser("sim", help="run one simulated vLLM engine")

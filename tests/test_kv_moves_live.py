@@ -7,10 +7,13 @@ then find it in those engines' local prefix caches. Everything is read from the 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -181,3 +184,19 @@ def test_malformed_transfer_params_are_a_400_naming_the_field(
         "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": "all"}})
     assert status == 400
     assert "remote_block_ids" in body["error"]["message"]
+
+
+def test_live_bench_with_a_link_moves_kv_through_the_engines(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "bench", "--mode", "live", "--workload", "fanout",
+         "--workload-arg", "context_tokens=3000", "--workload-arg", "width=4", "--engines", "3",
+         "--workflows", "4", "--rate", "1", "--link", "rdma", "--policy", "kvgate,dynamo-like",
+         "--no-progress", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["link"]["name"] == "rdma"
+    kvgate, dynamo = report["results"]["kvgate"], report["results"]["dynamo-like"]
+    assert kvgate["failed"] == 0 and dynamo["failed"] == 0
+    assert kvgate["transferred_bytes"] > 0  # read from the engines' own NIXL counters
+    assert dynamo["transferred_bytes"] == 0

@@ -26,7 +26,7 @@ from kvgate.bench.options import BenchOptions, Prepared, progress_bar
 from kvgate.bench.prompts import ChatMessage
 from kvgate.bench.virtual import MODEL, RequestRecord, RunResult, WorkflowRecord
 from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef, WorkloadError
-from kvgate.benchmarks.placement import engine_counters
+from kvgate.benchmarks.placement import engine_counters, engine_metric
 from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim, wait_healthy
 from planner.dag import DagNode, DagRun, Wakeup
 
@@ -217,6 +217,10 @@ class LiveClient:
         return "".join(pieces)
 
 
+NIXL_CONFIG = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+"""vLLM's `--kv-transfer-config` for engines that move KV (VLLM_FACTS.md §7)."""
+
+
 def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
                scale: float) -> RunResult:
     """Fresh engines and front end for `policy`, the whole workload, then the engines' counters."""
@@ -229,21 +233,27 @@ def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
                     "--time-scale", str(scale), "--enable-prompt-tokens-details"]
         if policy != SGLANG_ROUTER:
             sim_args += ["--kv-events", events]
+        gateway_args = ["--policy", policy, "--kv-events-bind", events]
+        if o.transfer_link().enabled:
+            # Every engine runs the NIXL connector; the gateway moves KV for policies whose
+            # peer does (the link is the simulated fabric's).
+            sim_args += ["--kv-transfer-config", NIXL_CONFIG, "--kv-link", o.link]
+            gateway_args += ["--kv-link", o.link]
         sims = [start_sim(f"{policy}-sim-{i}", log_dir, sim_args) for i in range(o.engines)]
         children += sims
         urls = [s.url for s in sims]
         if policy == SGLANG_ROUTER:
             front = start_sglang_router(urls, log_dir)
         else:
-            front = start_gateway(urls, log_dir, ["--policy", policy, "--kv-events-bind", events],
-                                  name=f"{policy}-gateway")
+            front = start_gateway(urls, log_dir, gateway_args, name=f"{policy}-gateway")
         children.append(front)
         client = LiveClient(front.url, prepared, scale, policy, o.progress)
         asyncio.run(client.run())
         counters = [engine_counters(u) for u in urls]
         computed = int(sum(q - h for h, q, _ in counters))
+        moved = int(sum(engine_metric(u, "vllm:nixl_bytes_transferred_total") for u in urls))
         return RunResult(policy, client.records, list(client.workflows.values()), {}, {}, 1.0,
-                         computed)
+                         computed, transferred_bytes=moved)
     finally:
         for c in reversed(children):
             c.stop()

@@ -226,6 +226,10 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
             extra["fidelity"] = fidelity(virtual, {n: summarise(r) for n, r in runs.items()})
     if o.goodput:
         extra["goodput"] = run_goodput(o, prepared)
+    link = o.transfer_link()
+    if link.enabled:
+        extra["link"] = {"name": o.link, "bandwidth_bytes_s": link.bandwidth_bytes_s,
+                         "setup_s": link.setup_s}
     elapsed = time.monotonic() - started
     results = {name: summarise(run) for name, run in runs.items()}
     report = build_report(

@@ -69,19 +69,30 @@ async def run_workload(url: str, agents: int, turns: int, output_tokens: int) ->
 
 
 def engine_counters(url: str) -> tuple[float, float, float]:
-    """(prefix hits, prefix queries, finished requests) from an engine's /metrics."""
+    """(prefix hits, local and external; prefix queries; finished requests) from an engine's
+    /metrics."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
     hits = queries = requests = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "vllm:prefix_cache_hits_total":
+            if s.name in ("vllm:prefix_cache_hits_total",
+                          "vllm:external_prefix_cache_hits_total"):
+                # Served from a cache, local or a peer's (KV connector): not computed.
                 hits += s.value
             elif s.name == "vllm:prefix_cache_queries_total":
                 queries += s.value
             elif s.name == "vllm:request_success_total":
                 requests += s.value
     return hits, queries, requests
+
+
+def engine_metric(url: str, name: str) -> float:
+    """One metric's samples summed over labels, from an engine's /metrics (0 when absent)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == name)
 
 
 @dataclass(frozen=True)
