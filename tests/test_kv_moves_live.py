@@ -21,11 +21,14 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.procs import Child, free_port, spawn, wait_healthy
+from planner.profiles import get_profile
 from tests.conftest import MODEL
 
 SYSTEM = "You are a careful researcher who cites sources and checks every figure twice. " * 60
 CONNECTOR = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
 WORKERS = 4
+SIM_BLOCK = get_profile("h100-llama3-8b").block_size
+"""The simulated engines' KV block size (their default profile's)."""
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +136,7 @@ def test_a_fanout_parent_is_copied_to_its_childrens_engines_over_the_two_legs(
         url = next(u for u in urls if engine in (u, u.removeprefix("http://")))
         # The parent's prompt arrived by transfer (the engine computed none of it) ...
         assert by_source(url, "external_kv_transfer") > 0, engine
-        assert metrics(url).get(("vllm:nixl_bytes_transferred_total", ()), 0.0) > 0
+        assert metrics(url).get(("vllm:nixl_bytes_transferred_sum", ()), 0.0) > 0
         # ... and the children there found it in the engine's local prefix cache.
         assert by_source(url, "local_cache_hit") > by_source(url, "local_compute"), engine
     plan_url = next(u for u in urls if plan_engine in (u, u.removeprefix("http://")))
@@ -150,30 +153,33 @@ def post_status(url: str, body: Any) -> tuple[int, Any]:
         return e.code, json.loads(e.read())
 
 
-def test_the_two_legs_answer_as_vllm_and_a_lost_lease_falls_back_to_recompute(
+def test_the_two_legs_answer_as_vllm_and_a_lost_lease_fails_the_consumer(
         pool: tuple[Child, list[Child]]) -> None:
     _, sims = pool
     a, b = sims[0].url, sims[1].url
-    ids = [(7 * i) % 3000 + 10 for i in range(640)]
+    ids = [(7 * i) % 3000 + 10 for i in range(641)]
     status, first = post_status(f"{a}/v1/completions", {
         "model": MODEL, "prompt": ids, "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True}})
     assert status == 200, first
     params = first["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True and params["remote_block_ids"]
-    assert {"remote_engine_id", "remote_request_id", "remote_host", "remote_port"} <= set(params)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    # One list of block ids per KV-cache group; the partial last block is exported too.
+    assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == -(-641 // SIM_BLOCK)
+    assert params["remote_num_tokens"] == len(ids) and params["transfer_mode"] == "pull"
+    assert {"remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+            "tp_size"} <= set(params)
     before = by_source(b, "external_kv_transfer")
     status, second = post_status(f"{b}/v1/completions", {
         "model": MODEL, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params})
     assert status == 200, second
     assert by_source(b, "external_kv_transfer") - before == len(ids)
     # The producer freed its blocks once read: the same params again find nothing to pull,
-    # and the consumer computes the prompt itself.
-    computed = by_source(sims[2].url, "local_compute")
+    # and under vLLM's default kv_load_failure_policy (fail) the request ends in an error.
     status, third = post_status(f"{sims[2].url}/v1/completions", {
         "model": MODEL, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params})
-    assert status == 200, third
-    assert by_source(sims[2].url, "local_compute") - computed == len(ids)
+    assert status == 500, third
+    assert third["error"]["type"] == "InternalServerError"
 
 
 def test_malformed_transfer_params_are_a_400_naming_the_field(
@@ -181,7 +187,7 @@ def test_malformed_transfer_params_are_a_400_naming_the_field(
     _, sims = pool
     status, body = post_status(f"{sims[0].url}/v1/completions", {
         "model": MODEL, "prompt": [11, 12, 13], "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": "all"}})
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3]}})
     assert status == 400
     assert "remote_block_ids" in body["error"]["message"]
 

@@ -81,9 +81,18 @@ class EngineMetrics:
         )
         self.prompt_by_source = {src: by_source.labels(*lv, src) for src in (
             "local_compute", "local_cache_hit", "external_kv_transfer")}
-        self.kv_transfer_bytes = counter(
-            "vllm:nixl_bytes_transferred",
-            "Bytes of KV pulled from peers by the KV connector (simulated NIXL reads).",
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source", "Number of cached prompt tokens by source.",
+            [*LABELS, "source"], registry=r,
+        )
+        self.cached_p2p = cached_by_source.labels(*lv, "p2p")
+        self.nixl_bytes = histogram(
+            "vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL transfer.",
+            tuple(float(2 ** (10 + i)) for i in range(1, 24, 2)),
+        ).labels(*lv)
+        self.nixl_time = histogram(
+            "vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV cache "
+            "transfers.", (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0),
         ).labels(*lv)
         self.preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
@@ -133,14 +142,15 @@ class EngineMetrics:
         ).labels(*lv)
         self._seen = dict.fromkeys(("queries", "hits", "preempt", "prompt", "gen",
                                     "ext_queries", "ext_hits", "src_compute", "src_cache",
-                                    "src_external"), 0)
+                                    "src_external", "p2p"), 0)
 
     def after_step(self, engine: EngineModel) -> None:
         """Refresh gauges and advance counters from the engine model's monotonic stats."""
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
-        self.waiting_capacity.set(engine.num_waiting)
-        self.waiting_deferred.set(0)
+        # A request waiting for remote KV is waiting, deferred (vLLM's kv_holding_waiting).
+        self.waiting_capacity.set(engine.num_waiting - len(engine.loading))
+        self.waiting_deferred.set(len(engine.loading))
         self.kv_usage.set(engine.pool.usage)
         s = engine.stats
         for key, value, metric in (
@@ -155,11 +165,17 @@ class EngineMetrics:
             ("src_cache", s.prefix_cache_hits, self.prompt_by_source["local_cache_hit"]),
             ("src_external", s.external_prefix_cache_hits,
              self.prompt_by_source["external_kv_transfer"]),
+            ("p2p", s.external_prefix_cache_hits, self.cached_p2p),
         ):
             delta = value - self._seen[key]
             if delta:
                 metric.inc(delta)
                 self._seen[key] = value
+
+    def nixl_transfer(self, num_bytes: int, seconds: float) -> None:
+        """One pull read from a peer (observed on the consumer, as vLLM's pull mode does)."""
+        self.nixl_bytes.observe(num_bytes)
+        self.nixl_time.observe(seconds)
 
     def request_finished(self, req: SimRequest) -> None:
         """Observe a finished request's latencies, as vLLM's logger does at completion."""

@@ -85,6 +85,8 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
+    """vLLM's FINISHED_ERROR (a failed KV load under `kv_load_failure_policy: fail`)."""
 
 
 @dataclass(slots=True)
@@ -442,6 +444,11 @@ class EngineConfig:
     """vLLM's `--scheduling-policy priority` (False is its default, `fcfs`): see the module doc."""
     kv_lease_s: float = 30.0
     """How long a producer holds exported blocks for a peer (NixlConnector's lease)."""
+    kv_connector: bool = False
+    """A KV connector is configured: every admitted prompt queries it for what the local cache
+    lacks (vLLM's `external_prefix_cache_queries`)."""
+    kv_load_failure_policy: str = "recompute"
+    """After a failed pull: `recompute` locally, or `fail` the request (vLLM 0.32's default)."""
 
     @property
     def scheduling_policy(self) -> str:
@@ -534,13 +541,18 @@ class EngineModel:
         pulls, self._pulls = self._pulls, []
         return pulls
 
-    def finish_remote_load(self, request_id: str, ok: bool) -> SimRequest | None:
+    def finish_remote_load(self, request_id: str, ok: bool, now: float = 0.0
+                           ) -> SimRequest | None:
         """A consumer request's pull ended: its loaded blocks join the prefix cache (announced
         as BlockStored) and it is scheduled again with them computed (the last prompt token is
-        recomputed for its logits). On failure it recomputes what it could not load."""
+        recomputed for its logits). On failure it recomputes what it could not load, or under
+        `kv_load_failure_policy: fail` ends with FinishReason.ERROR (check `finish_reason`)."""
         req = self.loading.pop(request_id, None)
         if req is None:
             return None
+        if not ok and self.config.kv_load_failure_policy == "fail":
+            self._finish(req, FinishReason.ERROR, now)
+            return req
         if ok:
             external = req.num_prompt_tokens - req.num_computed_tokens
             req.num_external_tokens = external
@@ -793,6 +805,8 @@ class EngineModel:
                 self.stats.prefix_cache_hits += num_cached
                 self.stats.prompt_tokens += req.num_prompt_tokens
                 self.stats.prompt_tokens_computed += req.num_prompt_tokens - num_cached
+                if self.config.kv_connector:
+                    self.stats.external_prefix_cache_queries += req.num_prompt_tokens - num_cached
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             req.status = RequestStatus.RUNNING

@@ -40,6 +40,11 @@ class ConnectorConfig:
     kv_role: str
     lease_s: float = 30.0
     """`kv_connector_extra_config.kv_lease_duration`: how long exported blocks are held."""
+    engine_id: str | None = None
+    """`engine_id` (vLLM's default: a fresh uuid)."""
+    load_failure_policy: str = "fail"
+    """`kv_load_failure_policy`: `fail` (vLLM 0.32's default: the request ends in an error)
+    or `recompute`."""
 
 
 def parse_connector_config(text: str) -> ConnectorConfig:
@@ -65,7 +70,14 @@ def parse_connector_config(text: str) -> ConnectorConfig:
     if not isinstance(lease, int | float) or lease <= 0:
         raise ConnectorConfigError(f"kv_connector_extra_config.kv_lease_duration must be a "
                                    f"positive number of seconds, got {lease!r}")
-    return ConnectorConfig(connector, role, float(lease))
+    policy = data.get("kv_load_failure_policy", "fail")
+    if policy not in ("fail", "recompute"):
+        raise ConnectorConfigError(f"kv_load_failure_policy {policy!r}: expected fail or "
+                                   "recompute")
+    engine_id = data.get("engine_id")
+    if engine_id is not None and not isinstance(engine_id, str):
+        raise ConnectorConfigError("engine_id must be a string")
+    return ConnectorConfig(connector, role, float(lease), engine_id, policy)
 
 
 @dataclass(frozen=True)
@@ -88,8 +100,12 @@ def request_params(params: Any) -> tuple[bool, RemotePrefill | None, Peer | None
         engine_id = params.get("remote_engine_id")
         rid = params.get("remote_request_id")
         host, port = params.get("remote_host"), params.get("remote_port")
-        if not isinstance(ids, list) or not all(type(b) is int for b in ids):
-            raise ValueError("kv_transfer_params.remote_block_ids must be a list of ints")
+        # One list of block ids per KV-cache group (vLLM 0.32); a plain model has one group.
+        if (not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], list)
+                or not all(type(b) is int for b in ids[0])):
+            raise ValueError("kv_transfer_params.remote_block_ids must be a list with one list "
+                             "of block ids per KV-cache group (this engine has one group)")
+        ids = ids[0]
         if not isinstance(engine_id, str) or not isinstance(rid, str):
             raise ValueError("kv_transfer_params needs remote_engine_id and remote_request_id")
         if not isinstance(host, str) or type(port) is not int:
@@ -99,9 +115,11 @@ def request_params(params: Any) -> tuple[bool, RemotePrefill | None, Peer | None
 
 
 def producer_params(engine_id: str, request_id: str, block_ids: tuple[int, ...], host: str,
-                    port: int) -> dict[str, Any]:
-    """What a finished producer request answers: everything the consumer's leg needs."""
+                    port: int, num_tokens: int) -> dict[str, Any]:
+    """What a finished producer request answers, field for field as vLLM 0.32's
+    `NixlPullConnectorScheduler.request_finished` builds it (one KV-cache group)."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": list(block_ids), "remote_engine_id": engine_id,
+            "remote_block_ids": [list(block_ids)], "remote_engine_id": engine_id,
             "remote_request_id": request_id, "remote_host": host, "remote_port": port,
-            "tp_size": 1}
+            "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": num_tokens,
+            "remote_blocks_expiry_time": None, "transfer_mode": "pull"}

@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 VLLM_VERSION = "0.32.0"
 SYSTEM_FINGERPRINT = f"vllm-{VLLM_VERSION}-kvgate-sim"
 
+STREAM_ERROR = {"error": {"message": "Internal server error", "type": "InternalServerError",
+                          "param": None, "code": 500}}
+"""What vLLM streams when a request ends in an error (e.g. a failed KV load)."""
+
 PRIORITY_HEADER = "X-Vllm-Priority"
 """vLLM 0.32 header that overrides the body's `priority` (generate/base/serving.py)."""
 _INT64_MIN = -(2**63)
@@ -140,6 +144,9 @@ class SimEngine:
             eos_token_id=self.tokenizer.eos_token_id,
             priority_scheduling=settings.priority_scheduling,
             kv_lease_s=settings.kv_connector.lease_s if settings.kv_connector else 30.0,
+            kv_connector=settings.kv_connector is not None,
+            kv_load_failure_policy=(settings.kv_connector.load_failure_policy
+                                    if settings.kv_connector else "recompute"),
         )
         self._word_ids = self._readable_token_ids()
         self.model = EngineModel(self.config, profile, self._sample)
@@ -150,7 +157,9 @@ class SimEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._t0 = time.monotonic()
         self.healthy = True
-        self.engine_id = settings.engine_id or f"http://{settings.host}:{settings.port}"
+        self.engine_id = (settings.engine_id
+                          or (settings.kv_connector.engine_id if settings.kv_connector else None)
+                          or str(uuid.uuid4()))
         self.link = LinkModel(settings.kv_link)
         self._peers: dict[str, Peer] = {}
         self._pulls: set[asyncio.Task[None]] = set()
@@ -255,6 +264,7 @@ class SimEngine:
         on failure the request recomputes them (vLLM's default `kv_load_failure_policy`)."""
         peer = self._peers.pop(pull.request_id, None)
         ok = False
+        started = time.monotonic()
         if peer is not None and self._session is not None:
             body = {"remote_request_id": pull.remote_request_id,
                     "block_ids": list(pull.remote_block_ids), "consumer": self.engine_id,
@@ -269,10 +279,20 @@ class SimEngine:
                                     peer.host, peer.port, (await r.text())[:200])
             except (aiohttp.ClientError, TimeoutError) as e:
                 log.warning("KV pull for %s failed: %r", pull.request_id, e)
-        if self.model.finish_remote_load(pull.request_id, ok) is not None:
-            if ok:
-                self.metrics.kv_transfer_bytes.inc(pull.num_blocks * self.block_bytes)
-            self._wakeup.set()
+        req = self.model.finish_remote_load(pull.request_id, ok, self.now())
+        if req is None:
+            return
+        if ok:
+            self.metrics.nixl_transfer(pull.num_blocks * self.block_bytes,
+                                       time.monotonic() - started)
+        if req.finish_reason is FinishReason.ERROR:
+            # kv_load_failure_policy fail: the request ends in an error, as vLLM's does.
+            self.metrics.request_finished(req)
+            stream = self._streams.get(req.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(TokenOutput(req.request_id, (), FinishReason.ERROR))
+        self.metrics.after_step(self.model)
+        self._wakeup.set()
 
     @property
     def block_bytes(self) -> int:
@@ -310,7 +330,7 @@ class SimEngine:
             return None
         s = self.settings
         return producer_params(self.engine_id, req.request_id, req.exported_block_ids, s.host,
-                               s.port)
+                               s.port, req.num_prompt_tokens)
 
     # -- request plumbing -----------------------------------------------------------------------
 
@@ -412,6 +432,8 @@ class SimEngine:
         finally:
             self._release(stream)
         assert reason is not None
+        if reason is FinishReason.ERROR:
+            raise APIError(500, "Internal server error", "InternalServerError")
         return ids, reason
 
     def _usage(self, req: SimRequest) -> dict[str, Any]:
@@ -507,6 +529,9 @@ class SimEngine:
             ids: list[int] = []
             sent = ""
             async for out in self._tokens(stream):
+                if out.finish_reason is FinishReason.ERROR:
+                    await resp.write(_sse(STREAM_ERROR))
+                    break
                 if not ids:
                     # vLLM sends the role chunk with the first output, i.e. after prefill.
                     await resp.write(chunk([{"index": 0,
@@ -544,6 +569,9 @@ class SimEngine:
                 ids: list[int] = []
                 sent = ""
                 async for out in self._tokens(stream):
+                    if out.finish_reason is FinishReason.ERROR:
+                        await resp.write(_sse(STREAM_ERROR))
+                        break
                     ids.extend(out.new_token_ids)
                     text = self._text(ids)
                     delta, sent = text[len(sent):], text

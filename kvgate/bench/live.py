@@ -251,7 +251,7 @@ def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
         asyncio.run(client.run())
         counters = [engine_counters(u) for u in urls]
         computed = int(sum(q - h for h, q, _ in counters))
-        moved = int(sum(engine_metric(u, "vllm:nixl_bytes_transferred_total") for u in urls))
+        moved = int(sum(engine_metric(u, "vllm:nixl_bytes_transferred_sum") for u in urls))
         return RunResult(policy, client.records, list(client.workflows.values()), {}, {}, 1.0,
                          computed, transferred_bytes=moved)
     finally:
