@@ -165,7 +165,8 @@ def test_the_two_legs_answer_as_vllm_and_a_lost_lease_fails_the_consumer(
     params = first["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     # One list of block ids per KV-cache group; the partial last block is exported too.
-    assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == -(-641 // SIM_BLOCK)
+    (blocks,) = params["remote_block_ids"]
+    assert len(blocks) == -(-641 // SIM_BLOCK)
     assert params["remote_num_tokens"] == len(ids) and params["transfer_mode"] == "pull"
     assert {"remote_engine_id", "remote_request_id", "remote_host", "remote_port",
             "tp_size"} <= set(params)
