@@ -50,6 +50,17 @@ bench-planner: $(VENV)/.dev
 	  $(BENCH) --workload $$w $(PLANNER_LONG) --workflows 24 --goodput --goodput-precision 0.1 --json $(R)/planner-$$w-long.json > $(R)/planner-$$w-long.txt || exit 1; done
 	$(PY) -m kvgate.bench.tables $(R)/planner-*.json > $(R)/planner-tables.md
 
+.PHONY: bench-moves
+MOVE_POLICIES := kvgate,kvgate-no-prefetch,dynamo-like,sglang-like,llmd-p2p-like,llmd-like
+MOVES := $(VENV)/bin/kvgate bench --no-progress
+bench-moves: $(VENV)/.dev
+	@mkdir -p $(R)
+	$(MOVES) --workload fanout $(PLANNER_LONG) --workflows 48 --link rdma --goodput \
+	  --policy $(MOVE_POLICIES) --json $(R)/moves-fanout-long.json > $(R)/moves-fanout-long.txt
+	for w in tree debate; do \
+	  $(MOVES) --workload $$w $(PLANNER_LONG) --workflows 24 --link rdma --rate 0.2 \
+	  --policy $(MOVE_POLICIES) --json $(R)/moves-$$w-long.json > $(R)/moves-$$w-long.txt || exit 1; done
+
 .PHONY: bench-tables
 bench-tables: $(REPORTS)
 	$(PY) -m kvgate.bench.tables $(REPORTS) > $(R)/tables.md
