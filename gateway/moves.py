@@ -28,21 +28,28 @@ class KvMover:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self._origins: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._tasks_of: dict[str, tuple[str, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def remember(self, request_id: str, model: str, token_ids: tuple[int, ...]) -> None:
-        """A request's prompt, while it may be a move's origin."""
+    def remember(self, request_id: str, model: str, token_ids: tuple[int, ...],
+                 task: tuple[str, str] | None = None) -> None:
+        """A request's prompt, while it may be a move's origin; `task` is its (workflow, task)
+        when it belongs to one (the workflow's status lists the moves it caused)."""
         self._origins[request_id] = (model, token_ids)
+        if task is not None:
+            self._tasks_of[request_id] = task
 
     def forget(self, request_id: str) -> None:
         """The request is over."""
         self._origins.pop(request_id, None)
+        self._tasks_of.pop(request_id, None)
 
     def carry_out(self, move: Transfer | Warm) -> None:
         """Start the move; its end reaches the planner as an event. The origin's prompt is
         taken now: the origin may end before the move's task first runs."""
         origin = self._origins.get(move.origin)
-        task = asyncio.get_running_loop().create_task(self._run(move, origin))
+        task = asyncio.get_running_loop().create_task(
+            self._run(move, origin, self._tasks_of.get(move.origin)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -58,8 +65,8 @@ class KvMover:
             raise TransportError(f"engine {engine} is not in the pool")
         return pool.engines[engine].url
 
-    async def _run(self, move: Transfer | Warm, origin: tuple[str, tuple[int, ...]] | None
-                   ) -> None:
+    async def _run(self, move: Transfer | Warm, origin: tuple[str, tuple[int, ...]] | None,
+                   task: tuple[str, str] | None) -> None:
         state = self.state
         kind = "transfer" if isinstance(move, Transfer) else "warm"
         started = time.monotonic()
@@ -79,8 +86,28 @@ class KvMover:
         except TransportError as e:
             log.warning("%s %s (%s) failed: %s", kind, move.move_id, move.reason, e)
             m.kv_moves.labels(kind, move.reason, "failed").inc()
+            await self._report(task, move, started, str(e))
             state.notify(TransferFailed(move.move_id, str(e)))
             return
         m.kv_moves.labels(kind, move.reason, "done").inc()
         m.kv_move_seconds.labels(kind).observe(time.monotonic() - started)
+        await self._report(task, move, started, None)
         state.notify(TransferDone(move.move_id))
+
+    async def _report(self, task: tuple[str, str] | None, move: Transfer | Warm, started: float,
+                error: str | None) -> None:
+        """List the move in its origin task's record (workflow status)."""
+        service = self.state.workflows
+        if task is None or service is None:
+            return
+        info = {"id": move.move_id, "reason": move.reason, "tokens": move.tokens,
+                "seconds": round(time.monotonic() - started, 6),
+                "outcome": "failed" if error else "done"}
+        if isinstance(move, Transfer):
+            info |= {"kind": "transfer", "source": move.source,
+                     "destination": move.destination, "bytes": move.num_bytes}
+        else:
+            info |= {"kind": "warm", "destination": move.engine}
+        if error:
+            info["error"] = error
+        await service.note_move(task[0], task[1], info)

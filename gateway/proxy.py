@@ -206,7 +206,9 @@ class Proxy:
             matches = await state.index.match(keys.keys, state.now())
             if state.planner.moves_kv:
                 # The prompt may be the origin of a KV move (a pull, a prefetch).
-                state.mover.remember(request_id, model, keys.token_ids)
+                state.mover.remember(request_id, model, keys.token_ids,
+                                     (hints.workflow, hints.task or request_id)
+                                     if hints.workflow is not None else None)
         state.metrics.lookup_time.observe(time.perf_counter() - t0)
         return RouteRequest(
             request_id=request_id,

@@ -206,7 +206,15 @@ class _Cancel:
     pass
 
 
-_Message = _Wake | _Done | _Note | _Cancel
+@dataclass(frozen=True)
+class _MoveNote:
+    """A KV move the task's prompt was the origin of ended (listed in its record)."""
+
+    task: str
+    move: Json
+
+
+_Message = _Wake | _Done | _Note | _MoveNote | _Cancel
 
 
 @dataclass
@@ -519,6 +527,10 @@ class WorkflowService:
                 if task in run.tasks and dag.state(task) is TaskState.RUNNING:
                     run.tasks[task].update(fields)
                     changes.tasks.add(task)
+            case _MoveNote(task=task, move=move):
+                if task in run.tasks:
+                    run.tasks[task].setdefault("kv_moves", []).append(move)
+                    changes.tasks.add(task)
             case _Cancel():
                 if dag.over:
                     return
@@ -608,6 +620,17 @@ class WorkflowService:
         if rec is not None:
             rec.update(state=TaskState.RUNNING.value, engine=engine, dispatched_s=now)
             await self._hint_write(workflow, task, rec)
+
+    async def note_move(self, workflow: str, task: str, move: Json) -> None:
+        """A KV move whose origin was this task's prompt ended: its record lists it."""
+        run = self._runs.get(workflow)
+        if run is not None:
+            run.inbox.put_nowait(_MoveNote(task, move))
+            return
+        rec = self._hint_tasks.get((workflow, task))
+        if rec is not None:
+            rec.setdefault("kv_moves", []).append(move)
+            await self._hint_write(workflow, task, rec, event=False)
 
     async def hinted_first_token(self, workflow: str, task: str) -> None:
         """The engine started answering the call (a streamed first chunk)."""

@@ -124,6 +124,12 @@ def test_a_fanout_parent_is_copied_to_its_childrens_engines_over_the_two_legs(
         snap = get(f"{gateway.url}/v1/workflows/{snap['id']}")
     assert snap["state"] == "done", snap
     engines = {t: rec["engine"] for t, rec in snap["tasks"].items()}
+    # The workflow's status lists each move its tasks' prompts were the origin of.
+    moves = snap["tasks"]["plan"].get("kv_moves", [])
+    prefetched = [m for m in moves if m["reason"] == "prefetch" and m["outcome"] == "done"]
+    assert prefetched, snap["tasks"]["plan"]
+    assert all(m["kind"] == "transfer" and m["bytes"] > 0 and m["source"] != m["destination"]
+               for m in prefetched)
     plan_engine = engines["plan"]
     gw = metrics(gateway.url)
     done = gw.get(("kvgate_kv_moves_total", (("kind", "transfer"), ("outcome", "done"),
