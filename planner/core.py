@@ -75,6 +75,8 @@ from planner.policy import (
 )
 from planner.priorities import WorkflowPriorities
 from planner.profiles import EngineProfile
+from planner.replication import MIN_BLOCKS as REPLICATE_MIN_BLOCKS
+from planner.replication import StaticDemand
 from planner.segments import NO_SEGMENTS, Segments, common_prefix, tag_blocks
 from planner.transfer import NO_LINK, TransferLink
 
@@ -114,19 +116,24 @@ class PlannerSettings:
     prefetch: bool = False
     """When a task with several children starts answering, copy its prompt's KV to the
     engines its children are planned for (a transfer, or a warm-up where no link exists)."""
+    replicate: bool = False
+    """With a link, keep hot static segments on as many engines as their share of demand
+    needs (planner/replication.py)."""
 
 
 VARIANTS: dict[str, PlannerSettings] = {
     "kvgate": PlannerSettings("kvgate", release="batch", priorities=True, siblings=True,
-                              prefetch=True),
+                              prefetch=True, replicate=True),
     "kvgate-no-prefetch": PlannerSettings("kvgate", release="batch", priorities=True,
-                                          siblings=True),
+                                          siblings=True, replicate=True),
+    "kvgate-no-replicate": PlannerSettings("kvgate", release="batch", priorities=True,
+                                           siblings=True, prefetch=True),
     "kvgate-no-batch": PlannerSettings("kvgate", release="immediate", priorities=True,
-                                       siblings=True, prefetch=True),
+                                       siblings=True, prefetch=True, replicate=True),
     "kvgate-no-priority": PlannerSettings("kvgate", release="batch", siblings=True,
-                                          prefetch=True),
+                                          prefetch=True, replicate=True),
     "kvgate-no-siblings": PlannerSettings("kvgate", release="batch", priorities=True,
-                                          prefetch=True),
+                                          prefetch=True, replicate=True),
     "kvgate-routing-only": PlannerSettings("kvgate"),
 }
 """The full planner and its ablations; every other name is a routing policy under `immediate`
@@ -255,6 +262,7 @@ class Planner:
         siblings: bool = False,
         link: TransferLink = NO_LINK,
         prefetch: bool = False,
+        replicate: bool = False,
     ) -> None:
         if release not in ("immediate", "batch"):
             raise ValueError(f"unknown release policy {release!r}; known: immediate, batch")
@@ -295,6 +303,8 @@ class Planner:
         self.link = link
         self.moves = Moves(link)
         self.prefetch = prefetch and self.moves_kv and profile_of is not None
+        self.replicate = replicate and self.moves_kv and link.enabled and profile_of is not None
+        self.static_demand = StaticDemand()
         self._children: dict[str, dict[str, int]] = {}
         """Per submitted workflow, each task's number of children (what prefetch plans for)."""
         self._ready: list[Action] = []
@@ -356,7 +366,9 @@ class Planner:
         rid = call.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already in flight")
-        self._requests[rid] = _Request(call, segments=self._tag(call))
+        req = self._requests[rid] = _Request(call, segments=self._tag(call))
+        if self.replicate:
+            self._replicate(req, now)
         self._queued.append(rid)
         self._order[rid] = self._seq
         self._seq += 1
@@ -760,6 +772,31 @@ class Planner:
                 self._ready.append(warm)
                 self.moves.start(warm, now, eta, eta - now)
 
+    def _replicate(self, req: _Request, now: float) -> None:
+        """Count the call's static segment as demanded, and copy it to one more engine if
+        fewer hold it than its share of demand calls for (planner/replication.py)."""
+        first = req.segments.ranges[0] if req.segments.ranges else None
+        if first is None or first.kind != "static" or first.blocks < REPLICATE_MIN_BLOCKS:
+            return
+        route = req.call.route
+        keys = route.block_keys[:first.end]
+        self.static_demand.observe(keys, now)
+        views = [v for v in self.views() if v.healthy and route.model in v.models]
+        wanted = self.static_demand.replicas(keys, len(views), now)
+        holders = {name for name, m in route.matches.items() if m.confirmed_blocks >= len(keys)}
+        coming = {r.destination for r in self.moves if common_prefix(keys, r.keys) >= len(keys)}
+        have = {v.name for v in views} & (holders | coming)
+        if not holders or len(have) >= wanted:
+            return
+        load = {v.name: v.fresh_load for v in views}
+        source = min((n for n in holders if n in load), key=lambda n: (load[n], n), default=None)
+        lacking = [v.name for v in views if v.name not in have]
+        if source is None or not lacking:
+            return
+        dest = min(lacking, key=lambda n: (load[n], n))
+        self._start_transfer(source, dest, route.request_id, keys, route.block_size, 0,
+                             "replicate", now, self._ready)
+
     def _move_over(self, move_id: str, ok: bool, now: float) -> None:
         record = self.moves.end(move_id, ok)
         if record is None:
@@ -875,4 +912,5 @@ def make_planner(
     return Planner(policy, speculative_ttl_s=speculative_ttl_s,
                    engine_block_size=engine_block_size, release=settings.release,
                    priorities=priorities, profile_of=context.profile,
-                   siblings=settings.siblings, link=context.link, prefetch=settings.prefetch)
+                   siblings=settings.siblings, link=context.link, prefetch=settings.prefetch,
+                   replicate=settings.replicate)

@@ -336,3 +336,67 @@ def test_virtual_ablation_and_baselines_prefetch_nothing() -> None:
 def test_virtual_run_without_a_link_moves_nothing() -> None:
     result, _ = run_policy("kvgate", "none")
     assert result.transferred_bytes == 0
+
+
+# -- replication ---------------------------------------------------------------------------------
+
+
+def static_call(rid: str, system: int, holders: tuple[str, ...] = ("a",)) -> Call:
+    """A call whose prompt opens with static segment `system` (64 blocks), held by `holders`."""
+    keys = (*range(system * 1000, system * 1000 + 64), 10**6 + int(rid[1:]))
+    matches = {h: EngineMatch(h, 64, 64, 64.0) for h in holders}
+    route = RouteRequest(rid, "m", prompt_tokens=len(keys) * 16, block_keys=keys,
+                         matches=matches, max_tokens=16)
+    return Call(route, segments=tag_parts([("static", 64 * 16), ("transient", 16)], 16))
+
+
+def replicas_started(p: Planner, now: float) -> list[Transfer]:
+    return [a for a in p.release(now) if isinstance(a, Transfer) and a.reason == "replicate"]
+
+
+def replicating_planner(link: TransferLink = NAMED_LINKS["rdma"]) -> Planner:
+    """Placement always on engine a without pulls, so only replication moves KV."""
+    p = Planner(PullFrom("a", None), profile_of=lambda _: PROFILE,  # type: ignore[arg-type]
+                link=link, replicate=True)
+    for e in ("a", "b", "c", "d"):
+        p.on_event(EngineJoined(e, healthy=True, models=frozenset({"m"})), 0.0)
+    return p
+
+
+def test_a_segment_every_call_needs_is_copied_to_every_engine() -> None:
+    p = replicating_planner()
+    destinations = []
+    for i in range(12):
+        p.admit(static_call(f"r{i}", 1), float(i))
+        moves = replicas_started(p, float(i))
+        assert all(m.source == "a" and m.block_keys == tuple(range(1000, 1064)) for m in moves)
+        destinations += [m.destination for m in moves]
+    assert sorted(destinations) == ["b", "c", "d"]  # one copy each, none twice
+
+
+def test_two_segments_with_equal_demand_get_half_the_pool_each() -> None:
+    p = replicating_planner()
+    copies: dict[int, set[str]] = {1: {"a"}, 2: {"b"}}
+    for i in range(16):
+        system = 1 + i % 2
+        p.admit(static_call(f"r{i}", system, holders=("a",) if system == 1 else ("b",)), i)
+        for m in replicas_started(p, float(i)):
+            copies[system].add(m.destination)
+    assert len(copies[1]) == 2 and len(copies[2]) == 2
+
+
+def test_few_calls_are_not_yet_a_share_of_demand() -> None:
+    p = replicating_planner()
+    for i in range(7):
+        p.admit(static_call(f"r{i}", 1), float(i))
+        assert replicas_started(p, float(i)) == []
+
+
+@pytest.mark.parametrize("name,link", [("kvgate-no-replicate", NAMED_LINKS["rdma"]),
+                                       ("kvgate", TransferLink())])
+def test_no_replication_for_the_ablation_or_without_a_link(name: str, link: TransferLink
+                                                            ) -> None:
+    p = kvgate_planner(link, name)
+    for i in range(12):
+        p.admit(static_call(f"r{i}", 1), float(i))
+        assert replicas_started(p, float(i)) == []
