@@ -157,6 +157,13 @@ class CostModel:
         step = self.profile(engine).decode_step_time(max(1, batch), context_tokens)
         return step * self.correction.decode.get(engine, 1.0)
 
+    def _legs_seconds(self, source: EngineView, destination: EngineView, context: int) -> float:
+        """The two legs' own cost beyond the copy: each waits for a step of its engine (the
+        producer computes the prompt's last token, the consumer its first output token)."""
+        return (self.decode_step_seconds(source.name, self._load(source) + 1, context)
+                + self.decode_step_seconds(destination.name, self._load(destination) + 1,
+                                           context))
+
     @staticmethod
     def _confirmed_tokens(request: RouteRequest, e: EngineView) -> int:
         m = request.matches.get(e.name)
@@ -187,6 +194,7 @@ class CostModel:
             ((self._confirmed_tokens(request, e), e.name) for e in engines),
             reverse=True,
         )
+        by_name = {e.name: e for e in engines}
         out = []
         for e in engines:
             cached = request.cached_tokens(e.name, e.block_size)
@@ -209,7 +217,8 @@ class CostModel:
                 kv_bytes = moved * self.profile(e.name).kv_bytes_per_token
                 busy = request.link_wait
                 t = (s.link.setup_s + kv_bytes / s.link.bandwidth_bytes_s
-                     + max(busy.get(best_holder, 0.0), busy.get(e.name, 0.0)))
+                     + max(busy.get(best_holder, 0.0), busy.get(e.name, 0.0))
+                     + self._legs_seconds(by_name[best_holder], e, prompt))
                 with_transfer = t + self.prefill_seconds(e.name, prompt - best_cached, best_cached)
                 if with_transfer < prefill:
                     transfer, prefill, source = t, with_transfer - t, best_holder
@@ -295,7 +304,9 @@ class CostModel:
         kv_bytes = moved * self.profile(dest.engine).kv_bytes_per_token
         busy = request.link_wait
         t = (s.link.setup_s + kv_bytes / s.link.bandwidth_bytes_s
-             + max(busy.get(pre.engine, 0.0), busy.get(dest.engine, 0.0)))
+             + max(busy.get(pre.engine, 0.0), busy.get(dest.engine, 0.0))
+             + self._legs_seconds(by_name[pre.engine], by_name[dest.engine],
+                                  request.prompt_tokens))
         stall = (best_p[0] - pre.queue_s - pre.prefill_s)
         return replace(
             dest, queue_s=pre.queue_s + dest.queue_s, prefill_s=pre.prefill_s + dest.prefill_s,
