@@ -4,8 +4,9 @@ interface").
 Drivers tell it what is known and what happened, and carry out what it decides:
 
     planner.admit(Call(route, ...), now)   # a request is ready to be placed
-    planner.on_event(event, now)           # FirstToken, Finished, Cancelled, Engine* (events.py)
-    actions = planner.release(now)         # Dispatch | Reject (actions.py)
+    planner.on_event(event, now)           # FirstToken, Finished, Cancelled, Engine*,
+                                           # TransferDone/Failed, Workflow* (events.py)
+    actions = planner.release(now)         # Dispatch | Reject | Transfer | Warm (actions.py)
     planner.next_wakeup()                  # when release() must run again without an event
 
 The live gateway (`gateway/proxy.py`) turns HTTP requests, streamed chunks, scrapes and health
@@ -29,6 +30,13 @@ Two release policies:
   full prefill step of the profile until observed). A buffered call is placed with the
   prefixes the planner sent while it waited counted as held (its index matches date from its
   admission), so siblings that share a prefix follow each other onto the engine that holds it.
+
+KV movement (policies whose peer moves KV, `moves_kv`; README "Moving KV between engines"):
+a placement may ask for a pull (or a disaggregated prefill), and the request then waits in
+`awaiting_kv` for its `Transfer`; variants that prefetch copy a fan-out parent's prompt to where
+its children are planned when it starts answering; variants that replicate keep hot static
+segments on as many engines as their share of demand calls for (planner/replication.py). Moves
+in flight are visible to placement (`RouteRequest.arriving`, `link_wait`).
 
 Each request's state moves only along `TRANSITIONS`; anything else raises `IllegalTransition`.
 """
