@@ -304,6 +304,9 @@ class VllmPool:
             e.engine.stop()
         removed = self.clean_shm()
         shutil.rmtree(self.sock_dir, ignore_errors=True)
+        if self.options.run_dir is None:  # a temp dir of ours: drop it if nothing was logged
+            with contextlib.suppress(OSError):
+                self.run_dir.rmdir()
         if removed:
             self.say(f"removed {len(removed)} leftover file(s) from /dev/shm")
 
