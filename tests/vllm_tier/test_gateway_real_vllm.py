@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from kvgate.procs import Child, spawn, wait_healthy
-from tests.vllm_tier.engine import (
+from kvgate.vllm_engines import (
     BLOCK_SIZE,
     Engine,
     EngineStartError,

@@ -69,10 +69,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvindex.events import BlockStored, decode_batch
-from kvindex.tokenizer import Tokenizer
-
-from .engine import (
+from kvgate.vllm_engines import (
     BLOCK_SIZE,
     Engine,
     EngineStartError,
@@ -92,6 +89,8 @@ from .engine import (
     venv_is_ready,
     vllm_venv_dir,
 )
+from kvindex.events import BlockStored, decode_batch
+from kvindex.tokenizer import Tokenizer
 
 TOPIC = "kvgate-tier"
 SERVED_MODEL = "tiny-vllm"

@@ -18,8 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvgate.procs import Child, start_sim
-from tests.vllm_tier.agent_workload import RunStats, compare
-from tests.vllm_tier.engine import (
+from kvgate.vllm_engines import (
     Engine,
     EngineStartError,
     VllmSetupError,
@@ -27,6 +26,7 @@ from tests.vllm_tier.engine import (
     ensure_vllm_venv,
     start_engine,
 )
+from tests.vllm_tier.agent_workload import RunStats, compare
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

