@@ -622,7 +622,9 @@ class WorkflowService:
             await self._hint_write(workflow, task, rec)
 
     async def note_move(self, workflow: str, task: str, move: Json) -> None:
-        """A KV move whose origin was this task's prompt ended: its record lists it."""
+        """A KV move whose origin was this task's prompt ended: its record lists it, with
+        when it ended (`ended_s`, the clock of the tasks' own times)."""
+        move = {**move, "ended_s": self.clock()}
         run = self._runs.get(workflow)
         if run is not None:
             run.inbox.put_nowait(_MoveNote(task, move))

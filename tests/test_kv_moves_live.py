@@ -136,14 +136,23 @@ def test_a_fanout_parent_is_copied_to_its_childrens_engines_over_the_two_legs(
                                              ("reason", "prefetch"))), 0.0)
     assert done >= 1, {k: v for k, v in gw.items() if k[0].startswith("kvgate_kv_move")}
     urls = {s.url: s for s in sims}
-    child_engines = {engines[f"w{i}"] for i in range(WORKERS)} - {plan_engine}
-    assert child_engines, engines  # the children did not all stay with their parent
-    for engine in child_engines:
+    # The copies landed before any child was sent to the engine they went to.
+    landed = {m["destination"]: m["ended_s"] for m in prefetched}
+    for i in range(WORKERS):
+        child = snap["tasks"][f"w{i}"]
+        if child["engine"] in landed:
+            assert landed[child["engine"]] <= child["dispatched_s"], (child, prefetched)
+    # Every copy's destination received the prompt by transfer (NIXL bytes, external tokens).
+    for engine in landed:
         url = next(u for u in urls if engine in (u, u.removeprefix("http://")))
-        # The parent's prompt arrived by transfer (the engine computed none of it) ...
         assert by_source(url, "external_kv_transfer") > 0, engine
         assert metrics(url).get(("vllm:nixl_bytes_transferred_sum", ()), 0.0) > 0
-        # ... and the children there found it in the engine's local prefix cache.
+    # Children placed off their parent's engine (the cost model decides; on this 8B profile
+    # batching them with the parent is nearly free, so it may keep them all there) found the
+    # prompt in their engine's local cache.
+    child_engines = {engines[f"w{i}"] for i in range(WORKERS)} - {plan_engine}
+    for engine in child_engines:
+        url = next(u for u in urls if engine in (u, u.removeprefix("http://")))
         assert by_source(url, "local_cache_hit") > by_source(url, "local_compute"), engine
     plan_url = next(u for u in urls if plan_engine in (u, u.removeprefix("http://")))
     assert by_source(plan_url, "external_kv_transfer") == 0

