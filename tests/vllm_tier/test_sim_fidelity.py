@@ -46,7 +46,7 @@ REPEATS = 3
 # everything about 35% slower (the proxy microbench's direct path went from 1.07 to 1.40 ms).
 ALLOWED = {"mean TTFT": (0.3, 1.35), "mean e2e": (0.55, 1.35), "makespan": (0.55, 1.35)}
 SHIPPED_RANGE = (1 / 3, 3.0)
-"""The shipped cpu-tiny's effective prefill and decode speeds against today's fit."""
+"""The shipped cpu-tiny's predicted prefill and decode-step times against today's fit's."""
 
 
 Engines = tuple[Engine, Child, EngineProfile]
@@ -103,11 +103,12 @@ def test_fitted_sim_tracks_real_vllm(engines: Engines, concurrency: int) -> None
 def test_shipped_cpu_tiny_is_within_the_machines_range_of_todays_fit(engines: Engines) -> None:
     _, _, fitted = engines
     shipped = get_profile("cpu-tiny")
+    # Compared as predicted times, not constants: with a model this small a decode step is
+    # mostly fixed cost, and the fit may trade bandwidth against step overhead freely.
     speeds = {
-        "prefill (effective FLOP/s)": (shipped.peak_flops * shipped.mfu)
-        / (fitted.peak_flops * fitted.mfu),
-        "decode (effective B/s)": (shipped.mem_bandwidth * shipped.mbu)
-        / (fitted.mem_bandwidth * fitted.mbu),
+        "prefill of 2,000 tokens": shipped.prefill_time(2000) / fitted.prefill_time(2000),
+        "decode step, 4 x 512": shipped.decode_step_time(4, 512)
+        / fitted.decode_step_time(4, 512),
     }
     lo, hi = SHIPPED_RANGE
     off = {k: round(v, 2) for k, v in speeds.items() if not lo <= v <= hi}
