@@ -66,7 +66,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         pytest.fail(f"real-vLLM tier: {e}", pytrace=False)
     atexit.register(engine.kill)
     try:
-        fitted, record = calibrate(engine.url, SERVED, get_profile("cpu-tiny"), repeats=3)
+        # Two fits, keeping the one the roofline explains best: a probe that met a burst of
+        # other load on this 2-core machine shows up as a large residual (seen in CI: one
+        # decode step at 14 ms among 2 ms ones doubled the fitted step overhead).
+        fits = [calibrate(engine.url, SERVED, get_profile("cpu-tiny"), repeats=5)
+                for _ in range(2)]
+        fitted, record = min(fits, key=lambda f: float(f[1]["rms_residual_s"]))
     except CalibrationError as e:
         engine.stop()
         pytest.fail(f"calibrating the real engine: {e}", pytrace=False)
