@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.bench.bound import TaskShape, lower_bound
+from kvgate.bench.bound import TaskShape, decode_time_lb, lower_bound
 from kvgate.bench.options import BenchOptions, progress_bar
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Vocabulary
 from kvgate.bench.report import percentile
@@ -225,6 +225,50 @@ def test_bound_counts_a_prefix_shared_with_another_task_as_cached() -> None:
     solo = lower_bound(alone, profile, 1, lambda w: 0.0).jct_s["w1"]
     pair = lower_bound(shared, profile, 1, lambda w: 0.0).jct_s["w1"]
     assert pair < solo
+
+
+def test_bound_never_serves_a_workflows_private_context_before_it_is_computed() -> None:
+    from planner.profiles import get_profile
+
+    profile = get_profile("h100x4-llama3-70b")
+    head = [("sys", 4000), ("ctx", 32000)]
+    plan = TaskShape("plan", (), head, [*head, ("plan_out", 100)], 100, 0.0)
+    kids = [TaskShape(f"k{i}", ("plan",), [*head, ("plan_out", 100), (f"ask{i}", 50)],
+                      [*head, ("plan_out", 100), (f"ask{i}", 50), (f"o{i}", 10)], 10, 0.0)
+            for i in range(2)]
+    other = ("w2", [TaskShape("plan", (), [("sys", 4000), ("ctx2", 32000)],
+                              [("sys", 4000), ("ctx2", 32000), ("p2", 100)], 100, 0.0)])
+    bound = lower_bound([("w1", [plan, *kids]), other], profile, 1, lambda w: 0.0)
+    # The plan computes its context (the static prompt is shared with w2, so it may be warm);
+    # the children are served the plan's whole extended prompt and compute only their asks.
+    plan_run = profile.prefill_time(32000, 4000) + decode_time_lb(profile, 36000, 100)
+    kid_run = profile.prefill_time(50, 36100) + decode_time_lb(profile, 36150, 10)
+    assert bound.jct_s["w1"] == pytest.approx(plan_run + kid_run)
+
+
+def test_bound_serves_a_sibling_only_what_it_computed_before_the_sibling_was_ready() -> None:
+    from planner.profiles import get_profile
+
+    profile = get_profile("h100-llama3-8b")
+    doc = [("doc", 8000)]
+
+    def task(name: str, output: int, think: float) -> TaskShape:
+        return TaskShape(name, (), [*doc, (name, 10)], [*doc, (name, 10), (f"o{name}", output)],
+                         output, think)
+
+    def cold(output: int) -> float:
+        return profile.prefill_time(8010, 0) + decode_time_lb(profile, 8010, output)
+
+    # Ready together: neither can read what the other is still computing.
+    together = lower_bound([("w", [task("a", 5, 0.0), task("b", 200, 0.0)])], profile, 1,
+                           lambda w: 0.0)
+    assert together.jct_s["w"] == pytest.approx(cold(200))
+    # Ready later: the document is in cache by then.
+    later = lower_bound([("w", [task("a", 5, 0.0), task("c", 5, 2.0)])], profile, 1,
+                        lambda w: 0.0)
+    warm = 2.0 + profile.prefill_time(10, 8000) + decode_time_lb(profile, 8010, 5)
+    assert warm > cold(5)
+    assert later.jct_s["w"] == pytest.approx(warm)
 
 
 def test_report_json_and_table(tmp_path: Path) -> None:

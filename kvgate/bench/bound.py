@@ -1,16 +1,22 @@
 """A lower bound on what any placement policy can achieve for a workload (sans-IO).
 
-Per task: its prompt is served from cache as far as any other task shares its prefix (piece by
-piece, whatever the order), it never queues and it runs alone on an engine, so it costs one
-prefill of the rest plus one batch-1 decode step per further output token. A workflow's bound is
-its critical path (think time included) from its arrival. The makespan bound also respects total
-capacity: every distinct prefix token and every output token is computed at least once, and the
-engines together compute no faster than their peak rate. Template tokens around synthetic output
-messages are left out, which only lowers the bound.
+Per task: its prompt is served from cache as far as the workload lets any schedule have computed
+it by the time the task is ready, it never queues and it runs alone on an engine, so it costs
+one prefill of the rest plus one batch-1 decode step per further output token. A prefix counts
+as cached when a task of another workflow also has it (whatever the order: a static prompt may
+be warm before the run), or when a task of the same workflow computed it no later than this
+task is ready in the bound's own schedule (a parent's prompt and output, an earlier sibling's
+prompt). A workflow's own first computation of its private context is never free: no schedule
+can read from cache what nothing has computed yet. A workflow's bound is its critical path
+(think time included) from its arrival. The makespan bound also respects total capacity: every
+distinct prefix token and every output token is computed at least once, and the engines together
+compute no faster than their peak rate. Template tokens around synthetic output messages are left
+out, which only lowers the bound.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +29,10 @@ PieceSeq = list[tuple[str, int]]
 @dataclass
 class _Node:
     tokens: int
-    count: int = 0
+    workflow: str | None = None
+    """The first workflow whose tasks have this prefix."""
+    shared_across: bool = False
+    """Tasks of at least two workflows have this prefix."""
     children: dict[str, _Node] = field(default_factory=dict)
 
 
@@ -75,34 +84,23 @@ def lower_bound(
     """The bound for `workflows` arriving at `arrivals(workflow)` (None: closed loop with
     `concurrency` workflows in flight)."""
     root = _Node(0)
-    # Each task counts once on every node of its prompt and extended paths.
-    for _, tasks in workflows:
+    for wf_id, tasks in workflows:
         for t in tasks:
-            seen: set[int] = set()
             for seq in (t.prompt, t.extended):
                 node = root
                 for key, n in seq:
                     child = node.children.get(key)
                     if child is None:
-                        child = node.children[key] = _Node(n)
-                    if id(child) not in seen:
-                        seen.add(id(child))
-                        child.count += 1
+                        child = node.children[key] = _Node(n, wf_id)
+                    elif child.workflow != wf_id:
+                        child.shared_across = True
                     node = child
     unique_tokens = _tokens(root)
     jct: dict[str, float] = {}
     ends: list[float] = []
     for wf_id, tasks in workflows:
         start = arrivals(wf_id) if arrivals is not None else 0.0
-        done: dict[str, float] = {}
-        for t in tasks:  # tasks come in a topological order
-            ready = max((done[d] for d in t.after), default=start) + t.think_time_s
-            prompt = sum(n for _, n in t.prompt)
-            cached = min(_shared(root, t.prompt), prompt - 1)
-            run = profile.prefill_time(prompt - cached, cached) + decode_time_lb(
-                profile, prompt, t.output_tokens)
-            done[t.id] = ready + run
-        finish = max(done.values(), default=start)
+        finish = _workflow_finish(root, tasks, start, profile)
         jct[wf_id] = finish - start
         ends.append(finish)
     capacity = unique_tokens * 2.0 * profile.params / (profile.peak_flops * profile.mfu)
@@ -127,13 +125,73 @@ def _tokens(node: _Node) -> int:
     return total
 
 
-def _shared(root: _Node, seq: PieceSeq) -> int:
-    """Leading tokens of `seq` that some other task's prompt or extended prompt also has."""
+def _workflow_finish(root: _Node, tasks: Sequence[TaskShape], start: float,
+                     profile: EngineProfile) -> float:
+    """When the workflow's last task is done in the bound's schedule: tasks taken in the order
+    they become ready, so every task that could have computed a prefix before another is ready
+    has been costed first."""
+    by_id = {t.id: t for t in tasks}
+    waiting = {t.id: len(t.after) for t in tasks}
+    dependents: dict[str, list[str]] = {t.id: [] for t in tasks}
+    for t in tasks:
+        for d in t.after:
+            dependents[d].append(t.id)
+    computed: dict[int, float] = {}
+    """Prefix node (by id) -> when the workflow's own tasks first had it computed."""
+    ready_heap = [(start + t.think_time_s, i, t.id) for i, t in enumerate(tasks) if not t.after]
+    heapq.heapify(ready_heap)
+    order = {t.id: i for i, t in enumerate(tasks)}
+    ready_at: dict[str, float] = {}
+    done: dict[str, float] = {}
+    while ready_heap:
+        ready, _, tid = heapq.heappop(ready_heap)
+        t = by_id[tid]
+        prompt = sum(n for _, n in t.prompt)
+        cached = min(_cached(root, t.prompt, computed, ready), prompt - 1)
+        prefill = profile.prefill_time(prompt - cached, cached)
+        done[tid] = ready + prefill + decode_time_lb(profile, prompt, t.output_tokens)
+        finished = done[tid]
+
+        def prompt_at(upto: int, ready: float = ready, cached: int = cached) -> float:
+            return ready + profile.prefill_time(max(0, upto - cached), cached)
+
+        def extended_at(upto: int, prompt: int = prompt, finished: float = finished) -> float:
+            return prompt_at(upto) if upto <= prompt else finished
+
+        _mark(root, t.prompt, computed, prompt_at)
+        _mark(root, t.extended, computed, extended_at)
+        for s in dependents[tid]:
+            waiting[s] -= 1
+            ready_at[s] = max(ready_at.get(s, start), done[tid])
+            if waiting[s] == 0:
+                child = by_id[s]
+                heapq.heappush(ready_heap, (ready_at[s] + child.think_time_s, order[s], s))
+    return max(done.values(), default=start)
+
+
+def _cached(root: _Node, seq: PieceSeq, computed: dict[int, float], ready: float) -> int:
+    """Leading tokens of `seq` a schedule can serve from cache at `ready`: shared with another
+    workflow, or computed by this workflow's own tasks by then."""
     node, cached = root, 0
     for key, n in seq:
         child = node.children.get(key)
-        if child is None or child.count < 2:
+        if child is None:
+            break
+        if not child.shared_across and computed.get(id(child), float("inf")) > ready:
             break
         cached += n
         node = child
     return cached
+
+
+def _mark(root: _Node, seq: PieceSeq, computed: dict[int, float],
+          at: Callable[[int], float]) -> None:
+    """Record when each prefix of `seq` is computed: `at(tokens up to its end)`; the earliest
+    time wins (a prompt's leading chunks are in cache before its last one)."""
+    node, upto = root, 0
+    for key, n in seq:
+        node = node.children[key]
+        upto += n
+        when = at(upto)
+        if computed.get(id(node), float("inf")) > when:
+            computed[id(node)] = when
