@@ -27,20 +27,20 @@ other visible unit extends; with none, the scope's own parents.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import inspect
 import itertools
 import secrets
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
 P = ParamSpec("P")
 R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
 
 _Lane = asyncio.Task[Any] | None
 """The asyncio task work runs in (None outside any: the hooks then treat the thread as one)."""
@@ -269,11 +269,11 @@ class hints:
 
 
 @dataclass(frozen=True)
-class WorkflowResult(Generic[R]):
+class WorkflowResult(Generic[R_co]):
     """What `await fn.run(...)` returns for a `@workflow` function: the id and the value."""
 
     id: str
-    value: R
+    value: R_co
 
 
 @dataclass(frozen=True)
@@ -284,28 +284,17 @@ class WorkflowInfo:
     name: str
 
 
-class TaskFunction(Generic[P, R]):
-    """An async function that runs inside a new task (or workflow) each time it is called."""
+class WorkflowFunction(Protocol[P, R_co]):
+    """A `@workflow` function: each call runs as a new workflow; `run` also gives its id."""
 
-    def __init__(self, fn: Callable[P, Awaitable[R]],
-                 scope: Callable[[], contextlib.AbstractAsyncContextManager[Any]]) -> None:
-        functools.update_wrapper(self, fn)
-        self._fn = fn
-        self._scope = scope
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R_co]: ...
 
-    async def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        async with self._scope():
-            return await self._fn(*args, **kwargs)
+    def run(self, *args: P.args,
+            **kwargs: P.kwargs) -> Coroutine[Any, Any, WorkflowResult[R_co]]: ...
 
 
-class WorkflowFunction(TaskFunction[P, R]):
-    """A `@workflow` function: each call is a new workflow."""
-
-    async def run(self, *args: P.args, **kwargs: P.kwargs) -> WorkflowResult[R]:
-        """Run the workflow; its id along with the function's value."""
-        async with self._scope() as info:
-            value = await self._fn(*args, **kwargs)
-        return WorkflowResult(info.id, value)
+TaskFunction = Callable[P, Coroutine[Any, Any, R]]
+"""A `@task` function: an async function that runs as a new task each time it is called."""
 
 
 def _check_async(fn: Callable[..., Any], what: str) -> None:
@@ -326,7 +315,19 @@ class WorkflowScope:
         _check_async(fn, "workflow")
         name = self.name or fn.__name__
         fixed = self.workflow_id
-        return WorkflowFunction(fn, lambda: WorkflowScope(name, fixed))
+
+        @functools.wraps(fn)
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with WorkflowScope(name, fixed):
+                return await fn(*args, **kwargs)
+
+        async def run(*args: P.args, **kwargs: P.kwargs) -> WorkflowResult[R]:
+            async with WorkflowScope(name, fixed) as info:
+                value = await fn(*args, **kwargs)
+            return WorkflowResult(info.id, value)
+
+        call.run = run  # type: ignore[attr-defined]
+        return cast(WorkflowFunction[P, R], call)
 
     async def __aenter__(self) -> WorkflowInfo:
         if self._token is not None:
@@ -362,7 +363,13 @@ class TaskScope:
         _check_async(fn, "task")
         name = self.name or fn.__name__
         expect = self.expect_children
-        return TaskFunction(fn, lambda: TaskScope(name, expect))
+
+        @functools.wraps(fn)
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with TaskScope(name, expect):
+                return await fn(*args, **kwargs)
+
+        return call
 
     async def __aenter__(self) -> str | None:
         if self._used:
