@@ -112,15 +112,17 @@ class Client:
     workflow and task they are made in), and the workflow API.
 
     `base_url` is the gateway's root (`http://127.0.0.1:8000`; a trailing `/v1` is accepted).
+    `openai_options` go to `openai.AsyncOpenAI` (max_retries, default_headers, ...).
     Use it as `async with Client(...) as client:` or call `aclose()`.
     """
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 *, timeout_s: float = 600.0) -> None:
+                 *, timeout_s: float = 600.0, **openai_options: Any) -> None:
         root = base_url.rstrip("/")
         self.base_url = root.removesuffix("/v1")
         self.api_key = api_key
         self.timeout_s = timeout_s
+        self.openai_options = openai_options
         self._session: aiohttp.ClientSession | None = None
 
     @cached_property
@@ -135,7 +137,7 @@ class Client:
         import openai
 
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key or "-",
-                                  http_client=self.http_client)
+                                  http_client=self.http_client, **self.openai_options)
 
     async def __aenter__(self) -> Client:
         return self

@@ -72,6 +72,8 @@ class _Unit:
     lane: _Lane
     alive: weakref.WeakSet[asyncio.Task[Any]]
     """The asyncio tasks that existed when it finished."""
+    extended_by: list[int] = field(default_factory=list)
+    """The units that extended it."""
 
 
 class _Run:
@@ -102,7 +104,9 @@ class _Scope:
         self.base = base
         """The parents of the scope's first work (the task's own `after`)."""
         self.expect_children = expect_children
-        self.units: list[_Unit] = []
+        self.units: dict[int, _Unit] = {}
+        self._leaves: set[int] = set()
+        """Units nothing extends yet (the search for parents starts there)."""
         self._seq = itertools.count()
         self._calls = 0
         self.forked_from: weakref.WeakKeyDictionary[asyncio.Task[Any], _Lane] = \
@@ -131,25 +135,54 @@ class _Scope:
         return lane is not None and lane not in unit.alive
 
     def parents(self, lane: _Lane) -> tuple[tuple[str, ...], frozenset[int]]:
-        """What new work in `lane` extends: the gateway task ids, and the units they are."""
-        visible = [u for u in self.units if self._visible(u, lane)]
-        by_seq = {u.seq: u for u in self.units}
-        covered: set[int] = set()
-        stack = [s for u in visible for s in u.extends]
+        """What new work in `lane` extends: the gateway task ids, and the units they are.
+
+        The walk starts at the units nothing extends and goes back through the ones `lane`
+        cannot see; a visible unit reached that way counts unless something visible extends
+        it. A sequential chain stops at its last unit, so the cost stays with the work in
+        flight, not the history."""
+        leaves: list[_Unit] = []
+        stack = sorted(self._leaves)
+        seen: set[int] = set()
         while stack:
-            s = stack.pop()
-            if s not in covered:
-                covered.add(s)
-                stack.extend(by_seq[s].extends if s in by_seq else ())
-        leaves = [u for u in visible if u.seq not in covered]
+            seq = stack.pop()
+            if seq in seen:
+                continue
+            seen.add(seq)
+            unit = self.units[seq]
+            if not self._visible(unit, lane):
+                stack.extend(unit.extends)
+            elif not self._seen_through(unit, lane):
+                leaves.append(unit)
         if not leaves:
             return self.base, frozenset()
+        leaves.sort(key=lambda u: u.seq)
         ends = tuple(dict.fromkeys(e for u in leaves for e in u.ends))
         return ends, frozenset(u.seq for u in leaves)
 
+    def _seen_through(self, unit: _Unit, lane: _Lane) -> bool:
+        """Something visible to `lane` extends `unit` (directly or not)."""
+        stack = list(unit.extended_by)
+        seen: set[int] = set()
+        while stack:
+            seq = stack.pop()
+            if seq in seen:
+                continue
+            seen.add(seq)
+            later = self.units[seq]
+            if self._visible(later, lane):
+                return True
+            stack.extend(later.extended_by)
+        return False
+
     def finish(self, ends: tuple[str, ...], extends: frozenset[int], lane: _Lane) -> None:
         """Work in `lane` that extended `extends` finished; its result is in `ends`."""
-        self.units.append(_Unit(next(self._seq), ends, extends, lane, _alive()))
+        unit = _Unit(next(self._seq), ends, extends, lane, _alive())
+        self.units[unit.seq] = unit
+        for seq in extends:
+            self.units[seq].extended_by.append(unit.seq)
+            self._leaves.discard(seq)
+        self._leaves.add(unit.seq)
 
     def next_call_id(self) -> str:
         """The id of the next call made directly in this scope."""
