@@ -330,6 +330,38 @@ async def test_concurrent_workflows_keep_their_own_context(kv: Client,
                      b: [("ask-1", None), ("ask-2", "ask-1")]}
 
 
+async def test_a_task_block_and_a_fixed_workflow_id(kv: Client, recorder: Recorder) -> None:
+    @workflow("fixed", id="fixed-7")
+    async def run() -> str | None:
+        async with task("step") as task_id:
+            assert task_id == current_task() == "step-1"
+            await chat(kv)
+        assert current_task() is None
+        return current_workflow()
+
+    result = await run.run()
+    assert result.id == result.value == "fixed-7"
+    assert recorder.hints() == [("fixed-7", "step-1", None)]
+
+
+async def test_a_legacy_httpx_client_gets_the_hints_too(recorder: Recorder) -> None:
+    import httpx
+
+    client = openai.AsyncOpenAI(base_url=f"{recorder.url}/v1", api_key="-",
+                                http_client=add_hints(httpx.AsyncClient()))
+    async with workflow("legacy", id="legacy-1"), task("t"):
+        await client.chat.completions.create(model=MODEL, messages=[])
+    await client.close()
+    assert recorder.hints() == [("legacy-1", "t-1", None)]
+
+
+def test_a_negative_expect_children_is_refused() -> None:
+    with pytest.raises(ValueError, match="expect_children"):
+        task("t", expect_children=-1)
+    with pytest.raises(ValueError, match="expect_children"):
+        hints(expect_children=-1)
+
+
 def test_decorating_a_plain_function_is_a_type_error() -> None:
     def plain() -> None:
         pass
@@ -399,6 +431,54 @@ async def test_a_fan_out_workflow_shows_up_at_the_gateway_with_its_parents(
                      "ask-5": ["ask-2", "ask-3", "ask-4"]}
     engines = {s.url.removeprefix("http://") for s in sims}
     assert all(r["engine"] in engines and r["state"] == "done" for r in snap.tasks.values())
+
+
+CONTEXT = "The survey covers caching, batching, routing and scheduling of agent calls. " * 6
+
+
+def shared_blocks(segments: str | None) -> int:
+    """The `shared=N` of the gateway's `x-kvgate-segments` answer header."""
+    assert segments is not None
+    return int(dict(part.split("=") for part in segments.split(","))["shared"])
+
+
+async def fan_out_segments(gw: Client, expect_children: int | None) -> tuple[str, list[str]]:
+    """A plan call and three gathered children extending its context: the gateway's
+    `x-kvgate-segments` header of each."""
+    async def call(messages: list[dict[str, str]]) -> tuple[str, str]:
+        raw = await gw.openai.chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=4, messages=messages)
+        return raw.headers["x-kvgate-segments"], str(raw.parse().choices[0].message.content)
+
+    async with workflow("segments"):
+        async with task("plan", expect_children=expect_children):
+            plan_segments, answer = await call([{"role": "user", "content": CONTEXT}])
+
+        @task
+        async def child(i: int) -> str:
+            segments, _ = await call([{"role": "user", "content": CONTEXT},
+                                      {"role": "assistant", "content": answer},
+                                      {"role": "user", "content": f"Part {i}."}])
+            return segments
+
+        children = await asyncio.gather(*(child(i) for i in range(3)))
+    return plan_segments, list(children)
+
+
+async def test_the_gateway_sees_gathered_siblings_share_their_parents_context(
+    gw: Client
+) -> None:
+    _, children = await fan_out_segments(gw, None)
+    # The first sibling to arrive looks like a chain; the others show the fan-out.
+    assert sum(shared_blocks(s) > 0 for s in children) >= 2
+
+
+async def test_expect_children_marks_the_parents_context_shared_before_children_arrive(
+    gw: Client
+) -> None:
+    plan, children = await fan_out_segments(gw, 3)
+    assert shared_blocks(plan) > 0
+    assert all(shared_blocks(s) > 0 for s in children)
 
 
 async def test_a_static_dag_is_submitted_whole_and_followed_to_its_end(gw: Client) -> None:
