@@ -112,7 +112,8 @@ class _Scope:
         self.forked_from: weakref.WeakKeyDictionary[asyncio.Task[Any], _Lane] = \
             weakref.WeakKeyDictionary()
         """Each asyncio task that worked in this scope, and the one it was started from."""
-        self.open_calls: dict[_Lane, Call] = {}
+        self.open_calls: weakref.WeakKeyDictionary[asyncio.Task[Any], Call] = \
+            weakref.WeakKeyDictionary()
         """The call each asyncio task has in flight (a retry reuses its id)."""
 
     def enter(self, lane: _Lane, came_from: _Lane) -> None:
@@ -239,7 +240,7 @@ class Call:
 
     def finished(self) -> None:
         """The call was answered: later work may extend it."""
-        if self._scope.open_calls.get(self._lane) is self:
+        if self._lane is not None and self._scope.open_calls.get(self._lane) is self:
             del self._scope.open_calls[self._lane]
         self._scope.finish((self.task,), self._extends, self._lane)
 
@@ -251,7 +252,7 @@ def start_call(retry: bool = False) -> Call | None:
     if here is None:
         return None
     scope, lane = here
-    if retry and lane in scope.open_calls:
+    if retry and lane is not None and lane in scope.open_calls:
         return scope.open_calls[lane]
     after, extends = scope.parents(lane)
     call_id = scope.next_call_id()
@@ -262,7 +263,8 @@ def start_call(retry: bool = False) -> Call | None:
         headers[EXPECT_CHILDREN_HEADER] = str(scope.expect_children)
     headers.update(_call_hints.get())
     call = Call(scope.run.id, call_id, after, headers, scope, extends, lane)
-    scope.open_calls[lane] = call
+    if lane is not None:
+        scope.open_calls[lane] = call
     return call
 
 
