@@ -20,6 +20,7 @@ from kvgate.sdk import (
     InvalidWorkflow,
     WorkflowNotCancellable,
     WorkflowNotFound,
+    WorkflowTimeout,
     add_hints,
     current_task,
     current_workflow,
@@ -492,8 +493,11 @@ async def test_a_static_dag_is_submitted_whole_and_followed_to_its_end(gw: Clien
     assert first.id.startswith("static-") and first.source == "api"
     events = [e async for e in gw.events(first.id)]
     assert events[-1] == {"type": "workflow", "workflow": first.id, "state": "done",
-                          "finished_s": events[-1]["finished_s"]}
+                          "finished_s": events[-1]["finished_s"],
+                          "event_id": events[-1]["event_id"]}
     assert {e["task"] for e in events if e["type"] == "task"} == {"plan", "w0", "w1", "reduce"}
+    resumed = [e async for e in gw.events(first.id, last_event_id=events[-3]["event_id"])]
+    assert resumed == events[-2:]
     snap = await gw.wait(first.id, timeout_s=30)
     assert snap.state == "done"
     assert snap.tasks["reduce"]["after"] == ["w0", "w1"]
@@ -513,6 +517,15 @@ async def test_gateway_errors_become_typed_exceptions_with_its_message(gw: Clien
     with pytest.raises(InvalidWorkflow, match="not served"):
         await gw.submit({"model": "no-such-model", "tasks": [
             {"id": "a", "messages": [{"role": "user", "content": "x"}]}]})
+
+
+async def test_waiting_past_the_timeout_raises(gw: Client) -> None:
+    dag = Dag("waits", model=MODEL)
+    dag.task("a", [user("x")], max_tokens=4, think_time_s=30)
+    first = await gw.submit(dag)
+    with pytest.raises(WorkflowTimeout, match="still running"):
+        await gw.wait(first.id, timeout_s=0.3)
+    await gw.cancel(first.id)
 
 
 async def test_a_running_static_dag_can_be_cancelled(gw: Client) -> None:

@@ -175,7 +175,8 @@ class Client:
     async def events(self, workflow_id: str,
                      last_event_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """Follow `GET /v1/workflows/{id}/events`: every task transition from the start (or
-        after `last_event_id`), ending with the `{"type": "workflow"}` event."""
+        after `last_event_id`), ending with the `{"type": "workflow"}` event. Each event also
+        has its stream id under `event_id` (pass it as `last_event_id` to resume)."""
         headers = self._headers()
         if last_event_id is not None:
             headers["Last-Event-ID"] = last_event_id
@@ -186,12 +187,15 @@ class Client:
                 if resp.status != 200:
                     raise _error(resp.status, await resp.read())
                 data: list[str] = []
+                event_id: str | None = None
                 async for raw in resp.content:
                     line = raw.decode().rstrip("\r\n")
                     if line.startswith("data:"):
                         data.append(line[5:].strip())
+                    elif line.startswith("id:"):
+                        event_id = line[3:].strip()
                     elif not line and data:
-                        event = json.loads("\n".join(data))
+                        event = {**json.loads("\n".join(data)), "event_id": event_id}
                         data = []
                         yield event
                         if event.get("type") == "workflow":
