@@ -8,6 +8,7 @@ import asyncio
 import re
 from collections.abc import AsyncIterator
 
+import aiohttp
 import httpx2
 import openai
 import pytest
@@ -26,6 +27,7 @@ from kvgate.sdk import (
     current_workflow,
     hints,
     instrument,
+    start_call,
     task,
     user,
     workflow,
@@ -354,6 +356,20 @@ async def test_a_legacy_httpx_client_gets_the_hints_too(recorder: Recorder) -> N
         await client.chat.completions.create(model=MODEL, messages=[])
     await client.close()
     assert recorder.hints() == [("legacy-1", "t-1", None)]
+
+
+async def test_another_http_client_sends_the_hints_of_start_call(recorder: Recorder) -> None:
+    body = {"model": MODEL, "messages": []}
+    async with aiohttp.ClientSession() as session, workflow("raw", id="raw-1"):
+        for _ in range(2):
+            call = start_call()
+            assert call is not None
+            async with session.post(f"{recorder.url}/v1/chat/completions", json=body,
+                                    headers=call.headers) as resp:
+                assert resp.status == 200
+            call.finished()
+    assert start_call() is None
+    assert recorder.hints() == [("raw-1", "call-1", None), ("raw-1", "call-2", "call-1")]
 
 
 def test_a_negative_expect_children_is_refused() -> None:

@@ -41,6 +41,7 @@ from kvgate.sdk.context import (
     current_task,
     current_workflow,
     hints,
+    start_call,
     task,
     workflow,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "hints",
     "http_client",
     "instrument",
+    "start_call",
     "system",
     "task",
     "user",

@@ -247,7 +247,9 @@ class Call:
 
 def start_call(retry: bool = False) -> Call | None:
     """A call is being sent from the current context: its hints, or None outside a workflow.
-    A retry (`retry=True`) reuses the id of the call this asyncio task has in flight."""
+    A retry (`retry=True`) reuses the id of the call this asyncio task has in flight.
+    The httpx hooks use it; another HTTP client sends `call.headers` with the request and
+    calls `call.finished()` once it is answered."""
     here = _here()
     if here is None:
         return None
