@@ -1,0 +1,472 @@
+"""Where an LLM call sits in its workflow: the workflow, the task, and the calls it extends.
+
+`workflow` and `task` keep this in a context variable; the HTTP hooks (`kvgate.sdk.hooks`) read
+it when a request is sent and turn it into the gateway's hint headers. Every call a workflow
+makes becomes one task of the gateway's hint-mode record (its id: the SDK task's id for the
+task's first call, `ID.2`, `ID.3`... for the next ones; `call-N` outside any task).
+
+Parents (`X-KVGate-After`) follow the flow of results, decided per scope (a workflow body or a
+task body) from the work finished in it:
+
+- Sequential work chains: a call or task started after another finished, in the same asyncio
+  task, has it as parent (a ReAct loop: each turn extends the last).
+- Work started together (`asyncio.gather`, `TaskGroup`, `create_task`) runs in asyncio tasks of
+  its own; each starts from the parents the scope had when they were created, so siblings share
+  their parents (a fan-out), and none of them is a parent of another.
+- Work started after a fan-out, where the fan-out was awaited, has all the siblings as parents
+  (a join).
+- The first call in a task has the task's parents; a task started inside a task that already
+  made a call has that call as parent. A task that made no call passes its parents through.
+
+Precisely: a finished unit X (a call, or a task with all it did) is visible to new work in
+asyncio task L when X ran in L, or in an asyncio task started (directly or not) from L, or
+when L did not exist yet when X finished. The new work's parents are the visible units that no
+other visible unit extends; with none, the scope's own parents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import itertools
+import secrets
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
+
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+_Lane = asyncio.Task[Any] | None
+"""The asyncio task work runs in (None outside any: the hooks then treat the thread as one)."""
+
+
+def _current_lane() -> _Lane:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
+def _alive() -> weakref.WeakSet[asyncio.Task[Any]]:
+    try:
+        return weakref.WeakSet(asyncio.all_tasks())
+    except RuntimeError:
+        return weakref.WeakSet()
+
+
+@dataclass
+class _Unit:
+    """A finished call or task of a scope: what later work may extend."""
+
+    seq: int
+    ends: tuple[str, ...]
+    """The gateway task ids (calls) its result is in."""
+    extends: frozenset[int]
+    """The units of the same scope it extended (their `seq`)."""
+    lane: _Lane
+    alive: weakref.WeakSet[asyncio.Task[Any]]
+    """The asyncio tasks that existed when it finished."""
+    extended_by: list[int] = field(default_factory=list)
+    """The units that extended it."""
+
+
+class _Run:
+    """One run of a workflow: its id and the counters that make task ids unique."""
+
+    def __init__(self, workflow_id: str) -> None:
+        self.id = workflow_id
+        self._names: dict[str, itertools.count[int]] = {}
+        self._calls = itertools.count(1)
+
+    def task_id(self, name: str) -> str:
+        """`NAME-1`, `NAME-2`, ... in the order the tasks start."""
+        counter = self._names.setdefault(name, itertools.count(1))
+        return f"{name}-{next(counter)}"
+
+    def loose_call_id(self) -> str:
+        """The id of a call made outside any task."""
+        return f"call-{next(self._calls)}"
+
+
+class _Scope:
+    """The body of a workflow or of one task: its parents and the work finished in it."""
+
+    def __init__(self, run: _Run, task_id: str | None, base: tuple[str, ...],
+                 expect_children: int | None = None) -> None:
+        self.run = run
+        self.task_id = task_id
+        self.base = base
+        """The parents of the scope's first work (the task's own `after`)."""
+        self.expect_children = expect_children
+        self.units: dict[int, _Unit] = {}
+        self._leaves: set[int] = set()
+        """Units nothing extends yet (the search for parents starts there)."""
+        self._seq = itertools.count()
+        self._calls = 0
+        self.forked_from: weakref.WeakKeyDictionary[asyncio.Task[Any], _Lane] = \
+            weakref.WeakKeyDictionary()
+        """Each asyncio task that worked in this scope, and the one it was started from."""
+        self.open_calls: weakref.WeakKeyDictionary[asyncio.Task[Any], Call] = \
+            weakref.WeakKeyDictionary()
+        """The call each asyncio task has in flight (a retry reuses its id)."""
+
+    def enter(self, lane: _Lane, came_from: _Lane) -> None:
+        """`lane` starts working here; it was created from `came_from`."""
+        if lane is not None and lane is not came_from and lane not in self.forked_from:
+            self.forked_from[lane] = came_from
+
+    def _descends(self, lane: _Lane, ancestor: _Lane) -> bool:
+        seen = 0
+        while lane is not None and seen < 10_000:
+            if lane is ancestor:
+                return True
+            lane = self.forked_from.get(lane)
+            seen += 1
+        return False
+
+    def _visible(self, unit: _Unit, lane: _Lane) -> bool:
+        if unit.lane is lane or self._descends(unit.lane, lane):
+            return True
+        return lane is not None and lane not in unit.alive
+
+    def parents(self, lane: _Lane) -> tuple[tuple[str, ...], frozenset[int]]:
+        """What new work in `lane` extends: the gateway task ids, and the units they are.
+
+        The walk starts at the units nothing extends and goes back through the ones `lane`
+        cannot see; a visible unit reached that way counts unless something visible extends
+        it. A sequential chain stops at its last unit, so the cost stays with the work in
+        flight, not the history."""
+        leaves: list[_Unit] = []
+        stack = sorted(self._leaves)
+        seen: set[int] = set()
+        while stack:
+            seq = stack.pop()
+            if seq in seen:
+                continue
+            seen.add(seq)
+            unit = self.units[seq]
+            if not self._visible(unit, lane):
+                stack.extend(unit.extends)
+            elif not self._seen_through(unit, lane):
+                leaves.append(unit)
+        if not leaves:
+            return self.base, frozenset()
+        leaves.sort(key=lambda u: u.seq)
+        ends = tuple(dict.fromkeys(e for u in leaves for e in u.ends))
+        return ends, frozenset(u.seq for u in leaves)
+
+    def _seen_through(self, unit: _Unit, lane: _Lane) -> bool:
+        """Something visible to `lane` extends `unit` (directly or not)."""
+        stack = list(unit.extended_by)
+        seen: set[int] = set()
+        while stack:
+            seq = stack.pop()
+            if seq in seen:
+                continue
+            seen.add(seq)
+            later = self.units[seq]
+            if self._visible(later, lane):
+                return True
+            stack.extend(later.extended_by)
+        return False
+
+    def finish(self, ends: tuple[str, ...], extends: frozenset[int], lane: _Lane) -> None:
+        """Work in `lane` that extended `extends` finished; its result is in `ends`."""
+        unit = _Unit(next(self._seq), ends, extends, lane, _alive())
+        self.units[unit.seq] = unit
+        for seq in extends:
+            self.units[seq].extended_by.append(unit.seq)
+            self._leaves.discard(seq)
+        self._leaves.add(unit.seq)
+
+    def next_call_id(self) -> str:
+        """The id of the next call made directly in this scope."""
+        if self.task_id is None:
+            return self.run.loose_call_id()
+        self._calls += 1
+        return self.task_id if self._calls == 1 else f"{self.task_id}.{self._calls}"
+
+
+@dataclass(frozen=True)
+class _Cursor:
+    """The context variable's value: the scope, and the asyncio task that set it."""
+
+    scope: _Scope
+    lane: _Lane
+
+
+_cursor: contextvars.ContextVar[_Cursor | None] = contextvars.ContextVar("kvgate_cursor",
+                                                                        default=None)
+_call_hints: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar(
+    "kvgate_call_hints", default={})  # noqa: B039 (never mutated: replaced by `hints`)
+
+
+def _here() -> tuple[_Scope, _Lane] | None:
+    """The current scope and asyncio task, noting where a newly started asyncio task came
+    from (its context is a copy of its creator's)."""
+    cursor = _cursor.get()
+    if cursor is None:
+        return None
+    lane = _current_lane()
+    if lane is not cursor.lane:
+        cursor.scope.enter(lane, cursor.lane)
+        _cursor.set(_Cursor(cursor.scope, lane))
+    return cursor.scope, lane
+
+
+WORKFLOW_HEADER = "X-KVGate-Workflow"
+TASK_HEADER = "X-KVGate-Task"
+AFTER_HEADER = "X-KVGate-After"
+EXPECT_CHILDREN_HEADER = "X-KVGate-Expect-Children"
+
+
+@dataclass
+class Call:
+    """One LLM call made inside a workflow: its gateway task id, parents, and headers."""
+
+    workflow: str
+    task: str
+    after: tuple[str, ...]
+    headers: dict[str, str]
+    _scope: _Scope = field(repr=False)
+    _extends: frozenset[int] = field(repr=False)
+    _lane: _Lane = field(repr=False)
+
+    def finished(self) -> None:
+        """The call was answered: later work may extend it."""
+        if self._lane is not None and self._scope.open_calls.get(self._lane) is self:
+            del self._scope.open_calls[self._lane]
+        self._scope.finish((self.task,), self._extends, self._lane)
+
+
+def start_call(retry: bool = False) -> Call | None:
+    """A call is being sent from the current context: its hints, or None outside a workflow.
+    A retry (`retry=True`) reuses the id of the call this asyncio task has in flight.
+    The httpx hooks use it; another HTTP client sends `call.headers` with the request and
+    calls `call.finished()` once it is answered."""
+    here = _here()
+    if here is None:
+        return None
+    scope, lane = here
+    if retry and lane is not None and lane in scope.open_calls:
+        return scope.open_calls[lane]
+    after, extends = scope.parents(lane)
+    call_id = scope.next_call_id()
+    headers = {WORKFLOW_HEADER: scope.run.id, TASK_HEADER: call_id}
+    if after:
+        headers[AFTER_HEADER] = ",".join(after)
+    if scope.expect_children is not None:
+        headers[EXPECT_CHILDREN_HEADER] = str(scope.expect_children)
+    headers.update(_call_hints.get())
+    call = Call(scope.run.id, call_id, after, headers, scope, extends, lane)
+    if lane is not None:
+        scope.open_calls[lane] = call
+    return call
+
+
+def current_workflow() -> str | None:
+    """The id of the workflow the current code runs in, or None."""
+    cursor = _cursor.get()
+    return cursor.scope.run.id if cursor is not None else None
+
+
+def current_task() -> str | None:
+    """The id of the SDK task the current code runs in, or None (outside any task)."""
+    cursor = _cursor.get()
+    return cursor.scope.task_id if cursor is not None else None
+
+
+class hints:
+    """Extra hints for the calls made inside the block: `expect_children` (how many later
+    calls will extend the call's context; a fan-out the planner can prepare for)."""
+
+    def __init__(self, *, expect_children: int | None = None) -> None:
+        if expect_children is not None and (type(expect_children) is not int
+                                            or expect_children < 0):
+            raise ValueError("expect_children must be a non-negative integer")
+        self._extra = {} if expect_children is None else {
+            EXPECT_CHILDREN_HEADER: str(expect_children)}
+        self._token: contextvars.Token[dict[str, str]] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _call_hints.set({**_call_hints.get(), **self._extra})
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _call_hints.reset(self._token)
+
+
+# -- workflow and task: decorators and async context managers -------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkflowResult(Generic[R_co]):
+    """What `await fn.run(...)` returns for a `@workflow` function: the id and the value."""
+
+    id: str
+    value: R_co
+
+
+@dataclass(frozen=True)
+class WorkflowInfo:
+    """What `async with workflow(...) as wf` gives: the workflow's id and name."""
+
+    id: str
+    name: str
+
+
+class WorkflowFunction(Protocol[P, R_co]):
+    """A `@workflow` function: each call runs as a new workflow; `run` also gives its id."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R_co]: ...
+
+    def run(self, *args: P.args,
+            **kwargs: P.kwargs) -> Coroutine[Any, Any, WorkflowResult[R_co]]: ...
+
+
+TaskFunction = Callable[P, Coroutine[Any, Any, R]]
+"""A `@task` function: an async function that runs as a new task each time it is called."""
+
+
+def _check_async(fn: Callable[..., Any], what: str) -> None:
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(f"@{what} decorates async functions; {fn.__qualname__} is not one")
+
+
+class WorkflowScope:
+    """One workflow run, entered with `async with`; also a decorator (see `workflow`)."""
+
+    def __init__(self, name: str | None, workflow_id: str | None) -> None:
+        self.name = name
+        self.workflow_id = workflow_id
+        self._token: contextvars.Token[_Cursor | None] | None = None
+
+    def __call__(self, fn: Callable[P, Awaitable[R]]) -> WorkflowFunction[P, R]:
+        """Decorate an async function: each call runs as a new workflow."""
+        _check_async(fn, "workflow")
+        name = self.name or fn.__name__
+        fixed = self.workflow_id
+
+        @functools.wraps(fn)
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with WorkflowScope(name, fixed):
+                return await fn(*args, **kwargs)
+
+        async def run(*args: P.args, **kwargs: P.kwargs) -> WorkflowResult[R]:
+            async with WorkflowScope(name, fixed) as info:
+                value = await fn(*args, **kwargs)
+            return WorkflowResult(info.id, value)
+
+        call.run = run  # type: ignore[attr-defined]
+        return cast(WorkflowFunction[P, R], call)
+
+    async def __aenter__(self) -> WorkflowInfo:
+        if self._token is not None:
+            raise RuntimeError("a workflow scope is entered once; make a new one per run")
+        name = self.name or "workflow"
+        wf_id = self.workflow_id or f"{name}-{secrets.token_hex(4)}"
+        scope = _Scope(_Run(wf_id), None, ())
+        self._token = _cursor.set(_Cursor(scope, _current_lane()))
+        return WorkflowInfo(wf_id, name)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        assert self._token is not None
+        _cursor.reset(self._token)
+
+
+class TaskScope:
+    """One task of the current workflow, entered with `async with`; also a decorator (see
+    `task`)."""
+
+    def __init__(self, name: str | None, expect_children: int | None) -> None:
+        if expect_children is not None and (type(expect_children) is not int
+                                            or expect_children < 0):
+            raise ValueError("expect_children must be a non-negative integer")
+        self.name = name
+        self.expect_children = expect_children
+        self._entered: tuple[_Scope, _Scope, _Lane, frozenset[int],
+                             contextvars.Token[_Cursor | None]] | None = None
+        self._used = False
+
+    def __call__(self, fn: Callable[P, Awaitable[R]]) -> TaskFunction[P, R]:
+        """Decorate an async function: each call runs as a new task."""
+        _check_async(fn, "task")
+        name = self.name or fn.__name__
+        expect = self.expect_children
+
+        @functools.wraps(fn)
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            async with TaskScope(name, expect):
+                return await fn(*args, **kwargs)
+
+        return call
+
+    async def __aenter__(self) -> str | None:
+        if self._used:
+            raise RuntimeError("a task scope is entered once; make a new one per task")
+        self._used = True
+        here = _here()
+        if here is None:
+            return None
+        scope, lane = here
+        after, extends = scope.parents(lane)
+        task_id = scope.run.task_id(self.name or "task")
+        inner = _Scope(scope.run, task_id, after, self.expect_children)
+        token = _cursor.set(_Cursor(inner, lane))
+        self._entered = (scope, inner, lane, extends, token)
+        return task_id
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._entered is None:
+            return
+        outer, inner, lane, extends, token = self._entered
+        self._entered = None
+        _cursor.reset(token)
+        if exc_type is None:
+            ends, _ = inner.parents(lane)
+            outer.finish(ends, extends, lane)
+
+
+@overload
+def workflow(name: Callable[P, Awaitable[R]], /) -> WorkflowFunction[P, R]: ...
+
+
+@overload
+def workflow(name: str | None = None, *, id: str | None = None) -> WorkflowScope: ...
+
+
+def workflow(name: Any = None, *, id: str | None = None) -> Any:
+    """Run code as one workflow: `@workflow` or `@workflow("name")` over an async function, or
+    `async with workflow("name") as wf:`. The id is NAME-<8 random hex digits> (the function's
+    name by default) unless `id` is given; every call made inside carries it.
+    `await fn.run(...)` returns the id with the function's value."""
+    if callable(name):
+        return WorkflowScope(None, None)(name)
+    return WorkflowScope(name, id)
+
+
+@overload
+def task(name: Callable[P, Awaitable[R]], /) -> TaskFunction[P, R]: ...
+
+
+@overload
+def task(name: str | None = None, *, expect_children: int | None = None) -> TaskScope: ...
+
+
+def task(name: Any = None, *, expect_children: int | None = None) -> Any:
+    """Run code as one task of the current workflow: `@task` or `@task("name")` over an async
+    function, or `async with task("name") as task_id:`. Its id is NAME-N (the N-th task of that
+    name in the workflow). Outside a workflow it changes nothing. `expect_children` is sent
+    with each of the task's calls (`X-KVGate-Expect-Children`: how many later calls will
+    extend its context)."""
+    if callable(name):
+        return TaskScope(None, None)(name)
+    return TaskScope(name, expect_children)

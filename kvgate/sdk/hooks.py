@@ -1,0 +1,72 @@
+"""HTTP hooks that put the current workflow context on outgoing OpenAI calls.
+
+They work on any `httpx.AsyncClient` or `httpx2.AsyncClient` (the OpenAI client's, LangChain's
+`http_async_client`, the OpenAI Agents SDK's through its `AsyncOpenAI`): the request hook runs in
+the caller's asyncio task, so it reads the context variables at send time, not when the client
+was made. Only POSTs to `/chat/completions` and `/completions` are annotated, and a request
+that names its own workflow (`X-KVGate-Workflow`) is left alone.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from kvgate.sdk.context import WORKFLOW_HEADER, Call, start_call
+
+_ANNOTATED = ("/chat/completions", "/completions")
+_RETRY_HEADER = "x-stainless-retry-count"
+"""The OpenAI client's retry counter: a retry is the same call, so it keeps its id."""
+
+_in_flight: weakref.WeakKeyDictionary[Any, Call] = weakref.WeakKeyDictionary()
+
+
+async def on_request(request: Any) -> None:
+    """httpx request hook: add the hint headers of the current context."""
+    if request.method != "POST" or not request.url.path.endswith(_ANNOTATED):
+        return
+    if WORKFLOW_HEADER in request.headers:
+        return
+    retry = request.headers.get(_RETRY_HEADER, "0") not in ("", "0")
+    call = start_call(retry=retry)
+    if call is None:
+        return
+    for name, value in call.headers.items():
+        request.headers[name] = value
+    _in_flight[request] = call
+
+
+async def on_response(response: Any) -> None:
+    """httpx response hook: an answered call becomes a parent for later work (a failed one
+    does not; it stays open for the client's retry)."""
+    call = _in_flight.pop(response.request, None)
+    if call is not None and 200 <= response.status_code < 300:
+        call.finished()
+
+
+def add_hints(client: Any) -> Any:
+    """Add the hooks to an `httpx.AsyncClient` / `httpx2.AsyncClient` (once); returns it."""
+    hooks = client.event_hooks
+    request_hooks = list(hooks.get("request", []))
+    response_hooks = list(hooks.get("response", []))
+    if on_request not in request_hooks:
+        request_hooks.append(on_request)
+    if on_response not in response_hooks:
+        response_hooks.append(on_response)
+    client.event_hooks = {"request": request_hooks, "response": response_hooks}
+    return client
+
+
+def http_client(**kwargs: Any) -> Any:
+    """A new async HTTP client for `openai.AsyncOpenAI(http_client=...)` or LangChain's
+    `ChatOpenAI(http_async_client=...)`, with the OpenAI client's defaults and the hooks.
+    `kwargs` go to its constructor (timeout, limits, ...)."""
+    import openai
+
+    return add_hints(openai.DefaultAsyncHttpxClient(**kwargs))
+
+
+def instrument(client: Any) -> Any:
+    """An `openai.AsyncOpenAI` like `client` (same key, base URL, options) whose calls carry
+    the workflow hints: a copy over a hooked HTTP client."""
+    return client.copy(http_client=http_client(timeout=client.timeout))
