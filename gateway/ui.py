@@ -82,6 +82,6 @@ class TimelineUI:
     async def handle_asset(self, request: web.Request) -> web.Response:
         """GET /ui/static/{name}: one shipped file, by exact name."""
         name = request.match_info["name"]
-        if name not in self.assets or name == "index.html":
+        if name not in self.assets:
             raise AssetNotFound(f"no timeline asset named {name!r}")
         return self._serve(name)
