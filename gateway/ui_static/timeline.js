@@ -716,10 +716,20 @@
   // -- start ------------------------------------------------------------------------------------
 
   window.addEventListener("hashchange", route);
+  // A chart redrawn under a resting pointer gets no mouseleave from the old bar: the next
+  // move anywhere else hides the tooltip.
+  document.addEventListener("mousemove", (ev) => {
+    if (!tooltip.hidden && !(ev.target instanceof Element && ev.target.closest(".task, .move"))) {
+      hideTooltip();
+    }
+  });
   let resizeTimer = null;
+  let drawnWidth = window.innerWidth;
   window.addEventListener("resize", () => {
+    if (window.innerWidth === drawnWidth) return; // the chart depends on the width alone
     window.clearTimeout(resizeTimer);
     resizeTimer = window.setTimeout(() => {
+      drawnWidth = window.innerWidth;
       if (view && view.kind === "workflow" && view.snapshot) renderWorkflow(view);
     }, 150);
   });
