@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import re
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvgate.demo import run_workflow
 from kvgate.procs import Child
 from tests.conftest import MODEL
 
@@ -149,3 +151,23 @@ def test_a_bad_limit_is_a_400_naming_it(gateway: Child, limit: str) -> None:
     assert status == 400
     error = json.loads(body)["error"]
     assert error["param"] == "limit" and "limit must be an integer from 1 to 500" in error["message"]
+
+
+def test_the_demo_workflow_is_recorded_for_the_timeline(gateway: Child) -> None:
+    """`kvgate demo` streams hinted calls; the record has what the page draws for each task:
+    engine, times (first token included) and the cache numbers of the streamed usage."""
+    name = f"demo-test-{time.monotonic_ns()}"
+    results, _ = asyncio.run(run_workflow(gateway.url, MODEL, workers=2, workflow=name))
+    snap = wait_over(gateway.url, name)
+    assert snap["source"] == "hints" and snap["state"] == "done"
+    tasks = snap["tasks"]
+    assert set(tasks) == {"plan", "research-1", "research-2", "reduce"}
+    assert tasks["reduce"]["after"] == ["research-1", "research-2"]
+    for r in results:
+        rec = tasks[r.task]
+        assert rec["engine"] == r.engine
+        assert rec["ready_s"] <= rec["dispatched_s"] <= rec["first_token_s"] <= rec["finished_s"]
+        assert rec["cached_tokens"] == r.cached_tokens
+        assert rec["output_tokens"] == r.completion_tokens
+    status, _, body = fetch(gateway.url, "/v1/workflows")
+    assert status == 200 and name in [w["id"] for w in json.loads(body)["data"]]
