@@ -309,7 +309,8 @@ class RedisWorkflowStore:
         start = 0
         while len(out) < limit:
             page = max(limit - len(out), 16)
-            ids: list[bytes] = await self.r.zrevrange(self._index_key, start, start + page - 1)
+            ids: list[bytes] = await self.r.zrevrange(  # type: ignore[assignment]
+                self._index_key, start, start + page - 1)
             if not ids:
                 break
             start += len(ids)

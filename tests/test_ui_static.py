@@ -150,7 +150,8 @@ def test_a_bad_limit_is_a_400_naming_it(gateway: Child, limit: str) -> None:
     status, _, body = fetch(gateway.url, f"/v1/workflows?limit={limit}")
     assert status == 400
     error = json.loads(body)["error"]
-    assert error["param"] == "limit" and "limit must be an integer from 1 to 500" in error["message"]
+    assert error["param"] == "limit"
+    assert "limit must be an integer from 1 to 500" in error["message"]
 
 
 def test_the_demo_workflow_is_recorded_for_the_timeline(gateway: Child) -> None:

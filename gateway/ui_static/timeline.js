@@ -65,7 +65,8 @@
   }
 
   function fmtPct(part, whole) {
-    return whole ? `${((100 * part) / whole).toFixed(1)} %` : "–";
+    return whole && part !== null && part !== undefined
+      ? `${((100 * part) / whole).toFixed(1)} %` : "–";
   }
 
   function fmtBytes(n) {
@@ -280,6 +281,7 @@
     const now = Date.now() / 1000;
     const end = snap.finished_s || now;
     const sum = totals(tasks);
+    const anyCached = tasks.some((t) => t.cached_tokens !== null && t.cached_tokens !== undefined);
     const done = tasks.filter((t) => t.state === "done").length;
     const engines = new Set(tasks.map((t) => t.engine).filter(Boolean));
 
@@ -288,8 +290,8 @@
       stat(fmtDur(end - snap.created_s), snap.state === "running" ? "elapsed" : "duration"),
       stat(`${done}/${tasks.length}`, "tasks done"),
       stat(engines.size, "engines"),
-      stat(fmtPct(sum.cached, sum.prompt), "cache hit"),
-      stat(`${fmtInt(sum.cached)} / ${fmtInt(sum.prompt)}`, "cached / prompt tokens"),
+      stat(anyCached ? fmtPct(sum.cached, sum.prompt) : "–", "cache hit"),
+      stat(`${anyCached ? fmtInt(sum.cached) : "–"} / ${fmtInt(sum.prompt)}`, "cached / prompt tokens"),
       stat(fmtInt(sum.output), "output tokens"),
       stat(sum.moves, "KV moves"),
       stat(snap.model || "–", "model"),
@@ -332,7 +334,7 @@
         h("td", { class: "num" }, fmtDur(tm.duration)),
         h("td", { class: "num" }, fmtInt(t.prompt_tokens)),
         h("td", { class: "num" }, fmtInt(t.cached_tokens)),
-        h("td", { class: "num" }, fmtPct(t.cached_tokens || 0, t.prompt_tokens)),
+        h("td", { class: "num" }, fmtPct(t.cached_tokens, t.prompt_tokens)),
         h("td", { class: "num" }, fmtInt(t.output_tokens)),
         h("td", { class: "wrap" }, t.error || ""));
     });
@@ -396,7 +398,8 @@
     for (const t of tasks) note(t.engine, t.dispatched_s ?? startOf(t));
     for (const m of moves) { note(m.from, m.started); note(m.to, m.started); }
     const names = [...first.keys()].sort((a, b) => first.get(a) - first.get(b) || a.localeCompare(b));
-    const lanes = names.map((name) => ({ name, kind: "engine", items: [], rows: 0 }));
+    const lanes = names.map((name) => ({
+      name, kind: "engine", items: [], rows: 0, copies: moves.filter((m) => m.to === name).length }));
     const unplaced = { name: "not placed", kind: "unplaced", items: [], rows: 0 };
     const byName = new Map(lanes.map((l) => [l.name, l]));
     for (const t of tasks) (t.engine ? byName.get(t.engine) : unplaced).items.push(t);
@@ -479,7 +482,8 @@
         s("text", { x: 12, y: lane.y + LANE_PAD + ROW_H / 2, "dominant-baseline": "middle", class: "lane-label" },
           clipText(lane.name, LABEL_W - 20, 7.3)),
         s("text", { x: 12, y: lane.y + LANE_PAD + ROW_H / 2 + 15, "dominant-baseline": "middle", class: "lane-count" },
-          `${lane.items.length} task${lane.items.length === 1 ? "" : "s"}`));
+          `${lane.items.length} task${lane.items.length === 1 ? "" : "s"}`
+          + (lane.copies ? ` · ${lane.copies} KV in` : "")));
       laneLayer.append(g);
     });
     root.append(laneLayer);
@@ -628,7 +632,7 @@
         ["duration", fmtDur(tm.duration)],
         ["prompt tokens", fmtInt(t.prompt_tokens)],
         ["cached tokens", fmtInt(t.cached_tokens)],
-        ["cache hit", fmtPct(t.cached_tokens || 0, t.prompt_tokens)],
+        ["cache hit", fmtPct(t.cached_tokens, t.prompt_tokens)],
         ["output tokens", fmtInt(t.output_tokens)],
         ["after", (t.after || []).length ? t.after.join(", ") : null],
         ["KV moves", (t.kv_moves || []).length ? String(t.kv_moves.length) : null],
