@@ -272,7 +272,7 @@
   }
 
   function stat(value, label) {
-    return h("div", { class: "stat" }, h("b", {}, value), h("small", {}, label));
+    return h("div", { class: "stat" }, h("b", { title: value }, value), h("small", {}, label));
   }
 
   function renderWorkflow(current) {
@@ -497,6 +497,7 @@
         s("line", { x1: px, x2: px, y1: AXIS_H - 4, y2: height - 6, class: "grid-line" }),
         s("text", { x: px, y: AXIS_H - 10, "text-anchor": "middle", class: "axis-label" }, fmtTick(v, step)));
     }
+    axis.append(s("text", { x: 12, y: AXIS_H - 10, class: "axis-label" }, "time since created"));
     root.append(axis);
     if (snap.state === "running") {
       const px = x(now);
