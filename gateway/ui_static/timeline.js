@@ -358,6 +358,13 @@
   const AXIS_H = 26;
   const RIGHT_PAD = 24;
   const GHOST_W = 84;
+  const MIN_INSIDE_LABEL = 26;
+  const LABEL_CHAR_PX = 6.8;
+  const OUTSIDE_LABEL_MAX = 150;
+
+  function labelWidth(text) {
+    return Math.min(OUTSIDE_LABEL_MAX, text.length * LABEL_CHAR_PX);
+  }
 
   function startOf(t) {
     return t.ready_s ?? t.dispatched_s ?? t.finished_s ?? Infinity;
@@ -414,14 +421,21 @@
     for (const t of lane.items) {
       const start = startOf(t);
       if (start === Infinity) ghosts.push(t);
-      else timed.push({ t, x0: x(start), x1: Math.max(x(t.finished_s ?? now), x(start) + 4) });
+      else {
+        const x0 = x(start);
+        const x1 = Math.max(x(t.finished_s ?? now), x0 + 4);
+        // A bar too short for its name is labelled to its right: the label takes room too.
+        const runX0 = t.dispatched_s != null ? x(t.dispatched_s) : x1 - 4;
+        const outside = x1 - runX0 - 10 < MIN_INSIDE_LABEL;
+        timed.push({ t, x0, x1, outside, end: outside ? x1 + 6 + labelWidth(t.id) : x1 });
+      }
     }
     timed.sort((a, b) => a.x0 - b.x0 || a.t.id.localeCompare(b.t.id));
     const rowEnds = [];
     for (const item of timed) {
       let row = rowEnds.findIndex((endX) => endX + 3 <= item.x0);
       if (row < 0) { row = rowEnds.length; rowEnds.push(0); }
-      rowEnds[row] = item.x1;
+      rowEnds[row] = item.end;
       item.row = row;
     }
     // Tasks with no time yet (blocked, thinking) queue up as chips from the left.
@@ -578,9 +592,16 @@
         g.append(s("line", { x1: fx, x2: fx, y1: top - 2, y2: top + BAR_H + 2, class: "ttft" }));
       }
       const room = bx1 - bx0 - 10;
-      if (room >= 26) {
+      if (!item.outside && room >= MIN_INSIDE_LABEL) {
         g.append(s("text", { x: bx0 + 6, y: top + BAR_H / 2 - 1, "dominant-baseline": "central", class: "label" },
-          clipText(t.id, room, 6.8)));
+          clipText(t.id, room, LABEL_CHAR_PX)));
+      } else {
+        // To the bar's right, or to its left where the chart ends.
+        const right = bx1 + 5 + labelWidth(t.id) <= x.left + x.width + RIGHT_PAD;
+        g.append(s("text", { x: right ? bx1 + 5 : (item.ghost ? bx0 : Math.min(bx0, x(startOf(t)))) - 5,
+                             y: top + BAR_H / 2 - 1, "dominant-baseline": "central",
+                             "text-anchor": right ? "start" : "end", class: "label outside" },
+          clipText(t.id, OUTSIDE_LABEL_MAX, LABEL_CHAR_PX)));
       }
     }
     g.addEventListener("mouseenter", (ev) => { hovered = { kind: "task", key: t.id }; showTooltip(ev); });
