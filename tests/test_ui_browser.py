@@ -24,7 +24,7 @@ from kvgate.procs import Child, free_port, spawn, wait_healthy
 from tests.conftest import MODEL
 
 CHROMIUM = Path("/usr/bin/chromium")
-SYSTEM = "You are a careful researcher who cites sources and checks every figure twice. " * 40
+SYSTEM = "You are a careful researcher who cites sources and checks every figure twice. " * 60
 CONNECTOR = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
 WORKERS = 5
 
@@ -47,13 +47,14 @@ def artifacts_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
-    """A gateway (policy kvgate, RDMA link, KV events) in front of three simulated engines."""
+    """A gateway (policy kvgate, RDMA link, KV events) in front of four simulated engines (the
+    setup of test_kv_moves_live.py, where a fan-out's parent is prefetched to its children)."""
     logs = tmp_path_factory.mktemp("ui-browser")
     events = free_port()
     sims: list[Child] = []
     gateway = None
     try:
-        for i in range(3):
+        for i in range(4):
             port = free_port()
             sims.append(spawn(f"sim-{i}", [
                 "sim", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
@@ -178,7 +179,10 @@ def test_a_finished_fanout_shows_one_bar_per_task_and_one_lane_per_engine(
     assert {lanes.nth(i).get_attribute("data-engine") for i in range(lanes.count())} == engines
     assert page.locator('g.lane[data-kind="unplaced"]').count() == 0
     # Every recorded KV move is drawn between lanes; no finished workflow shows a "now" line.
+    assert moves, tasks["plan"]
     assert page.locator("g.move").count() == len(moves)
+    assert page.locator('g.move[data-kind="transfer"]').count() == sum(
+        m["kind"] == "transfer" for m in moves)
     assert page.locator("g.now").count() == 0
     assert page.locator("#live").is_hidden()
 
@@ -197,6 +201,13 @@ def test_a_finished_fanout_shows_one_bar_per_task_and_one_lane_per_engine(
     page.screenshot(path=str(artifacts_dir() / "timeline-fanout.png"), full_page=True)
     page.mouse.move(2, 2)
     tip.wait_for(state="hidden")
+
+    # Hovering a move's landing mark shows what was moved, where, and why.
+    page.locator("g.move rect.span").first.hover(force=True)
+    tip.wait_for(state="visible")
+    text = tip.inner_text()
+    assert "KV transfer" in text or "Warm-up" in text, text
+    assert any(m["reason"] in text and m["destination"] in text for m in moves), text
 
 
 def test_a_deep_link_opens_the_workflow(pool: Child, page: Any) -> None:
