@@ -145,11 +145,13 @@
       let id;
       try { id = decodeURIComponent(match[1]); } catch (e) { id = match[1]; }
       view = { kind: "workflow", id, snapshot: null };
+      document.title = `${id} · kvgate timeline`;
       crumbs.replaceChildren(h("a", { href: "#/" }, "workflows"), " / ", id);
       app.replaceChildren(h("p", { class: "muted" }, "Loading…"));
       refreshWorkflow(view);
     } else {
       view = { kind: "list" };
+      document.title = "kvgate timeline";
       crumbs.replaceChildren("recent workflows");
       refreshList(view);
     }
