@@ -19,6 +19,7 @@ from gateway.errors import GatewayError
 from gateway.metrics import IngestCollector
 from gateway.proxy import Proxy
 from gateway.state import GatewayState
+from gateway.ui import TimelineUI
 from gateway.workflow_store import make_store
 from gateway.workflows import LoopbackExecutor, TaskExecutor, WorkflowService, loopback_url
 from kvindex.index import IndexStats
@@ -111,6 +112,7 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
     app.router.add_get("/metrics", metrics)
     Admin(state, proxy).routes(app)
     workflows.routes(app)
+    TimelineUI().routes(app)
 
     async def on_startup(_: web.Application) -> None:
         await state.start()

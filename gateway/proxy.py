@@ -164,6 +164,9 @@ class _Flight:
     """Where a call that names a workflow reports its progress (hint mode)."""
     answer: bytes | None = None
     """A whole JSON answer, kept for the recorder."""
+    usage_event: bytes | None = None
+    """The last streamed event that carries `usage` (`stream_options.include_usage`), kept for
+    the recorder."""
     status: int = 0
     """The engine's HTTP status once the answer is complete (0: it never completed)."""
 
@@ -517,6 +520,8 @@ class Proxy:
                     if not chunk:
                         continue
                     flight.streamed_tokens += _token_events(chunk)
+                    if flight.recorder is not None and b'"usage":{' in chunk:
+                        flight.usage_event = _usage_event(chunk) or flight.usage_event
                     if b"data: [DONE]" in chunk:
                         # vLLM's last event: the answer is whole once it is written, even if
                         # the client hangs up right after reading it (as the openai client may,
@@ -565,6 +570,14 @@ def _token_events(events: bytes) -> int:
     """Output-carrying events in whole SSE events from vLLM (one token per event by default)."""
     return events.count(b'"content":"') + events.count(b'"text":"') - events.count(
         b'"content":""') - events.count(b'"text":""')
+
+
+def _usage_event(events: bytes) -> bytes | None:
+    """The JSON of the last event in whole SSE events that carries a `usage` object."""
+    for event in reversed(events.split(b"\n\n")):
+        if event.startswith(b"data: {") and b'"usage":{' in event:
+            return event[6:]
+    return None
 
 
 class _Recorder:
@@ -625,6 +638,11 @@ class _Recorder:
         output = None
         output_tokens = flight.streamed_tokens if flight is not None else None
         cached = None
+        if flight is not None and flight.answer is None and flight.usage_event is not None:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                usage = json.loads(flight.usage_event)["usage"]
+                output_tokens = usage.get("completion_tokens", output_tokens)
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if flight is not None and flight.answer is not None:
             with contextlib.suppress(ValueError, TypeError, KeyError, IndexError,
                                      AttributeError):

@@ -63,6 +63,11 @@ class WorkflowStore(Protocol):
         `wait_s` for one when there are none yet."""
         ...
 
+    async def recent(self, limit: int) -> list[Json]:
+        """Up to `limit` workflows, newest `created_s` first: snapshots whose task records
+        lack `output` (a listing needs states and timings, not texts)."""
+        ...
+
     async def request_cancel(self, workflow_id: str) -> None:
         """Ask whichever replica runs the workflow to cancel it."""
         ...
@@ -159,6 +164,13 @@ class MemoryWorkflowStore:
                                            wait_s)
         return [(str(i + 1), _copy(ev)) for i, ev in enumerate(e.events[start:], start)]
 
+    async def recent(self, limit: int) -> list[Json]:
+        """See `WorkflowStore.recent`."""
+        self._sweep()
+        entries = sorted(self._entries.values(),
+                         key=lambda e: e.workflow.get("created_s") or 0.0, reverse=True)
+        return [_listed(e.workflow, e.tasks) for e in entries[:max(0, limit)]]
+
     async def request_cancel(self, workflow_id: str) -> None:
         """See `WorkflowStore.request_cancel`."""
         self._cancels.put_nowait(workflow_id)
@@ -172,6 +184,13 @@ class MemoryWorkflowStore:
         """Nothing to release."""
 
 
+def _listed(workflow: Mapping[str, Any], tasks: Mapping[str, Mapping[str, Any]]) -> Json:
+    """A workflow as `recent` lists it: the snapshot without task outputs."""
+    return {**_copy(workflow),
+            "tasks": {t: {k: v for k, v in _copy(r).items() if k != "output"}
+                      for t, r in tasks.items()}}
+
+
 def _copy(doc: Mapping[str, Any]) -> Json:
     """A deep copy through JSON, so callers never share mutable state with the store (and
     anything stored is JSON, as in Redis)."""
@@ -181,12 +200,19 @@ def _copy(doc: Mapping[str, Any]) -> Json:
 
 # -- Redis ----------------------------------------------------------------------------------------
 
-# KEYS: the workflow's hash; ARGV: the workflow JSON, then task id / task JSON pairs.
+# KEYS: the workflow's hash, the index of workflows by creation time; ARGV: the workflow id,
+# its created_s, the index's size bound, the workflow JSON, then task id / task JSON pairs.
 _CREATE = """
-if redis.call('HSETNX', KEYS[1], 'w', ARGV[1]) == 0 then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], 't:' .. ARGV[i], ARGV[i + 1]) end
+if redis.call('HSETNX', KEYS[1], 'w', ARGV[4]) == 0 then return 0 end
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], 't:' .. ARGV[i], ARGV[i + 1]) end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[3]) - 1)
 return 1
 """
+
+INDEX_LIMIT = 10_000
+"""Workflow ids the Redis index keeps (the newest); older ones drop out of listings, and their
+snapshots stay readable by id until they expire."""
 
 
 class RedisWorkflowStore:
@@ -195,6 +221,8 @@ class RedisWorkflowStore:
       {ns}:wf:{id}      HASH    "w" -> the workflow-level fields (JSON), "t:{task}" -> a task
       {ns}:wf:{id}:ev   STREAM  entries {"e": event JSON}; the entry id is the event id
       {ns}:wf:cancel    pub/sub channel of workflow ids to cancel
+      {ns}:wf:index     SORTED SET  workflow ids by created_s (the newest INDEX_LIMIT); ids whose
+                        hash has expired are removed when a listing meets them
     """
 
     def __init__(self, client: aioredis.Redis, namespace: str = "kvgate") -> None:
@@ -217,13 +245,19 @@ class RedisWorkflowStore:
     def _cancel_channel(self) -> str:
         return f"{self.ns}:wf:cancel"
 
+    @property
+    def _index_key(self) -> str:
+        return f"{self.ns}:wf:index"
+
     async def create(self, workflow: Mapping[str, Any],
                      tasks: Mapping[str, Mapping[str, Any]]) -> bool:
         """See `WorkflowStore.create`."""
-        args = [_dumps(workflow)]
+        wf_id = str(workflow["id"])
+        args = [wf_id, repr(float(workflow.get("created_s") or 0.0)), str(INDEX_LIMIT),
+                _dumps(workflow)]
         for t, rec in tasks.items():
             args += [t, _dumps(rec)]
-        created = await self._create(keys=[self._key(str(workflow["id"]))], args=args)
+        created = await self._create(keys=[self._key(wf_id), self._index_key], args=args)
         return bool(created)
 
     async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
@@ -253,10 +287,8 @@ class RedisWorkflowStore:
         raw: dict[bytes, bytes] = await self.r.hgetall(self._key(workflow_id))  # type: ignore[assignment]
         if b"w" not in raw:
             return None
-        snapshot: Json = json.loads(raw.pop(b"w"))
-        snapshot["tasks"] = {k.decode()[2:]: json.loads(v) for k, v in raw.items()
-                             if k.startswith(b"t:")}
-        return snapshot
+        workflow, tasks = _parse(raw)
+        return {**workflow, "tasks": tasks}
 
     async def events(self, workflow_id: str, after: str = START,
                      wait_s: float = 0.0) -> list[tuple[str, Json]]:
@@ -267,6 +299,36 @@ class RedisWorkflowStore:
         for _, entries in reply or []:
             for entry_id, data in entries:
                 out.append((entry_id.decode(), json.loads(data[b"e"])))
+        return out
+
+    async def recent(self, limit: int) -> list[Json]:
+        """See `WorkflowStore.recent`. Reads the index newest first, a page at a time, and
+        drops the ids whose snapshot has expired."""
+        out: list[Json] = []
+        seen: set[bytes] = set()
+        start = 0
+        while len(out) < limit:
+            page = max(limit - len(out), 16)
+            ids: list[bytes] = await self.r.zrevrange(  # type: ignore[assignment]
+                self._index_key, start, start + page - 1)
+            if not ids:
+                break
+            start += len(ids)
+            async with self.r.pipeline(transaction=False) as pipe:
+                for wf_id in ids:
+                    pipe.hgetall(self._key(wf_id.decode()))
+                hashes: list[dict[bytes, bytes]] = await pipe.execute()
+            gone = []
+            for wf_id, raw in zip(ids, hashes, strict=True):
+                if b"w" not in raw:
+                    gone.append(wf_id)
+                elif len(out) < limit and wf_id not in seen:
+                    # A workflow created meanwhile shifts the ranks: one id may come twice.
+                    seen.add(wf_id)
+                    out.append(_listed(*_parse(raw)))
+            if gone:
+                await self.r.zrem(self._index_key, *gone)
+                start -= len(gone)
         return out
 
     async def request_cancel(self, workflow_id: str) -> None:
@@ -287,6 +349,13 @@ class RedisWorkflowStore:
     async def close(self) -> None:
         """Close the connection pool."""
         await self.r.aclose()
+
+
+def _parse(raw: Mapping[bytes, bytes]) -> tuple[Json, dict[str, Json]]:
+    """A workflow hash's fields: the workflow-level document and the task records."""
+    workflow: Json = json.loads(raw[b"w"])
+    tasks = {k.decode()[2:]: json.loads(v) for k, v in raw.items() if k.startswith(b"t:")}
+    return workflow, tasks
 
 
 def _dumps(doc: Mapping[str, Any]) -> str:

@@ -55,6 +55,10 @@ CANCEL_WAIT_S = 10.0
 _HINT_CACHE = 10_000
 """Hint-mode workflow ids remembered per replica (whether the store holds them as hints)."""
 
+LIST_DEFAULT = 50
+LIST_MAX = 500
+"""`GET /v1/workflows?limit=`: how many workflows a listing holds unless told, and at most."""
+
 
 class WorkflowNotFound(GatewayError):
     """No workflow with that id (never existed, or expired)."""
@@ -263,6 +267,20 @@ def workflow_event(workflow: Mapping[str, Any]) -> Json:
             "finished_s": workflow["finished_s"]}
 
 
+def workflow_summary(snapshot: Json) -> Json:
+    """A workflow as `GET /v1/workflows` lists it: its own fields, how many tasks are in each
+    state, the engines its tasks ran on, and its prompt and cached token totals."""
+    tasks = snapshot["tasks"].values()
+    states: dict[str, int] = {}
+    for t in tasks:
+        states[t["state"]] = states.get(t["state"], 0) + 1
+    return {**{k: v for k, v in snapshot.items() if k != "tasks"},
+            "tasks": len(snapshot["tasks"]), "task_states": states,
+            "engines": sorted({t["engine"] for t in tasks if t.get("engine")}),
+            "prompt_tokens": sum(t.get("prompt_tokens") or 0 for t in tasks),
+            "cached_tokens": sum(t.get("cached_tokens") or 0 for t in tasks)}
+
+
 def hint_state(snapshot: Json) -> Json:
     """A hint-mode workflow's state from its tasks: running while a call is open, then done
     (failed if a call failed) until the next call arrives."""
@@ -309,6 +327,7 @@ class WorkflowService:
     def routes(self, app: web.Application) -> None:
         """Register the workflow API."""
         app.router.add_post("/v1/workflows", self.handle_create)
+        app.router.add_get("/v1/workflows", self.handle_list)
         app.router.add_get("/v1/workflows/{id}", self.handle_get)
         app.router.add_get("/v1/workflows/{id}/events", self.handle_events)
         app.router.add_delete("/v1/workflows/{id}", self.handle_delete)
@@ -383,6 +402,12 @@ class WorkflowService:
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (unknown or expired)")
         return hint_state(snap) if snap.get("source") == "hints" else snap
 
+    async def recent(self, limit: int) -> list[Json]:
+        """Summaries of the newest `limit` workflows (see `workflow_summary`), newest first."""
+        snaps = await self.store.recent(limit)
+        return [workflow_summary(hint_state(s) if s.get("source") == "hints" else s)
+                for s in snaps]
+
     async def cancel(self, workflow_id: str) -> tuple[Json, bool]:
         """Cancel a running workflow; its snapshot, and whether the cancel has landed yet."""
         run = self._runs.get(workflow_id)
@@ -416,6 +441,17 @@ class WorkflowService:
         snap = await self.submit(body, forward)
         return web.json_response(snap, status=201,
                                  headers={"Location": f"/v1/workflows/{snap['id']}"})
+
+    async def handle_list(self, request: web.Request) -> web.Response:
+        """GET /v1/workflows[?limit=N]: the newest workflows first, as summaries."""
+        raw = request.query.get("limit")
+        limit = LIST_DEFAULT
+        if raw is not None:
+            if not raw.isdigit() or not 1 <= int(raw) <= LIST_MAX:
+                raise InvalidRequest(f"limit must be an integer from 1 to {LIST_MAX}, "
+                                     f"got {raw!r}", param="limit")
+            limit = int(raw)
+        return web.json_response({"object": "list", "data": await self.recent(limit)})
 
     async def handle_get(self, request: web.Request) -> web.Response:
         """GET /v1/workflows/{id}: the snapshot."""
@@ -623,8 +659,10 @@ class WorkflowService:
 
     async def note_move(self, workflow: str, task: str, move: Json) -> None:
         """A KV move whose origin was this task's prompt ended: its record lists it, with
-        when it ended (`ended_s`, the clock of the tasks' own times)."""
-        move = {**move, "ended_s": self.clock()}
+        when it started and ended (`started_s` from its `seconds`, and `ended_s`, on the clock
+        of the tasks' own times)."""
+        now = self.clock()
+        move = {**move, "started_s": now - float(move.get("seconds") or 0.0), "ended_s": now}
         run = self._runs.get(workflow)
         if run is not None:
             run.inbox.put_nowait(_MoveNote(task, move))

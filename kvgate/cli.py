@@ -95,7 +95,7 @@ def _demo(args: argparse.Namespace) -> int:
     from kvgate.demo import run_demo
 
     return run_demo(engines=args.engines, profile=args.profile, policy=args.policy,
-                    workers=args.workers)
+                    workers=args.workers, keep=args.keep)
 
 
 def _microbench(args: argparse.Namespace) -> int:
@@ -383,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--profile", default="h100-llama3-8b")
     d.add_argument("--policy", default="kvgate")
     d.add_argument("--workers", type=int, default=6, help="parallel researcher tasks")
+    d.add_argument("--keep", action="store_true",
+                   help="keep the pool running after the summary (to watch the timeline page)")
     d.set_defaults(func=_demo)
     return p
 

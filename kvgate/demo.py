@@ -4,7 +4,8 @@ The workflow is the shape agent frameworks produce: a planner call, then paralle
 that all repeat the same long static prefix (system prompt + tool definitions), then a reducer that
 joins their outputs. Each call streams through the gateway; the summary shows where each task ran,
 its time to first token, how much of its prompt the engine served from cache, and the workflow's
-completion time.
+completion time. The calls carry workflow hints, so the gateway records them as one workflow that
+its timeline page (`/ui/`) draws; `--keep` leaves the pool running to look at it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import json
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim
+from planner.hints import AFTER_HEADER, TASK_HEADER, WORKFLOW_HEADER
 
 SYSTEM_PROMPT = (
     "You are a meticulous research agent working inside a larger multi-agent system. "
@@ -63,16 +66,19 @@ class TaskResult:
 
 async def _call(
     session: aiohttp.ClientSession, url: str, model: str, task: str,
-    messages: list[dict[str, Any]], max_tokens: int,
+    messages: list[dict[str, Any]], max_tokens: int, workflow: str, after: str = "",
 ) -> TaskResult:
     body = {"model": model, "messages": messages, "tools": TOOLS, "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"x-request-id": f"{workflow}/{task}", WORKFLOW_HEADER: workflow,
+               TASK_HEADER: task}
+    if after:
+        headers[AFTER_HEADER] = after
     t0 = time.perf_counter()
     ttft = None
     text = []
     usage: dict[str, Any] = {}
-    async with session.post(f"{url}/v1/chat/completions", json=body,
-                            headers={"x-request-id": f"demo-{task}"}) as r:
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"task {task}: HTTP {r.status}: {await r.text()}")
         engine = r.headers.get("x-kvgate-engine", "?")
@@ -100,26 +106,28 @@ async def _call(
     )
 
 
-async def run_workflow(url: str, model: str, workers: int) -> tuple[list[TaskResult], float]:
-    """Planner -> `workers` parallel researchers -> reducer; returns results and completion time."""
+async def run_workflow(url: str, model: str, workers: int,
+                       workflow: str = "demo") -> tuple[list[TaskResult], float]:
+    """Planner -> `workers` parallel researchers -> reducer, each call hinted as a task of
+    `workflow`; returns results and completion time."""
     system = {"role": "system", "content": SYSTEM_PROMPT}
     t0 = time.perf_counter()
     async with aiohttp.ClientSession() as session:
         plan = await _call(session, url, model, "plan", [
             system, {"role": "user", "content": f"Split into {workers} sub-questions: {QUESTION}"},
-        ], max_tokens=48)
+        ], max_tokens=48, workflow=workflow)
         research = await asyncio.gather(*(
             _call(session, url, model, f"research-{i}", [
                 system,
                 {"role": "user", "content": f"Plan: {plan.text}\nAnswer sub-question {i}."},
-            ], max_tokens=64)
+            ], max_tokens=64, workflow=workflow, after="plan")
             for i in range(1, workers + 1)
         ))
         notes = "\n".join(f"[{r.task}] {r.text}" for r in research)
         reduce = await _call(session, url, model, "reduce", [
             system,
             {"role": "user", "content": f"Question: {QUESTION}\nFindings:\n{notes}\nSynthesize."},
-        ], max_tokens=96)
+        ], max_tokens=96, workflow=workflow, after=",".join(r.task for r in research))
     return [plan, *research, reduce], time.perf_counter() - t0
 
 
@@ -151,8 +159,9 @@ def format_summary(results: list[TaskResult], completion_s: float, policy: str) 
     return "\n".join(lines)
 
 
-def run_demo(engines: int, profile: str, policy: str, workers: int) -> int:
-    """Start everything, run the workflow, print the summary, stop everything."""
+def run_demo(engines: int, profile: str, policy: str, workers: int, keep: bool = False) -> int:
+    """Start everything, run the workflow, print the summary and where the timeline page shows
+    it, then stop everything (with `keep`, only once interrupted)."""
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-demo-"))
     children: list[Child] = []
     try:
@@ -173,8 +182,19 @@ def run_demo(engines: int, profile: str, policy: str, workers: int) -> int:
         print(f"gateway {gateway.url} -> engines {', '.join(s.url for s in sims)}; model {model}")
         print(f"workflow: plan -> {workers} parallel researchers -> reduce "
               f"(shared system prompt + {len(TOOLS)} tools)\n", flush=True)
-        results, completion = asyncio.run(run_workflow(gateway.url, model, workers))
+        workflow = f"demo-{uuid.uuid4().hex[:8]}"
+        results, completion = asyncio.run(run_workflow(gateway.url, model, workers, workflow))
         print(format_summary(results, completion, policy))
+        print(f"\ntimeline: {gateway.url}/ui/#/workflow/{workflow}", flush=True)
+        if keep:
+            print("the pool keeps running (--keep); Ctrl-C stops it", flush=True)
+            try:
+                while all(c.proc.poll() is None for c in children):
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                return 0
+            print("kvgate demo: a process of the pool exited; see the logs")
+            return 1
         return 0
     except (StartupError, RuntimeError, aiohttp.ClientError) as e:
         print(f"kvgate demo failed: {e}")

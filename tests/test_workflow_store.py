@@ -207,3 +207,94 @@ async def test_a_hint_workflow_cannot_be_cancelled_from_the_api(
     await service.hinted_task_started("agent-2", "t", [], "r", "m")
     with pytest.raises(WorkflowNotCancellable, match="driven by its client"):
         await service.cancel("agent-2")
+
+
+# -- listing recent workflows -------------------------------------------------------------------
+
+
+async def test_recent_lists_the_newest_first_up_to_the_limit(store: WorkflowStore) -> None:
+    for i, created in enumerate([5.0, 1.0, 9.0, 3.0]):
+        await store.create(meta(f"wf-{i}", created_s=created), {"a": task_record([])})
+    listed = await store.recent(3)
+    assert [w["id"] for w in listed] == ["wf-2", "wf-0", "wf-3"]
+    assert [w["id"] for w in await store.recent(10)] == ["wf-2", "wf-0", "wf-3", "wf-1"]
+
+
+async def test_recent_shows_current_task_records_without_their_outputs(
+        store: WorkflowStore) -> None:
+    await store.create(meta(), {"a": task_record([]), "b": task_record(["a"])})
+    done = {**task_record([]), "state": "done", "engine": "e1", "output": "a long answer"}
+    await store.update("wf-1", workflow=meta(state="done", finished_s=2.0), tasks={"a": done})
+    (listed,) = await store.recent(5)
+    assert listed["state"] == "done" and listed["finished_s"] == 2.0
+    assert listed["tasks"]["a"] == {k: v for k, v in done.items() if k != "output"}
+    assert listed["tasks"]["b"]["state"] == "blocked"
+    assert all("output" not in t for t in listed["tasks"].values())
+
+
+async def test_recent_leaves_out_expired_workflows(store: WorkflowStore) -> None:
+    await store.create(meta("old", created_s=1.0), {})
+    await store.create(meta("new", created_s=2.0), {})
+    await store.update("old", events=[{"n": 1}], ttl_s=0.1)
+    for _ in range(200):
+        if await store.get("old") is None:
+            break
+        await asyncio.sleep(0.05)
+    assert [w["id"] for w in await store.recent(10)] == ["new"]
+
+
+async def test_the_redis_index_drops_expired_ids_and_is_shared_by_replicas(
+        redis_url: str) -> None:
+    ns = fresh_namespace()
+    a = RedisWorkflowStore.from_url(redis_url, ns)
+    b = RedisWorkflowStore.from_url(redis_url, ns)
+    try:
+        for i in range(40):
+            await a.create(meta(f"wf-{i:02d}", created_s=float(i)), {})
+        # Every other one expires; a listing pages past the gaps and removes them.
+        for i in range(0, 40, 2):
+            await a.update(f"wf-{i:02d}", ttl_s=0.05)
+        await asyncio.sleep(0.3)
+        listed = await b.recent(15)
+        assert [w["id"] for w in listed] == [f"wf-{i:02d}" for i in range(39, 9, -2)]
+        assert [w["id"] for w in await b.recent(100)] == [f"wf-{i:02d}"
+                                                          for i in range(39, 0, -2)]
+        assert await a.r.zcard(f"{ns}:wf:index") == 20
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_redis_index_keeps_only_the_newest_ids(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("gateway.workflow_store.INDEX_LIMIT", 5)
+    store = RedisWorkflowStore.from_url(redis_url, fresh_namespace())
+    try:
+        for i in range(8):
+            await store.create(meta(f"wf-{i}", created_s=float(i)), {})
+        assert [w["id"] for w in await store.recent(50)] == [f"wf-{i}" for i in range(7, 2, -1)]
+        # Snapshots past the bound stay readable by id.
+        assert await store.get("wf-0") is not None
+    finally:
+        await store.close()
+
+
+async def test_a_listing_summarises_each_workflow_and_derives_hint_mode_state(
+        service: WorkflowService) -> None:
+    await service.hinted_task_started("agent-2", "plan", [], "req-1", "m")
+    await service.hinted_task_dispatched("agent-2", "plan", "e1")
+    await service.hinted_task_finished("agent-2", "plan", prompt_tokens=100, output_tokens=7,
+                                       cached_tokens=64, output="ok")
+    await service.hinted_task_started("agent-2", "act", ["plan"], "req-2", "m")
+    await service.hinted_task_dispatched("agent-2", "act", "e2")
+    (running,) = await service.recent(10)
+    assert running["state"] == "running" and running["finished_s"] is None
+    assert (running["id"], running["source"], running["model"]) == ("agent-2", "hints", "m")
+    assert (running["tasks"], running["task_states"]) == (2, {"done": 1, "running": 1})
+    assert running["engines"] == ["e1", "e2"]
+    assert (running["prompt_tokens"], running["cached_tokens"]) == (100, 64)
+    await service.hinted_task_finished("agent-2", "act", prompt_tokens=50, cached_tokens=0,
+                                       output="fine")
+    (done,) = await service.recent(10)
+    assert done["state"] == "done" and done["finished_s"] is not None
+    assert done["task_states"] == {"done": 2} and done["prompt_tokens"] == 150
