@@ -58,7 +58,7 @@ bench-moves: $(VENV)/.dev
 	$(MOVES) --workload fanout $(PLANNER_LONG) --workflows 48 --link rdma --goodput \
 	  --policy $(MOVE_POLICIES) --json $(R)/moves-fanout-long.json > $(R)/moves-fanout-long.txt
 	for w in tree debate; do \
-	  $(MOVES) --workload $$w $(PLANNER_LONG) --workflows 24 --link rdma --rate 0.2 \
+	  $(MOVES) --workload $$w $(PLANNER_LONG) --workflows 24 --link rdma --goodput \
 	  --policy $(MOVE_POLICIES) --json $(R)/moves-$$w-long.json > $(R)/moves-$$w-long.txt || exit 1; done
 
 .PHONY: bench-tables
