@@ -121,7 +121,7 @@ class TaskExecutor(Protocol):
     """Sends one task's chat body somewhere that answers it."""
 
     async def execute(self, body: dict[str, Any], headers: Mapping[str, str]) -> TaskOutcome:
-        """Run the call (non-streamed); failures come back as an outcome, never raised."""
+        """Run the call; failures come back as an outcome, never raised."""
         ...
 
 
@@ -135,32 +135,122 @@ class LoopbackExecutor:
         self._session: aiohttp.ClientSession | None = None
 
     async def execute(self, body: dict[str, Any], headers: Mapping[str, str]) -> TaskOutcome:
-        """POST the body; the task's request is aborted if this is cancelled."""
+        """POST the body, streamed (so the planner hears of the first token when the engine
+        has the prompt, as it does for any streamed call, and can copy a parent's context to
+        its children's engines while the parent decodes), and put the answer back together;
+        the task's request is aborted if this is cancelled."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0), timeout=self.timeout)
+        streamed = {**body, "stream": True,
+                    "stream_options": {**(body.get("stream_options") or {}),
+                                       "include_usage": True}}
+        answer = _StreamedAnswer()
         try:
-            async with self._session.post(self.url, json=body, headers=dict(headers)) as resp:
+            async with self._session.post(self.url, json=streamed,
+                                          headers=dict(headers)) as resp:
                 engine = resp.headers.get(ENGINE_HEADER)
-                raw = await resp.read()
                 status = resp.status
+                if resp.content_type != "text/event-stream":
+                    raw = await resp.read()
+                else:
+                    raw = b""
+                    async for line in resp.content:
+                        answer.feed(line)
         except (TimeoutError, aiohttp.ClientError) as e:
             return TaskOutcome(0, error=f"request failed: {type(e).__name__}: {e}")
-        try:
-            doc = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            doc = None
-        if not 200 <= status < 300 or not isinstance(doc, dict):
+        if raw or not 200 <= status < 300:
+            try:
+                doc = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                doc = None
+            if 200 <= status < 300 and isinstance(doc, dict):
+                return _outcome(status, doc, engine)
             return TaskOutcome(status, error=_error_text(status, doc, raw), engine=engine)
-        details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
-        return TaskOutcome(status, doc, engine=engine,
-                           cached_tokens=cached if isinstance(cached, int) else None)
+        if answer.error is not None:
+            return TaskOutcome(status, error=answer.error, engine=engine)
+        if not answer.done:
+            return TaskOutcome(status, error="the engine's stream ended before its last event",
+                               engine=engine)
+        return _outcome(status, answer.completion(), engine)
 
     async def close(self) -> None:
         """Close the session."""
         if self._session is not None:
             await self._session.close()
+
+
+def _outcome(status: int, doc: Json, engine: str | None) -> TaskOutcome:
+    details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return TaskOutcome(status, doc, engine=engine,
+                       cached_tokens=cached if isinstance(cached, int) else None)
+
+
+class _StreamedAnswer:
+    """A streamed chat completion put back together as the non-streamed one: the text, tool
+    calls (their argument pieces joined by index), finish reason and usage."""
+
+    def __init__(self) -> None:
+        self.first: Json | None = None
+        self.content: list[str] = []
+        self.tool_calls: dict[int, Json] = {}
+        self.finish_reason: str | None = None
+        self.usage: Json | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def feed(self, line: bytes) -> None:
+        """One line of the SSE stream."""
+        if not line.startswith(b"data:"):
+            return
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            self.done = True
+            return
+        try:
+            event = json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self.error = f"unreadable stream event: {data[:200].decode(errors='replace')}"
+            return
+        if not isinstance(event, dict):
+            return
+        if isinstance(event.get("error"), dict):
+            self.error = f"stream error: {event['error'].get('message')}"
+            return
+        if self.first is None:
+            self.first = event
+        if isinstance(event.get("usage"), dict):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if isinstance(delta.get("content"), str):
+                self.content.append(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                slot = self.tool_calls.setdefault(
+                    int(call.get("index", 0)),
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                if call.get("id"):
+                    slot["id"] = call["id"]
+                fn = call.get("function") or {}
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+    def completion(self) -> Json:
+        """The `chat.completion` object the non-streamed call would have answered."""
+        first = self.first or {}
+        message: Json = {"role": "assistant", "content": "".join(self.content)}
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        doc: Json = {"id": first.get("id"), "object": "chat.completion",
+                     "created": first.get("created"), "model": first.get("model"),
+                     "choices": [{"index": 0, "message": message,
+                                  "finish_reason": self.finish_reason}]}
+        if self.usage is not None:
+            doc["usage"] = self.usage
+        return doc
 
 
 def _error_text(status: int, doc: Any, raw: bytes) -> str:
