@@ -254,8 +254,11 @@ class Proxy:
         except GatewayError as e:
             status, error = e.status, e.message
             raise
-        except BaseException:
+        except asyncio.CancelledError:
             status, error = 499, "the client went away"
+            raise
+        except Exception as e:
+            status, error = 500, f"internal gateway error: {e!r}"
             raise
         finally:
             state.mover.forget(route_req.request_id)
@@ -294,7 +297,8 @@ class Proxy:
                 trace.buffer_wait(admitted_ns, placed_ns)
                 trace.placement(d, state.config.policy, *self._released_ns.pop(
                     route_req.request_id, (placed_ns, placed_ns)))
-                url = state.pool.engines[engine].url if state.pool is not None else ""
+                entry = state.pool.engines.get(engine) if state.pool is not None else None
+                url = entry.url if entry is not None else ""
                 engine_trace = trace.engine_call(engine, url, attempt)
                 if engine_trace is not None:
                     sent_headers = headers.copy()

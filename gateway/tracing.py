@@ -305,6 +305,8 @@ class CallTrace:
         self.tracing.tracer.start_span("placement", self.context, attributes=attrs,
                                        start_time=start_ns).end(end_ns)
         self.span.set_attribute("kvgate.engine", d.engine)
+        if self.task_span is not None:
+            self.task_span.set_attribute("kvgate.engine", d.engine)
 
     def engine_call(self, engine: str, url: str, attempt: int) -> EngineCallTrace | None:
         """Start one attempt at `engine`."""
