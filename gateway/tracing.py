@@ -44,11 +44,10 @@ from aiohttp import web
 from opentelemetry import trace as otel
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
-    SimpleSpanProcessor,
     SpanExporter,
     SpanExportResult,
 )
@@ -215,6 +214,19 @@ class MemoryStore(SpanExporter):
                 "spans": len(spans)}
 
 
+class _StoreProcessor(SpanProcessor):
+    """Hands each ended span to the memory store at once (SimpleSpanProcessor's per-span
+    context switch is not needed: the store does no I/O that could be traced)."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    def on_end(self, span: ReadableSpan) -> None:
+        """Keep the span if it was sampled."""
+        if span.context is not None and span.context.trace_flags.sampled:
+            self.store.export((span,))
+
+
 # -- per call -------------------------------------------------------------------------------------
 
 
@@ -277,6 +289,9 @@ class CallTrace:
         self.context = otel.set_span_in_context(span)
         self.usage: Mapping[str, Any] | None = None
         """Token counts of the answer (the engine's `usage`, or the streamed tokens)."""
+        self._stages: list[tuple[str, int, int, tuple[Dispatch, str] | None]] = []
+        """Buffer waits and placements, made into spans once the call is over (they are
+        known before the engine is called; building them then would delay it)."""
 
     @property
     def enabled(self) -> bool:
@@ -285,31 +300,25 @@ class CallTrace:
 
     def buffer_wait(self, start_ns: int, end_ns: int) -> None:
         """The call waited in the planner's buffer from `start_ns` until it was dispatched."""
-        self.tracing.tracer.start_span("buffer wait", self.context, start_time=start_ns).end(
-            end_ns)
+        self._stages.append(("buffer wait", start_ns, end_ns, None))
 
     def placement(self, d: Dispatch, policy: str, start_ns: int, end_ns: int) -> None:
         """The planner placed the call: the choice, its estimate and the runners-up."""
-        attrs: Attrs = {"kvgate.engine": d.engine, "kvgate.policy": policy,
-                        "kvgate.placement.cached_tokens": d.cached_tokens}
-        if d.cost is not None:
-            attrs.update(_cost_attrs("kvgate.placement", d.cost))
-        if d.runners_up:
-            attrs["kvgate.placement.runner_up.engines"] = [c.engine for c in d.runners_up]
-            attrs["kvgate.placement.runner_up.costs_s"] = [round(c.score, 6)
-                                                          for c in d.runners_up]
-            attrs["kvgate.placement.runner_up.ttft_s"] = [round(c.ttft_s, 6)
-                                                         for c in d.runners_up]
-        if d.priority is not None:
-            attrs["kvgate.priority"] = d.priority
-        self.tracing.tracer.start_span("placement", self.context, attributes=attrs,
-                                       start_time=start_ns).end(end_ns)
-        self.span.set_attribute("kvgate.engine", d.engine)
-        if self.task_span is not None:
-            self.task_span.set_attribute("kvgate.engine", d.engine)
+        self._stages.append(("placement", start_ns, end_ns, (d, policy)))
+
+    def _emit_stages(self) -> None:
+        tracer = self.tracing.tracer
+        for name, start_ns, end_ns, placed in self._stages:
+            attrs = _placement_attrs(*placed) if placed is not None else None
+            tracer.start_span(name, self.context, attributes=attrs, start_time=start_ns).end(
+                end_ns)
+        self._stages.clear()
 
     def engine_call(self, engine: str, url: str, attempt: int) -> EngineCallTrace | None:
         """Start one attempt at `engine`."""
+        self.span.set_attribute("kvgate.engine", engine)
+        if self.task_span is not None:
+            self.task_span.set_attribute("kvgate.engine", engine)
         parsed = urlparse(url)
         span = self.tracing.tracer.start_span(
             "engine call", self.context, kind=otel.SpanKind.CLIENT,
@@ -320,6 +329,7 @@ class CallTrace:
     def end(self, status: int, error: str | None = None) -> None:
         """The call is over with `status` (the client's answer; 0: none)."""
         self.tracing.forget_call(self.request_id)
+        self._emit_stages()
         span = self.span
         usage = self.usage
         if status:
@@ -364,6 +374,21 @@ class NoCall:
 
 
 NO_CALL = NoCall()
+
+
+def _placement_attrs(d: Dispatch, policy: str) -> Attrs:
+    """A placement span's attributes: the choice, its estimate and the runners-up."""
+    attrs: Attrs = {"kvgate.engine": d.engine, "kvgate.policy": policy,
+                    "kvgate.placement.cached_tokens": d.cached_tokens}
+    if d.cost is not None:
+        attrs.update(_cost_attrs("kvgate.placement", d.cost))
+    if d.runners_up:
+        attrs["kvgate.placement.runner_up.engines"] = [c.engine for c in d.runners_up]
+        attrs["kvgate.placement.runner_up.costs_s"] = [round(c.score, 6) for c in d.runners_up]
+        attrs["kvgate.placement.runner_up.ttft_s"] = [round(c.ttft_s, 6) for c in d.runners_up]
+    if d.priority is not None:
+        attrs["kvgate.priority"] = d.priority
+    return attrs
 
 
 def _cost_attrs(prefix: str, cost: PlacementCost) -> Attrs:
@@ -433,7 +458,7 @@ class Tracing:
         for name in s.exporter:
             if name == "memory":
                 self.store = MemoryStore(s.max_traces, s.max_spans_per_trace)
-                self.provider.add_span_processor(SimpleSpanProcessor(self.store))
+                self.provider.add_span_processor(_StoreProcessor(self.store))
                 continue
             exporter: SpanExporter
             if name == "console":
@@ -444,7 +469,7 @@ class Tracing:
                 )
 
                 exporter = HttpExporter(endpoint=otlp_http_url(s.endpoint),
-                                        headers=dict(s.headers), timeout=10)
+                                        headers=dict(s.headers), timeout=5)
             else:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
                     OTLPSpanExporter as GrpcExporter,
@@ -452,7 +477,7 @@ class Tracing:
 
                 url = urlparse(s.endpoint or "http://127.0.0.1:4317")
                 exporter = GrpcExporter(endpoint=url.netloc, insecure=url.scheme == "http",
-                                        headers=dict(s.headers), timeout=10)
+                                        headers=dict(s.headers), timeout=5)
             self.provider.add_span_processor(
                 BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms))
 
