@@ -357,6 +357,26 @@ def test_hint_mode_calls_share_the_workflow_trace_and_link_the_clients(
         tp.split("-")[2] for tp in sent}
 
 
+def test_a_hint_mode_workflow_has_one_trace_on_every_replica(
+        engines: tuple[list[str], list[list[dict[str, str]]]],
+        spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+    urls, _ = engines
+    replicas = [spawn_gateway({"engines": [{"url": u} for u in urls]}) for _ in range(2)]
+    for gw in replicas:
+        wait_healthy(gw)
+    workflow = f"agent-{time.time_ns()}"
+    for gw, task in zip(replicas, ("plan", "act"), strict=True):
+        status, _ = post(f"{gw.url}/v1/chat/completions",
+                         {"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": f"{task} it"}]},
+                         {"X-KVGate-Workflow": workflow, "X-KVGate-Task": task})
+        assert status == 200
+    traces = [get(f"{gw.url}/v1/workflows/{workflow}/trace")[1] for gw in replicas]
+    assert {t["trace_id"] for t in traces} == {trace_hex(workflow_trace_id(workflow))}
+    assert [[s["name"] for s in t["spans"] if s["parent_span_id"] is None] for t in traces] == [
+        ["task plan"], ["task act"]]
+
+
 def test_without_tracing_the_clients_traceparent_reaches_the_engine_untouched(
         engines: tuple[list[str], list[list[dict[str, str]]]],
         spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
