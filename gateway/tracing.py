@@ -507,7 +507,7 @@ class Tracing:
                     else []
                 with _forced(trace_id):
                     task_span = self.tracer.start_span(
-                        f"task {task}", Context(), kind=otel.SpanKind.SERVER, links=links,
+                        f"task {task}", Context(), links=links,
                         start_time=arrived_ns,
                         attributes={"kvgate.workflow.id": workflow, "kvgate.task.id": task or "",
                                     "kvgate.task.after": list(after),

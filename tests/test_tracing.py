@@ -484,3 +484,24 @@ def test_serve_takes_the_exporter_from_the_command_line(
     spans = received.wait_for(lambda ss: any(s["name"] == f"text_completion {MODEL}"
                                              for s in ss), timeout=5)
     assert one(spans, f"text_completion {MODEL}")["parent_span_id"] is None
+
+
+def test_the_console_exporter_prints_spans_as_json(
+        engines: tuple[list[str], list[list[dict[str, str]]]], tmp_path: Path) -> None:
+    from kvgate.procs import spawn
+
+    urls, _ = engines
+    port = free_port()
+    gw = spawn("gateway-console", ["serve", "--engines", ",".join(urls), "--port", str(port),
+                                   "--trace-exporter", "console"], f"http://127.0.0.1:{port}",
+               tmp_path)
+    try:
+        wait_healthy(gw)
+        status, _ = post(f"{gw.url}/v1/chat/completions",
+                         {"model": MODEL, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "hi"}]},
+                         {"x-request-id": "printed"})
+        assert status == 200
+    finally:
+        gw.stop()
+    assert '"kvgate.request.id": "printed"' in gw.log_path.read_text()
