@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import threading
 import time
 from collections import OrderedDict
@@ -58,8 +57,6 @@ from gateway.config import TracingSettings
 from gateway.errors import GatewayError, InvalidRequest
 from planner.actions import Dispatch, Transfer, Warm
 from planner.cost import PlacementCost
-
-log = logging.getLogger(__name__)
 
 TRACEPARENT = "traceparent"
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -98,10 +95,6 @@ def _forced(trace_id: int | None) -> Iterator[None]:
 
 def _ns(epoch_s: float) -> int:
     return int(epoch_s * 1e9)
-
-
-def _now_ns() -> int:
-    return time.time_ns()
 
 
 # -- the memory store -----------------------------------------------------------------------------
@@ -237,7 +230,7 @@ class EngineCallTrace:
         self.tracing = tracing
         self.span = span
         self.call = call
-        self.started_ns = _now_ns()
+        self.started_ns = time.time_ns()
         self.first_token_ns: int | None = None
 
     def inject(self, headers: Any) -> None:
@@ -247,13 +240,13 @@ class EngineCallTrace:
     def first_token(self) -> None:
         """The engine's first streamed chunk arrived."""
         if self.first_token_ns is None:
-            self.first_token_ns = _now_ns()
+            self.first_token_ns = time.time_ns()
 
     def end(self, status: int, output_tokens: int | None, error: str | None,
             usage: Mapping[str, Any] | None = None) -> None:
         """The attempt is over: `status` is the engine's HTTP status (0: none), `usage` the
         answer's when it came whole."""
-        now = _now_ns()
+        now = time.time_ns()
         if usage is not None:
             self.call.usage = usage
         elif output_tokens is not None:
@@ -345,7 +338,7 @@ class CallTrace:
         failed = error is not None or status >= 400
         if failed:
             span.set_status(otel.Status(otel.StatusCode.ERROR, error or f"HTTP {status}"))
-        now = _now_ns()
+        now = time.time_ns()
         span.end(now)
         if self.task_span is not None:
             if failed:
