@@ -469,7 +469,8 @@ class Tracing:
                 )
 
                 url = urlparse(s.endpoint or "http://127.0.0.1:4317")
-                exporter = GrpcExporter(endpoint=url.netloc, insecure=url.scheme == "http",
+                target = url.netloc if url.port is not None else f"{url.hostname}:4317"
+                exporter = GrpcExporter(endpoint=target, insecure=url.scheme == "http",
                                         headers=dict(s.headers), timeout=5)
             self.provider.add_span_processor(
                 BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms))
