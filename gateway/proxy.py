@@ -181,9 +181,9 @@ class Proxy:
         self._timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Task[None]] = set()
         """Workflow-record writes of hint-mode calls, kept until done."""
+        """The planner's next batch interval, when requests wait in its buffer."""
         self._released_ns: dict[str, tuple[int, int]] = {}
         """Wall-clock span of the planner release that placed each request (tracing on)."""
-        """The planner's next batch interval, when requests wait in its buffer."""
         state.pump = self._pump
 
     async def route_request(
