@@ -61,7 +61,7 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
         executor or LoopbackExecutor(loopback_url(config.host, config.port),
                                      config.connect_timeout_s, config.request_timeout_s),
         replica=wf.replica or f"{socket.gethostname()}:{config.port}",
-        known_models=state.planner.models, notify=state.notify,
+        known_models=state.planner.models, notify=state.notify, tracing=state.tracing,
     )
     state.workflows = workflows
     # The proxy enforces max_body_bytes itself with a clear error; aiohttp's own limit stays off.
@@ -113,6 +113,7 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
     Admin(state, proxy).routes(app)
     workflows.routes(app)
     TimelineUI().routes(app)
+    state.tracing.routes(app)
 
     async def on_startup(_: web.Application) -> None:
         await state.start()
@@ -121,6 +122,7 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
     async def on_cleanup(_: web.Application) -> None:
         await workflows.stop()
         await state.stop()
+        await asyncio.to_thread(state.tracing.shutdown)  # sends the spans still buffered
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)

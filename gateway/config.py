@@ -172,6 +172,72 @@ class KvTransferSettings(BaseModel):
         return parse_link(self.link)
 
 
+TraceExporter = Literal["memory", "console", "otlp-http", "otlp-grpc", "none"]
+TRACE_EXPORTERS = ("memory", "console", "otlp-http", "otlp-grpc", "none")
+"""Where spans go (gateway/tracing.py): the gateway's own store (served at /v1/traces), stdout,
+an OTLP receiver over HTTP or gRPC, or nowhere (tracing off)."""
+
+
+def _memory_only() -> list[TraceExporter]:
+    return ["memory"]
+
+
+class TracingSettings(BaseModel):
+    """Traces of workflows and calls (OpenTelemetry), and where they are exported."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exporter: list[TraceExporter] = Field(default_factory=_memory_only)
+    """One name or a list; `none` turns tracing off."""
+    endpoint: str | None = None
+    """The OTLP receiver: for `otlp-http` a URL (a bare `http://HOST:PORT` gets `/v1/traces`;
+    default http://127.0.0.1:4318/v1/traces), for `otlp-grpc` `http://HOST:PORT` (plaintext) or
+    `https://HOST:PORT` (default http://127.0.0.1:4317)."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    """Sent with every OTLP export (e.g. an API key the collector wants)."""
+    service_name: str = Field(default="kvgate", min_length=1)
+    max_traces: int = Field(default=1000, gt=0)
+    """Traces the memory store keeps; the least recently active go first."""
+    max_spans_per_trace: int = Field(default=10_000, gt=0)
+    """Spans the memory store keeps per trace (a long hint-mode workflow stops growing)."""
+    batch_delay_s: float = Field(default=1.0, gt=0)
+    """How long OTLP and console exporters gather spans before a send."""
+
+    @field_validator("exporter", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("exporter")
+    @classmethod
+    def _sensible_exporters(cls, v: list[TraceExporter]) -> list[TraceExporter]:
+        names = list(dict.fromkeys(v))
+        if not names:
+            raise ValueError(f"name at least one exporter ({', '.join(TRACE_EXPORTERS)})")
+        if "none" in names and len(names) > 1:
+            raise ValueError("'none' turns tracing off and cannot be combined with exporters")
+        if "otlp-http" in names and "otlp-grpc" in names:
+            raise ValueError("choose one of otlp-http and otlp-grpc (one endpoint is configured)")
+        return names
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parsed = urlparse(v)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"OTLP endpoint must look like http://HOST:PORT[/PATH], got {v!r}")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        """Spans are recorded at all."""
+        return self.exporter != ["none"]
+
+
 class GatewayConfig(BaseModel):
     """Everything `kvgate serve` needs."""
 
@@ -192,6 +258,7 @@ class GatewayConfig(BaseModel):
     index: IndexSettings = Field(default_factory=IndexSettings)
     kv_transfer: KvTransferSettings = Field(default_factory=lambda: KvTransferSettings())
     workflows: WorkflowSettings = Field(default_factory=WorkflowSettings)
+    tracing: TracingSettings = Field(default_factory=lambda: TracingSettings())
     tokenizer: str | None = None
     """HF tokenizer directory the engines load (default: the shipped tiny tokenizer)."""
     admin_key: str | None = None

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from adapters.vllm.transport import TransportError, nixl_transfer, warm
+from gateway.tracing import MoveTrace
 from planner.actions import Transfer, Warm
 from planner.events import TransferDone, TransferFailed
 
@@ -48,8 +49,9 @@ class KvMover:
         """Start the move; its end reaches the planner as an event. The origin's prompt is
         taken now: the origin may end before the move's task first runs."""
         origin = self._origins.get(move.origin)
-        task = asyncio.get_running_loop().create_task(
-            self._run(move, origin, self._tasks_of.get(move.origin)))
+        of = self._tasks_of.get(move.origin)
+        trace = self.state.tracing.move(move, of[0] if of is not None else None)
+        task = asyncio.get_running_loop().create_task(self._run(move, origin, of, trace))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -66,7 +68,7 @@ class KvMover:
         return pool.engines[engine].url
 
     async def _run(self, move: Transfer | Warm, origin: tuple[str, tuple[int, ...]] | None,
-                   task: tuple[str, str] | None) -> None:
+                   task: tuple[str, str] | None, trace: MoveTrace) -> None:
         state = self.state
         kind = "transfer" if isinstance(move, Transfer) else "warm"
         started = time.monotonic()
@@ -79,17 +81,21 @@ class KvMover:
             assert session is not None
             if isinstance(move, Transfer):
                 await nixl_transfer(session, (move.source, self._url(move.source)),
-                                    (move.destination, self._url(move.destination)), model, ids)
+                                    (move.destination, self._url(move.destination)), model, ids,
+                                    headers=trace.headers())
                 m.kv_move_bytes.labels(move.reason).inc(move.num_bytes)
             else:
-                await warm(session, self._url(move.engine), move.engine, model, ids)
+                await warm(session, self._url(move.engine), move.engine, model, ids,
+                           headers=trace.headers())
         except TransportError as e:
             log.warning("%s %s (%s) failed: %s", kind, move.move_id, move.reason, e)
             m.kv_moves.labels(kind, move.reason, "failed").inc()
+            trace.end(str(e))
             await self._report(task, move, started, str(e))
             state.notify(TransferFailed(move.move_id, str(e)))
             return
         m.kv_moves.labels(kind, move.reason, "done").inc()
+        trace.end(None)
         m.kv_move_seconds.labels(kind).observe(time.monotonic() - started)
         await self._report(task, move, started, None)
         state.notify(TransferDone(move.move_id))

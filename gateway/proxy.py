@@ -35,6 +35,7 @@ from gateway.errors import (
     NoHealthyEngine,
 )
 from gateway.state import GatewayState
+from gateway.tracing import NO_CALL, CallTrace, EngineCallTrace, NoCall, usage_of
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
 from planner.actions import Dispatch, Reject, Transfer, Warm
@@ -169,6 +170,8 @@ class _Flight:
     the recorder."""
     status: int = 0
     """The engine's HTTP status once the answer is complete (0: it never completed)."""
+    trace: EngineCallTrace | None = None
+    """This attempt's span (tracing on)."""
 
 
 class Proxy:
@@ -182,6 +185,8 @@ class Proxy:
         self._background: set[asyncio.Task[None]] = set()
         """Workflow-record writes of hint-mode calls, kept until done."""
         """The planner's next batch interval, when requests wait in its buffer."""
+        self._released_ns: dict[str, tuple[int, int]] = {}
+        """Wall-clock span of the planner release that placed each request (tracing on)."""
         state.pump = self._pump
 
     async def route_request(
@@ -230,6 +235,7 @@ class Proxy:
         state = self.state
         route = request.path
         arrived = time.monotonic()
+        arrived_ns = time.time_ns()
         raw, body = await read_json(request, state.config.max_body_bytes)
         try:
             hints, stripped = parse_hints(request.headers, body)
@@ -239,14 +245,32 @@ class Proxy:
             body = stripped
             raw = json.dumps(body).encode()
         route_req = await self.route_request(request, route, body, hints)
+        trace = state.tracing.call(
+            request.headers, route, route_req.request_id, route_req.model,
+            _call_attributes(route_req, hints), hints.workflow,
+            hints.task or route_req.request_id, hints.after, arrived_ns)
+        status, error = 0, None
         try:
-            return await self._handle(request, route, raw, body, hints, route_req, arrived)
+            resp = await self._handle(request, route, raw, body, hints, route_req, arrived, trace)
+            status = resp.status
+            return resp
+        except GatewayError as e:
+            status, error = e.status, e.message
+            raise
+        except asyncio.CancelledError:
+            status, error = 499, "the client went away"
+            raise
+        except Exception as e:
+            status, error = 500, f"internal gateway error: {e!r}"
+            raise
         finally:
             state.mover.forget(route_req.request_id)
+            self._released_ns.pop(route_req.request_id, None)
+            trace.end(status, error)
 
     async def _handle(self, request: web.Request, route: str, raw: bytes, body: dict[str, Any],
-                      hints: RequestHints, route_req: RouteRequest, arrived: float
-                      ) -> web.StreamResponse:
+                      hints: RequestHints, route_req: RouteRequest, arrived: float,
+                      trace: CallTrace | NoCall = NO_CALL) -> web.StreamResponse:
         state = self.state
         if hints.workflow is not None and hints.task is None:
             hints = replace(hints, task=route_req.request_id)
@@ -258,7 +282,8 @@ class Proxy:
             await recorder.started()
         tried: set[str] = set()
         last_error = ""
-        for _ in range(state.config.retries + 1):
+        for attempt in range(state.config.retries + 1):
+            admitted_ns = time.time_ns()
             try:
                 d = await self._place(route_req, tried, hints, static)
             except BaseException as e:
@@ -268,6 +293,19 @@ class Proxy:
                 raise
             engine = d.engine
             tried.add(engine)
+            engine_trace = None
+            sent_headers = headers
+            if trace.enabled:
+                placed_ns = time.time_ns()
+                trace.buffer_wait(admitted_ns, placed_ns)
+                trace.placement(d, state.config.policy, *self._released_ns.pop(
+                    route_req.request_id, (placed_ns, placed_ns)))
+                entry = state.pool.engines.get(engine) if state.pool is not None else None
+                url = entry.url if entry is not None else ""
+                engine_trace = trace.engine_call(engine, url, attempt)
+                if engine_trace is not None:
+                    sent_headers = headers.copy()
+                    engine_trace.inject(sent_headers)
             if recorder is not None:
                 await recorder.dispatched(engine)
             sent = raw
@@ -275,8 +313,9 @@ class Proxy:
                 # vLLM's own field, for an engine running --scheduling-policy priority.
                 sent = json.dumps({**body, "priority": d.priority}).encode()
             try:
-                return await self._forward(request, route, _Flight(route_req, d, recorder=recorder),
-                                           sent, headers, arrived)
+                return await self._forward(
+                    request, route, _Flight(route_req, d, recorder=recorder, trace=engine_trace),
+                    sent, sent_headers, arrived)
             except _RetryableFailure as e:
                 last_error = str(e)
                 state.metrics.retries.labels(engine).inc()
@@ -335,8 +374,10 @@ class Proxy:
         """Run the planner's release and carry out its actions."""
         state = self.state
         t0 = time.perf_counter()
+        released_ns = time.time_ns()
         actions = state.planner.release(state.now())
         state.metrics.routing_time.observe(time.perf_counter() - t0)
+        released = (released_ns, time.time_ns()) if state.tracing.enabled else None
         for action in actions:
             if isinstance(action, Transfer | Warm):
                 state.mover.carry_out(action)
@@ -348,6 +389,8 @@ class Proxy:
             if isinstance(action, Reject):
                 placed.set_exception(self._reject_error(action))
                 continue
+            if released is not None:
+                self._released_ns[action.request_id] = released
             engine = action.engine
             m = state.metrics
             m.in_flight.labels(engine).inc()
@@ -394,6 +437,8 @@ class Proxy:
             self.state.notify(FirstToken(flight.route.request_id, observed))
             if observed and flight.recorder is not None:
                 flight.recorder.first_token()
+            if observed and flight.trace is not None:
+                flight.trace.first_token()
 
     def _finished(self, flight: _Flight, error: str | None = None) -> None:
         """The request ended at its engine: undo the dispatch accounting and tell the planner
@@ -403,6 +448,10 @@ class Proxy:
         state.notify(Finished(flight.route.request_id, flight.streamed_tokens, error))
         if flight.recorder is not None and flight.status != RETRYING:
             flight.recorder.finished(flight, error)
+        if flight.trace is not None:
+            flight.trace.end(max(flight.status, 0), flight.streamed_tokens or None,
+                             "the engine was unreachable; the call is sent elsewhere"
+                             if flight.status == RETRYING else error, usage_of(flight.answer))
 
     # -- forwarding -----------------------------------------------------------------------------
 
@@ -491,7 +540,7 @@ class Proxy:
                 raise self._engine_failure(engine, e) from None
             metrics.requests.labels(route, str(upstream.status)).inc()
             flight.status = upstream.status
-            if flight.recorder is not None:
+            if flight.recorder is not None or flight.trace is not None:
                 flight.answer = body
             return web.Response(status=upstream.status, body=body, headers=out_headers)
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -564,6 +613,21 @@ class Proxy:
         err = self._engine_failure(engine, error)
         await resp.write(err.sse_event())
         await resp.write_eof()
+
+
+def _call_attributes(route: RouteRequest, hints: RequestHints) -> dict[str, Any]:
+    """A call's span attributes known on arrival."""
+    attrs: dict[str, Any] = {"kvgate.prompt_tokens": route.prompt_tokens}
+    if route.max_tokens is not None:
+        attrs["gen_ai.request.max_tokens"] = route.max_tokens
+    if hints.workflow is not None:
+        attrs["kvgate.workflow.id"] = hints.workflow
+        attrs["kvgate.task.id"] = hints.task or route.request_id
+    if hints.session is not None:
+        attrs["kvgate.session.id"] = hints.session
+    if hints.priority is not None:
+        attrs["kvgate.request.priority"] = hints.priority
+    return attrs
 
 
 def _token_events(events: bytes) -> int:

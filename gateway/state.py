@@ -14,6 +14,7 @@ from gateway.kv_events import EventSource, KVEventListener
 from gateway.metrics import GatewayMetrics
 from gateway.moves import KvMover
 from gateway.pool import EnginePool
+from gateway.tracing import Tracing
 from kvindex.index import InMemoryIndex, KVIndexBackend
 from kvindex.ingest import EventIngestor
 from kvindex.keys import PromptKeyer
@@ -55,6 +56,8 @@ class GatewayState:
             link=config.kv_transfer.transfer_link(),
         )
         self.metrics = GatewayMetrics()
+        self.tracing = Tracing(config.tracing)
+        """Spans of calls, KV moves and workflows, and their exporters (gateway/tracing.py)."""
         self.tokenizer = Tokenizer.load(config.tokenizer)
         self.keyer = PromptKeyer(self.tokenizer, config.index.block_size)
         self.index: KVIndexBackend = make_index(config)

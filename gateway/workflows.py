@@ -29,6 +29,7 @@ from aiohttp import web
 from gateway.config import WorkflowSettings
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import ENGINE_HEADER, read_json
+from gateway.tracing import TRACEPARENT, Tracing, trace_hex, workflow_trace_id
 from gateway.workflow_store import START, Json, WorkflowStore
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
 from planner.events import Event, WorkflowOver, WorkflowSubmitted
@@ -395,6 +396,7 @@ class WorkflowService:
         known_models: Callable[[], list[str]] = list,
         clock: Callable[[], float] = time.time,
         notify: Callable[[Event], None] = lambda _: None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -407,6 +409,8 @@ class WorkflowService:
         self.notify = notify
         """Where the planner hears of whole DAGs (`WorkflowSubmitted`, `WorkflowOver`), for its
         priorities."""
+        self.tracing = tracing or Tracing.off()
+        """Spans of the workflows run here (root, tasks), and the trace ids of hint-mode ones."""
         self._runs: dict[str, _Run] = {}
         self._drivers: set[asyncio.Task[None]] = set()
         self._hint_workflows: dict[str, tuple[bool, float]] = {}
@@ -443,15 +447,20 @@ class WorkflowService:
 
     # -- the API ------------------------------------------------------------------------------
 
-    async def submit(self, document: Any, headers: Mapping[str, str] | None = None) -> Json:
+    async def submit(self, document: Any, headers: Mapping[str, str] | None = None,
+                     trace_headers: Mapping[str, str] | None = None) -> Json:
         """Validate a workflow spec, store it, start running it; its first snapshot.
-        `headers` (e.g. Authorization) go with every task's request."""
+        `headers` (e.g. Authorization) go with every task's request; `trace_headers` (the
+        submitter's `traceparent`) parent the workflow's trace."""
         spec = self.validate(document)
         now = self.clock()
         wf_id = f"{spec.id or 'wf'}-{uuid.uuid4().hex[:16]}"
+        trace_id = self.tracing.workflow_started(
+            wf_id, trace_headers or {}, {"gen_ai.request.model": spec.model,
+                                         "kvgate.workflow.tasks": len(spec.tasks)}, now)
         workflow: Json = {"id": wf_id, "source": "api", "model": spec.model,
                           "tenant": spec.tenant, "state": "running", "created_s": now,
-                          "finished_s": None, "replica": self.replica}
+                          "finished_s": None, "replica": self.replica, "trace_id": trace_id}
         tasks = {t.id: task_record(dependencies(t)) for t in spec.tasks}
         nodes = [DagNode(t.id, dependencies(t), t.think_time_s) for t in spec.tasks]
         run = _Run(spec, DagRun(wf_id, nodes), workflow, tasks, dict(headers or {}))
@@ -528,7 +537,9 @@ class WorkflowService:
         """POST /v1/workflows: 201 with the new workflow's snapshot and its Location."""
         _, body = await read_json(request, self.settings.max_body_bytes)
         forward = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        snap = await self.submit(body, forward)
+        trace = {k.lower(): v for k, v in request.headers.items()
+                 if k.lower() in (TRACEPARENT, "tracestate")}
+        snap = await self.submit(body, forward, trace)
         return web.json_response(snap, status=201,
                                  headers={"Location": f"/v1/workflows/{snap['id']}"})
 
@@ -610,6 +621,7 @@ class WorkflowService:
             for handle in run.timers.values():
                 handle.cancel()
             self._runs.pop(run.id, None)
+            self.tracing.workflow_ended(run.id, run.workflow)
             self.notify(WorkflowOver(run.id))
             run.over.set()
 
@@ -684,6 +696,7 @@ class WorkflowService:
         rec = run.tasks[task]
         rec.update(fields)
         rec["state"] = run.dag.state(task).value
+        self.tracing.task_changed(run.id, task, rec)
         changes.tasks.add(task)
         changes.events.append(task_event(run.id, task, rec))
 
@@ -697,7 +710,7 @@ class WorkflowService:
         body = render_task(spec, task, run.outputs)
         after = ",".join(dependencies(spec.task(task)))
         headers = {**run.headers, WORKFLOW_HEADER: run.id, TASK_HEADER: task,
-                   "x-request-id": f"{run.id}/{task}"}
+                   "x-request-id": f"{run.id}/{task}", **self.tracing.task_headers(run.id, task)}
         if after:
             headers[AFTER_HEADER] = after
         try:
@@ -799,7 +812,9 @@ class WorkflowService:
             return known[0]
         meta: Json = {"id": workflow, "source": "hints", "model": model, "tenant": tenant,
                       "state": "running", "created_s": self.clock(), "finished_s": None,
-                      "replica": self.replica}
+                      "replica": self.replica,
+                      "trace_id": trace_hex(workflow_trace_id(workflow))
+                      if self.tracing.enabled else None}
         if await self.store.create(meta, {}):
             hints = True
         else:

@@ -18,7 +18,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     overrides = {"host": args.host, "port": args.port, "policy": args.policy,
                  "kv_events_bind": args.kv_events_bind, "admin_key": args.admin_key,
-                 "tokenizer": args.tokenizer, "kv_transfer.link": args.kv_link}
+                 "tokenizer": args.tokenizer, "kv_transfer.link": args.kv_link,
+                 "tracing.exporter": args.trace_exporter, "tracing.endpoint": args.otlp_endpoint}
     if args.redis:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis})
     try:
@@ -238,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokenizer", help="HF tokenizer directory the engines use")
     s.add_argument("--kv-link", help="KV transfer link between the engines (nvlink, rdma, GB/s "
                                      "or none): they must run a KV connector (NixlConnector)")
+    s.add_argument("--trace-exporter",
+                   help="where spans go: memory (default), console, otlp-http, otlp-grpc, none; "
+                        "comma-separated for several")
+    s.add_argument("--otlp-endpoint", help="the OTLP receiver (e.g. http://127.0.0.1:4318)")
     s.set_defaults(func=_serve)
 
     m = sub.add_parser("sim", help="run one simulated vLLM engine")

@@ -32,6 +32,8 @@ class Dispatch:
     """The engine-side priority to send (engines running `--scheduling-policy priority`)."""
     segments: Segments = NO_SEGMENTS
     """The prompt's blocks by kind (static/shared/transient), for per-segment stages."""
+    runners_up: tuple[PlacementCost, ...] = ()
+    """The placement's estimates for other engines, cheapest first (`Placement.runners_up`)."""
 
 
 @dataclass(frozen=True)

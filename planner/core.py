@@ -670,7 +670,8 @@ class Planner:
                     if self.priorities is not None else None)
         dispatch = Dispatch(
             rid, engine, req.outstanding.cached_tokens, placement.cost,
-            route.block_keys if ttl > 0 else (), ttl, priority, req.segments)
+            route.block_keys if ttl > 0 else (), ttl, priority, req.segments,
+            placement.runners_up)
         if wait is not None:
             req.move(RequestState.AWAITING_KV)
             req.dispatch = dispatch

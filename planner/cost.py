@@ -316,16 +316,23 @@ class CostModel:
 
     def best(self, request: RouteRequest, engines: Sequence[EngineView]) -> PlacementCost:
         """The cheapest placement; ties go to the less loaded engine, then pool order."""
+        return self.ranked(request, engines)[0]
+
+    def ranked(self, request: RouteRequest, engines: Sequence[EngineView]
+               ) -> tuple[PlacementCost, list[PlacementCost]]:
+        """The cheapest placement (as `best`), and every engine's own estimate, cheapest first
+        (the choice's engine included, as estimated alone), for traces to show the runners-up."""
         costs = self.estimate(request, engines)
         load = {e.name: self._load(e) for e in engines}
         order = {e.name: i for i, e in enumerate(engines)}
-        best = min(costs, key=lambda c: (round(c.score, 9), round(c.total_s, 9), load[c.engine],
-                                         order[c.engine]))
+        ranked = sorted(costs, key=lambda c: (round(c.score, 9), round(c.total_s, 9),
+                                              load[c.engine], order[c.engine]))
+        best = ranked[0]
         steps = self.settings.disaggregate_min_steps
         if steps is not None and self.settings.link.enabled:
             uncached = request.prompt_tokens - best.cached_tokens
             if uncached >= steps * self.profile(best.engine).max_num_batched_tokens:
                 split = self.split(request, engines, costs)
                 if split is not None and split.score < best.score:
-                    return split
-        return best
+                    return split, ranked
+        return best, ranked

@@ -115,6 +115,9 @@ class Placement:
     pull: Pull | None = None
     """Copy the prompt's leading KV here from a peer first (only policies that declare
     `moves_kv`; the planner sends a `Transfer` and dispatches once it is done)."""
+    runners_up: tuple[PlacementCost, ...] = ()
+    """The best estimates for other engines, cheapest first (policies that estimate every
+    engine; empty for the others). Traces show them next to the choice."""
 
 
 class NoEngineAvailable(Exception):

@@ -226,7 +226,12 @@ def test_unknown_fields_and_tracing_headers_pass_through(
     got_headers, got_body = engine.requests[-1]
     assert got_body == body
     for k, v in headers.items():
-        assert got_headers[k] == v
+        if k != "traceparent":
+            assert got_headers[k] == v
+    # Same trace, same flags; the parent is now the gateway's engine-call span (tracing.py).
+    version, trace_id, parent, flags = got_headers["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c80319c", "01")
+    assert parent != "b7ad6b7169203331"
 
 
 def test_engine_error_status_and_body_are_relayed(recorded: tuple[RecordingEngine, Child]) -> None:

@@ -19,6 +19,7 @@ from aiohttp import web
 from gateway.errors import EngineTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
+from gateway.tracing import Tracing
 from kvgate.procs import Child, wait_healthy
 from planner.core import Planner
 from planner.events import EngineJoined, EngineScraped
@@ -184,6 +185,7 @@ class _State:
         self.planner = Planner(_AlwaysHold())
         self.planner.on_event(EngineJoined("e", healthy=True, models=frozenset({"m"})), 0.0)
         self.metrics = GatewayMetrics()
+        self.tracing = Tracing.off()
         self.pump: Callable[[], None] = lambda: None
 
     def now(self) -> float:

@@ -95,12 +95,12 @@ def get(url: str) -> Any:
         return json.loads(r.read())
 
 
-def fanout() -> dict[str, Any]:
+def fanout(system: str = SYSTEM) -> dict[str, Any]:
     """plan -> WORKERS children that extend the plan's whole conversation."""
     head = [{"segment": "sys"}, {"role": "user", "content": "Plan the survey in steps."}]
     return {
         "model": MODEL,
-        "segments": {"sys": {"kind": "static", "content": SYSTEM}},
+        "segments": {"sys": {"kind": "static", "content": system}},
         "tasks": [
             {"id": "plan", "output_tokens": 48, "messages": head},
             *({"id": f"w{i}", "after": ["plan"], "output_tokens": 8,
@@ -156,6 +156,35 @@ def test_a_fanout_parent_is_copied_to_its_childrens_engines_over_the_two_legs(
         assert by_source(url, "local_cache_hit") > by_source(url, "local_compute"), engine
     plan_url = next(u for u in urls if plan_engine in (u, u.removeprefix("http://")))
     assert by_source(plan_url, "external_kv_transfer") == 0
+
+
+def test_kv_moves_are_spans_under_their_origin_call_in_the_workflow_trace(
+        pool: tuple[Child, list[Child]]) -> None:
+    gateway, _ = pool
+    # A prompt no engine holds yet (the other tests' prompts are cached by now).
+    status, snap = post(f"{gateway.url}/v1/workflows", fanout("Traced. " + SYSTEM))
+    assert status == 201, snap
+    deadline = time.monotonic() + 60
+    while snap["state"] == "running":
+        assert time.monotonic() < deadline, snap["tasks"]
+        time.sleep(0.1)
+        snap = get(f"{gateway.url}/v1/workflows/{snap['id']}")
+    assert snap["state"] == "done", snap
+    spans = get(f"{gateway.url}/v1/workflows/{snap['id']}/trace")["spans"]
+    assert {s["trace_id"] for s in spans} == {snap["trace_id"]}
+    by_id = {s["span_id"]: s for s in spans}
+    moves = [s for s in spans if s["name"] == "kv transfer"]
+    recorded = {m["id"]: m for m in snap["tasks"]["plan"].get("kv_moves", [])}
+    assert moves and {m["attributes"]["kvgate.move.id"] for m in moves} == set(recorded)
+    for move in moves:
+        a = move["attributes"]
+        assert a["kvgate.move.outcome"] == recorded[a["kvgate.move.id"]]["outcome"]
+        assert a["kvgate.move.source"] != a["kvgate.move.destination"]
+        assert a["kvgate.move.bytes"] > 0 and a["kvgate.move.tokens"] > 0
+        # The plan's call (the prompt copied) is its parent while the plan decodes.
+        call = by_id[move["parent_span_id"]]
+        assert call["name"] == f"chat {MODEL}"
+        assert by_id[call["parent_span_id"]]["name"] == "task plan"
 
 
 def post_status(url: str, body: Any) -> tuple[int, Any]:

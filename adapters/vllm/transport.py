@@ -13,7 +13,7 @@ Both are plain OpenAI `/v1/completions` calls with the prefix as token ids (VLLM
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -29,9 +29,9 @@ REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_e
 
 
 async def _complete(session: aiohttp.ClientSession, url: str, name: str, body: dict[str, Any],
-                    timeout_s: float) -> dict[str, Any]:
+                    timeout_s: float, headers: Mapping[str, str] | None) -> dict[str, Any]:
     try:
-        async with session.post(f"{url}/v1/completions", json=body,
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             text = await r.text()
             if r.status != 200:
@@ -48,28 +48,31 @@ async def _complete(session: aiohttp.ClientSession, url: str, name: str, body: d
 
 
 async def warm(session: aiohttp.ClientSession, url: str, name: str, model: str,
-               token_ids: Sequence[int], timeout_s: float = 120.0) -> None:
-    """Compute the prefix on the engine (it stays in its prefix cache)."""
+               token_ids: Sequence[int], timeout_s: float = 120.0,
+               headers: Mapping[str, str] | None = None) -> None:
+    """Compute the prefix on the engine (it stays in its prefix cache); `headers` go with the
+    request (e.g. the move's `traceparent`)."""
     await _complete(session, url, name, {"model": model, "prompt": list(token_ids),
-                                         "max_tokens": 1, "stream": False}, timeout_s)
+                                         "max_tokens": 1, "stream": False}, timeout_s, headers)
 
 
 async def nixl_transfer(session: aiohttp.ClientSession, source: tuple[str, str],
                         destination: tuple[str, str], model: str, token_ids: Sequence[int],
-                        timeout_s: float = 120.0) -> dict[str, Any]:
+                        timeout_s: float = 120.0, headers: Mapping[str, str] | None = None
+                        ) -> dict[str, Any]:
     """Copy the prefix's KV from `source` to `destination` ((name, url) each) by the two legs;
-    returns the params leg 1 answered (what leg 2 pulled)."""
+    returns the params leg 1 answered (what leg 2 pulled). `headers` go with both legs."""
     src_name, src_url = source
     dst_name, dst_url = destination
     ids = list(token_ids)
     first = await _complete(session, src_url, src_name, {
         "model": model, "prompt": ids, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": dict(REMOTE_DECODE)}, timeout_s)
+        "kv_transfer_params": dict(REMOTE_DECODE)}, timeout_s, headers)
     params = first.get("kv_transfer_params")
     if not isinstance(params, dict) or not params.get("remote_block_ids"):
         raise TransportError(f"engine {src_name} exported no KV blocks (is it running a KV "
                              "connector such as NixlConnector?)")
     await _complete(session, dst_url, dst_name, {
         "model": model, "prompt": ids, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": params}, timeout_s)
+        "kv_transfer_params": params}, timeout_s, headers)
     return params

@@ -37,13 +37,14 @@ class KvgatePolicy:
     def choose(
         self, request: RouteRequest, engines: Sequence[EngineView], now: float
     ) -> Placement:
-        """The engine with the cheapest placement, with its estimate."""
-        best = self.cost.best(request, candidates(request, engines))
+        """The engine with the cheapest placement, with its estimate and the runners-up."""
+        best, ranked = self.cost.ranked(request, candidates(request, engines))
         pull = None
         if best.transfer_from is not None:
             reason = "disaggregate" if best.prefill_engine is not None else "pull"
             pull = Pull(best.transfer_from, best.cached_tokens, reason)
-        return Placement(best.engine, best, pull)
+        others = tuple(c for c in ranked if c.engine != best.engine)[:RUNNERS_UP]
+        return Placement(best.engine, best, pull, others)
 
     def plan_prefetch(self, request: RouteRequest, children: int,
                       engines: Sequence[EngineView], now: float) -> list[str]:
@@ -108,6 +109,9 @@ class KvgatePolicy:
         predicted = self.cost.profile(engine).decode_step_time(batch, p.context_tokens)
         self.cost.correction.observe_itl(engine, observed, predicted)
 
+
+RUNNERS_UP = 3
+"""Other engines' estimates a placement carries (for traces)."""
 
 MIN_TOKENS_FOR_ITL = 8
 """Fewer streamed tokens than this say more about scheduling noise than decode speed."""
