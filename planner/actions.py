@@ -32,6 +32,10 @@ class Dispatch:
     """The engine-side priority to send (engines running `--scheduling-policy priority`)."""
     segments: Segments = NO_SEGMENTS
     """The prompt's blocks by kind (static/shared/transient), for per-segment stages."""
+    reason: str = "load"
+    """Why the request goes here, for metrics: `prefix_hit` (the engine holds part of the
+    prompt), `load` (nothing cached there: chosen by load or cost alone), or the reason of
+    the KV move it waits for there (`pull`, `disaggregate`, `prefetch`, `replicate`)."""
 
 
 @dataclass(frozen=True)
