@@ -221,7 +221,15 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _export_workflows(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvgate.export import ExportError, export, from_gateway, from_redis, keep, write_lines
+    from kvgate.export import (
+        GATEWAY_LIST_MAX,
+        ExportError,
+        export,
+        from_gateway,
+        from_redis,
+        keep,
+        write_lines,
+    )
 
     if (args.gateway is None) == (args.redis is None):
         print("kvgate export-workflows: give exactly one of --gateway URL or --redis URL",
@@ -232,7 +240,11 @@ def _export_workflows(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.gateway is not None:
-            snapshots = asyncio.run(from_gateway(args.gateway, args.api_key, args.limit or 1000))
+            limit = args.limit or GATEWAY_LIST_MAX
+            if limit > GATEWAY_LIST_MAX:
+                print(f"kvgate export-workflows: a gateway lists at most {GATEWAY_LIST_MAX} "
+                      "workflows; --redis reads them all", file=sys.stderr)
+            snapshots = asyncio.run(from_gateway(args.gateway, args.api_key, limit))
         else:
             snapshots = asyncio.run(from_redis(args.redis, args.namespace))
     except ExportError as e:

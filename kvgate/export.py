@@ -280,9 +280,13 @@ async def from_redis(url: str, namespace: str) -> list[Json]:
     return out
 
 
+GATEWAY_LIST_MAX = 500
+"""The most workflows `GET /v1/workflows` lists at once (its `limit` maximum)."""
+
+
 async def from_gateway(url: str, api_key: str | None, limit: int) -> list[Json]:
-    """The newest `limit` workflows a gateway lists (`GET /v1/workflows?limit=N`), each read
-    whole (`GET /v1/workflows/{id}`)."""
+    """The newest `limit` workflows a gateway lists (`GET /v1/workflows?limit=N`, at most
+    `GATEWAY_LIST_MAX`), each read whole (`GET /v1/workflows/{id}`)."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -291,7 +295,8 @@ async def from_gateway(url: str, api_key: str | None, limit: int) -> list[Json]:
     try:
         async with aiohttp.ClientSession(headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=60)) as s:
-            async with s.get(f"{base}/v1/workflows", params={"limit": str(limit)}) as r:
+            params = {"limit": str(min(limit, GATEWAY_LIST_MAX))}
+            async with s.get(f"{base}/v1/workflows", params=params) as r:
                 if r.status in (404, 405):
                     raise ExportError(f"{base} does not list workflows (GET /v1/workflows "
                                       f"answered {r.status}); read the store instead with "
@@ -300,10 +305,11 @@ async def from_gateway(url: str, api_key: str | None, limit: int) -> list[Json]:
                     raise ExportError(f"GET {base}/v1/workflows answered {r.status}: "
                                       f"{(await r.text())[:200]}")
                 listing = await r.json()
-            items = listing.get("workflows") if isinstance(listing, dict) else None
+            # An OpenAI-style list ({"object": "list", "data": [...]}), newest first.
+            items = listing.get("data") if isinstance(listing, dict) else None
             if not isinstance(items, list):
-                raise ExportError(f"GET {base}/v1/workflows did not answer "
-                                  '{"workflows": [...]}')
+                raise ExportError(f"GET {base}/v1/workflows did not answer a list "
+                                  '({"object": "list", "data": [...]})')
             for item in items[:limit]:
                 wf_id = item.get("id") if isinstance(item, dict) else None
                 if not isinstance(wf_id, str):
