@@ -238,6 +238,10 @@ def _export_workflows(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit <= 0:
         print("kvgate export-workflows: --limit must be positive", file=sys.stderr)
         return 2
+    if args.since is not None and args.since <= 0:
+        print("kvgate export-workflows: --since must be a positive number of seconds",
+              file=sys.stderr)
+        return 2
     try:
         if args.gateway is not None:
             limit = args.limit or GATEWAY_LIST_MAX

@@ -241,6 +241,7 @@ def test_export_through_the_gateway_list_endpoint(served: dict[str, Any],
     (("--redis", "redis://127.0.0.1:1/0"), "cannot read workflows from redis://127.0.0.1:1/0"),
     (("--gateway", "http://127.0.0.1:1"), "cannot reach http://127.0.0.1:1"),
     (("--redis", "redis://127.0.0.1:1/0", "--limit", "0"), "--limit must be positive"),
+    (("--redis", "redis://127.0.0.1:1/0", "--since", "-5"), "--since must be a positive"),
 ])
 def test_bad_sources_exit_2_naming_the_problem(args: tuple[str, ...], message: str) -> None:
     done = run_cli("export-workflows", *args)
