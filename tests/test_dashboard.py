@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.procs import Child
@@ -25,7 +24,6 @@ from tests.conftest import MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "configs" / "grafana" / "kvgate-dashboard.json"
-SCRAPE_CONFIG = ROOT / "configs" / "prometheus" / "prometheus.yml"
 
 # PromQL words that are not metric names (operators and modifiers; functions and aggregations
 # are recognised by the `(` that follows them).
@@ -177,9 +175,3 @@ def test_every_panel_has_a_unique_id_and_a_place_on_the_grid() -> None:
         if p["type"] != "row":
             assert p["targets"] and p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
 
-
-def test_the_prometheus_scrape_config_scrapes_the_gateway_metrics_path() -> None:
-    config = yaml.safe_load(SCRAPE_CONFIG.read_text())
-    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    gateway = jobs["kvgate"]
-    assert gateway.get("metrics_path", "/metrics") == "/metrics"

@@ -215,3 +215,19 @@ def test_the_gateway_answers_its_probes_as_the_deployment_expects(
         assert time.monotonic() < deadline, "readiness stayed 200 without a healthy engine"
         time.sleep(0.2)
     assert get(gw.url + probes["livenessProbe"]["path"]) == 200
+
+
+def test_the_prometheus_example_discovers_the_gateway_and_engine_pods() -> None:
+    config = yaml.safe_load((K8S.parent / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    for job, workload in (("kvgate-k8s", find("Deployment", "kvgate-gateway")),
+                          ("vllm-k8s", find("StatefulSet", "vllm"))):
+        rules = {tuple(r["source_labels"]): r for r in jobs[job]["relabel_configs"]
+                 if r.get("action") == "keep"}
+        label = rules[("__meta_kubernetes_pod_label_app_kubernetes_io_name",)]["regex"]
+        assert workload["spec"]["template"]["metadata"]["labels"][
+            "app.kubernetes.io/name"] == label
+        port = rules[("__meta_kubernetes_pod_container_port_name",)]["regex"]
+        c = workload["spec"]["template"]["spec"]["containers"][0]
+        assert port in [p["name"] for p in c["ports"]]
+        assert jobs[job]["metrics_path"] == "/metrics"
