@@ -343,17 +343,17 @@ class Proxy:
             if waiter is None:
                 continue
             placed, route_req = waiter
-            m = state.metrics
             if isinstance(action, Reject):
-                m.placements.labels("rejected").inc()
+                state.metrics.placements.labels("rejected").inc()
                 placed.set_exception(self._reject_error(action))
                 continue
             engine = action.engine
-            m.dispatched(action, route_req.block_keys, state.now())
+            m = state.metrics
             m.in_flight.labels(engine).inc()
             m.routed.labels(engine).inc()
             m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
             m.routed_cached_tokens.labels(engine).inc(action.cached_tokens)
+            m.dispatched(action, route_req.block_keys, state.now())
             placed.set_result(action)
         wake = state.planner.next_wakeup()
         if wake is not None and self._timer is None:

@@ -55,7 +55,6 @@ class GatewayState:
             link=config.kv_transfer.transfer_link(),
         )
         self.metrics = GatewayMetrics()
-        self.metrics.registry.register(EngineCollector(self.engine_figures))
         self.tokenizer = Tokenizer.load(config.tokenizer)
         self.keyer = PromptKeyer(self.tokenizer, config.index.block_size)
         self.index: KVIndexBackend = make_index(config)
@@ -80,6 +79,7 @@ class GatewayState:
         self.session: aiohttp.ClientSession | None = None
         self.pool: EnginePool | None = None
         self.started = time.monotonic()
+        self.metrics.registry.register(EngineCollector(self.engine_figures))
 
     async def start(self) -> None:
         """Start listening for KV events first (so nothing is missed), then watch the engines."""

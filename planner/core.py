@@ -668,16 +668,12 @@ class Planner:
             self._placed.append((now, engine, route.block_keys))
         priority = (self.priorities.engine_priority(req.call.hints)
                     if self.priorities is not None else None)
-        if wait is not None:
-            reason = wait.action.reason
-        else:
-            reason = "prefix_hit" if req.outstanding.cached_tokens > 0 else "load"
         dispatch = Dispatch(
             rid, engine, req.outstanding.cached_tokens, placement.cost,
-            route.block_keys if ttl > 0 else (), ttl, priority, req.segments, reason)
+            route.block_keys if ttl > 0 else (), ttl, priority, req.segments)
         if wait is not None:
             req.move(RequestState.AWAITING_KV)
-            req.dispatch = dispatch
+            req.dispatch = replace(dispatch, kv_move=wait.action.reason)
             req.move_id = wait.action.move_id
             wait.waiters.append(rid)
         else:
