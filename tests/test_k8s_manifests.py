@@ -151,6 +151,8 @@ def test_every_engine_in_the_config_is_a_statefulset_pod_with_its_kv_event_socke
     assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert events["topic"] == "$(POD_NAME)"
     assert "--enable-prefix-caching" in vllm["args"]
+    # The gateway tokenises with the tokenizer of the model the engines serve.
+    assert f"--model={config.tokenizer}" in vllm["args"]
     pods = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
     assert sorted(e.kv_topic or "" for e in config.engines) == pods
     for e in config.engines:
