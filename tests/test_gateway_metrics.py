@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -122,7 +123,7 @@ def test_every_placement_is_counted_once_by_its_reason(pool: Pool,
     s = scrape(pool.gateway.url)
     by_reason = {dict(labels)["reason"]: v
                  for labels, v in series(s, "kvgate_placements_total").items()}
-    assert sum(by_reason.values()) == served["calls"]
+    assert sum(v for r, v in by_reason.items() if r != "rejected") == served["calls"]
     assert by_reason.get("load", 0) >= 1  # the first call: nothing cached anywhere
     assert by_reason.get("prefix_hit", 0) >= 1  # later ones: the system prompt is cached
     assert set(by_reason) <= {"load", "prefix_hit", "pull", "disaggregate", "prefetch",
@@ -208,3 +209,21 @@ def test_static_segment_replicas_count_the_engines_that_hold_it(
     wait_for(lambda: [seg["replicas"] for seg in segments().values()] == [2.0],
              "both engines to hold the system prompt")
 
+
+
+def test_a_request_no_engine_can_take_is_counted_as_rejected(pool: Pool,
+                                                             served: dict[str, Any]) -> None:
+    def rejected() -> float:
+        return value(scrape(pool.gateway.url), "kvgate_placements_total",
+                     reason="rejected") or 0.0
+
+    before = rejected()
+    body = {"model": "no-such-model", "max_tokens": 1,
+            "messages": [{"role": "user", "content": "Hello?"}]}
+    req = urllib.request.Request(f"{pool.gateway.url}/v1/chat/completions",
+                                 data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 404
+    assert rejected() == before + 1
