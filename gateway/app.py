@@ -102,6 +102,7 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
         state.metrics.buffered.set(state.planner.buffered)
         state.metrics.held.set(state.planner.held)
         index_stats = await state.index.stats()
+        await state.metrics.segments.refresh(state.index, state.now())
         return web.Response(body=generate_latest(state.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

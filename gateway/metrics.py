@@ -1,12 +1,21 @@
-"""The gateway's own Prometheus metrics (`kvgate_*`), in a registry per app."""
+"""The gateway's own Prometheus metrics (`kvgate_*`), in a registry per app.
+
+Label values stay bounded: routes, engines of the pool, fixed reason and kind sets, and at
+most `TOP_SEGMENTS` static segments.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvindex.index import BlockKey, KVIndexBackend
+from planner.actions import Dispatch
 
 LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -89,6 +98,27 @@ class GatewayMetrics:
             "kvgate_routing_decision_seconds", "Time the policy took to choose an engine.",
             buckets=(1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2), registry=r,
         )
+        self.planner_wait = Histogram(
+            "kvgate_planner_wait_seconds",
+            "From a request's admission to the planner's decision to send it: time held or "
+            "buffered at the gateway, and waiting for a KV move.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.placements = Counter(
+            "kvgate_placements", "Placement decisions, by reason: prefix_hit, load, pull, "
+            "disaggregate, prefetch, replicate (planner.actions.Dispatch.reason) or rejected.",
+            ["reason"], registry=r,
+        )
+        self.segments = SegmentWatch()
+        """Static segments seen lately, for `kvgate_static_segment_*` (refreshed per scrape)."""
+        r.register(self.segments)
+
+    def dispatched(self, dispatch: Dispatch, block_keys: Sequence[BlockKey], now: float) -> None:
+        """Count a placement by its reason, and the static segment its prompt starts with."""
+        self.placements.labels(dispatch.reason).inc()
+        ranges = dispatch.segments.ranges
+        if ranges and ranges[0].kind == "static" and 0 < ranges[0].end <= len(block_keys):
+            self.segments.observe(tuple(block_keys[:ranges[0].end]), now)
 
 
 class IngestCollector(Collector):
@@ -106,3 +136,134 @@ class IngestCollector(Collector):
         for name, value in gauges.items():
             yield GaugeMetricFamily(f"kvgate_index_{name}", f"KV index size: {name}.",
                                     value=value)
+
+
+TOP_SEGMENTS = 10
+"""Static segments exported (the most called lately): a bound on label values."""
+
+TRACKED_SEGMENTS = 1024
+"""Static segments remembered at all (least recently called forgotten first)."""
+
+SEGMENT_WINDOW_S = 300.0
+"""Calls older than this no longer count as a segment's demand."""
+
+
+@dataclass
+class _Segment:
+    keys: tuple[BlockKey, ...]
+    calls: deque[float] = field(default_factory=deque)
+    replicas: int = 0
+
+
+class SegmentWatch(Collector):
+    """How many engines hold each hot static segment (system prompt and tools), by the KV
+    index: `refresh` matches the `TOP_SEGMENTS` most called segments against the index before
+    each scrape (the index may be remote, so it is awaited there, not in `collect`)."""
+
+    def __init__(self) -> None:
+        self._segments: OrderedDict[BlockKey, _Segment] = OrderedDict()
+        self._top: list[tuple[BlockKey, _Segment]] = []
+
+    def observe(self, keys: tuple[BlockKey, ...], now: float) -> None:
+        """A call whose prompt starts with the static segment `keys` was placed."""
+        seg = self._segments.pop(keys[-1], None) or _Segment(keys)
+        self._segments[keys[-1]] = seg
+        seg.calls.append(now)
+        while len(self._segments) > TRACKED_SEGMENTS:
+            self._segments.popitem(last=False)
+
+    async def refresh(self, index: KVIndexBackend, now: float) -> None:
+        """Pick the most called segments of the window and count the engines whose own KV
+        events confirm every block of each."""
+        horizon = now - SEGMENT_WINDOW_S
+        for key in list(self._segments):
+            calls = self._segments[key].calls
+            while calls and calls[0] < horizon:
+                calls.popleft()
+            if not calls:
+                del self._segments[key]
+        top = sorted(self._segments.items(), key=lambda kv: -len(kv[1].calls))[:TOP_SEGMENTS]
+        for _, seg in top:
+            matches = await index.match(seg.keys, now)
+            seg.replicas = sum(1 for m in matches.values()
+                               if m.confirmed_blocks >= len(seg.keys))
+        self._top = top
+
+    def collect(self) -> Iterator[Metric]:
+        """Per hot segment (labelled by its last block key in hex): replicas, calls, blocks."""
+        replicas = GaugeMetricFamily(
+            "kvgate_static_segment_replicas", "Engines whose KV events confirm every block of "
+            f"a static segment; the {TOP_SEGMENTS} most called segments.", labels=["segment"])
+        calls = GaugeMetricFamily(
+            "kvgate_static_segment_calls", f"Calls placed in the last {SEGMENT_WINDOW_S:g} s "
+            "whose prompt starts with the static segment.", labels=["segment"])
+        blocks = GaugeMetricFamily(
+            "kvgate_static_segment_blocks", "Index blocks of the static segment.",
+            labels=["segment"])
+        for key, seg in self._top:
+            label = [f"{key & (2**64 - 1):016x}"]
+            replicas.add_metric(label, seg.replicas)
+            calls.add_metric(label, len(seg.calls))
+            blocks.add_metric(label, len(seg.keys))
+        yield replicas
+        yield calls
+        yield blocks
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """One engine's load as the gateway sees it at scrape time."""
+
+    engine: str
+    running: int
+    """vLLM's `num_requests_running` at the last scrape."""
+    waiting: int
+    kv_usage: float
+    prefilling: int
+    """The gateway's requests at the engine awaiting their first token."""
+    queued_prefill_tokens: int
+    prefix_cache_queries: float
+    """vLLM's `prefix_cache_queries_total` (tokens) at the last scrape."""
+    prefix_cache_hits: float
+
+
+class EngineCollector(Collector):
+    """Per-engine load and prefix-cache counters as last scraped from each engine."""
+
+    def __init__(self, read: Callable[[], list[EngineFigures]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        """Gauges for load, counters re-exported from the engines' own prefix-cache counters
+        (so `rate(hits) / rate(queries)` is each engine's prefix-hit ratio)."""
+        label = ["engine"]
+        gauges = {
+            "running": GaugeMetricFamily(
+                "kvgate_engine_running", "Requests running at the engine (scraped).", labels=label),
+            "waiting": GaugeMetricFamily(
+                "kvgate_engine_waiting", "Requests waiting in the engine's queue (scraped).",
+                labels=label),
+            "kv_usage": GaugeMetricFamily(
+                "kvgate_engine_kv_usage", "Share of the engine's KV cache in use, 0-1 (scraped).",
+                labels=label),
+            "prefilling": GaugeMetricFamily(
+                "kvgate_engine_prefilling", "The gateway's requests at the engine that have "
+                "no first token yet.", labels=label),
+            "queued_prefill_tokens": GaugeMetricFamily(
+                "kvgate_engine_queued_prefill_tokens", "Uncached prompt tokens of those "
+                "requests (the gateway's estimate).", labels=label),
+        }
+        queries = CounterMetricFamily(
+            "kvgate_engine_prefix_cache_queries", "Prompt tokens the engine looked up in its "
+            "prefix cache (vLLM's prefix_cache_queries, as last scraped).", labels=label)
+        hits = CounterMetricFamily(
+            "kvgate_engine_prefix_cache_hits", "Prompt tokens the engine found in its prefix "
+            "cache (vLLM's prefix_cache_hits, as last scraped).", labels=label)
+        for f in self._read():
+            for name, family in gauges.items():
+                family.add_metric([f.engine], getattr(f, name))
+            queries.add_metric([f.engine], f.prefix_cache_queries)
+            hits.add_metric([f.engine], f.prefix_cache_hits)
+        yield from gauges.values()
+        yield queries
+        yield hits

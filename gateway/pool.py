@@ -32,6 +32,9 @@ class EngineState:
     models: frozenset[str] = frozenset()
     start_time: float | None = None
     prefix_queries: float = 0.0
+    """vLLM's `prefix_cache_queries_total` at the last scrape (tokens)."""
+    prefix_hits: float = 0.0
+    """vLLM's `prefix_cache_hits_total` at the last scrape."""
 
 
 class EnginePool:
@@ -163,6 +166,7 @@ class EnginePool:
         ) or load.prefix_cache_queries < state.prefix_queries
         state.start_time = load.process_start_time
         state.prefix_queries = load.prefix_cache_queries
+        state.prefix_hits = load.prefix_cache_hits
         if self.engines.get(state.name) is state:
             self.notify(EngineScraped(state.name, load.num_running, load.num_waiting,
                                       load.kv_usage))

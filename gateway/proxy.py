@@ -339,12 +339,13 @@ class Proxy:
         rid = route_req.request_id
         placed: asyncio.Future[Dispatch] = asyncio.get_running_loop().create_future()
         self._placing[rid] = (placed, route_req)
+        admitted = time.monotonic()
         state.planner.admit(Call(route_req, frozenset(exclude), hints, static_blocks=static),
                             state.now())
         self._pump()
-        if placed.done():
-            return placed.result()
-        return await self._wait_held(route_req, placed)
+        d = placed.result() if placed.done() else await self._wait_held(route_req, placed)
+        state.metrics.planner_wait.observe(time.monotonic() - admitted)
+        return d
 
     async def _wait_held(self, route_req: RouteRequest, placed: asyncio.Future[Dispatch]
                          ) -> Dispatch:
@@ -387,6 +388,7 @@ class Proxy:
                 continue
             placed, route_req = waiter
             if isinstance(action, Reject):
+                state.metrics.placements.labels("rejected").inc()
                 placed.set_exception(self._reject_error(action))
                 continue
             if released is not None:
@@ -397,6 +399,7 @@ class Proxy:
             m.routed.labels(engine).inc()
             m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
             m.routed_cached_tokens.labels(engine).inc(action.cached_tokens)
+            m.dispatched(action, route_req.block_keys, state.now())
             placed.set_result(action)
         wake = state.planner.next_wakeup()
         if wake is not None and self._timer is None:

@@ -11,7 +11,7 @@ import aiohttp
 
 from gateway.config import EngineEntry, GatewayConfig
 from gateway.kv_events import EventSource, KVEventListener
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import EngineCollector, EngineFigures, GatewayMetrics
 from gateway.moves import KvMover
 from gateway.pool import EnginePool
 from gateway.tracing import Tracing
@@ -82,6 +82,7 @@ class GatewayState:
         self.session: aiohttp.ClientSession | None = None
         self.pool: EnginePool | None = None
         self.started = time.monotonic()
+        self.metrics.registry.register(EngineCollector(self.engine_figures))
 
     async def start(self) -> None:
         """Start listening for KV events first (so nothing is missed), then watch the engines."""
@@ -112,6 +113,18 @@ class GatewayState:
         if self.session is not None:
             await self.session.close()
         await self.index.close()
+
+    def engine_figures(self) -> list[EngineFigures]:
+        """Every engine's scraped load and prefix-cache counters, for `/metrics`."""
+        engines = self.pool.engines if self.pool is not None else {}
+        out = []
+        for v in self.planner.views():
+            e = engines.get(v.name)
+            out.append(EngineFigures(
+                v.name, v.num_running, v.num_waiting, v.kv_usage, v.prefilling,
+                v.queued_prefill_tokens, e.prefix_queries if e is not None else 0.0,
+                e.prefix_hits if e is not None else 0.0))
+        return out
 
     def priority_engine(self, name: str) -> bool:
         """The engine runs `--scheduling-policy priority` (per its config entry)."""

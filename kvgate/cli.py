@@ -1,5 +1,5 @@
-"""The `kvgate` command line: `serve`, `sim`, `bench`, `microbench`, `calibrate`, `demo` and
-`vllm-pool`."""
+"""The `kvgate` command line: `serve`, `sim`, `bench`, `microbench`, `calibrate`, `demo`,
+`vllm-pool` and `export-workflows`."""
 
 from __future__ import annotations
 
@@ -219,6 +219,55 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_workflows(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvgate.export import (
+        GATEWAY_LIST_MAX,
+        ExportError,
+        export,
+        from_gateway,
+        from_redis,
+        keep,
+        write_lines,
+    )
+
+    if (args.gateway is None) == (args.redis is None):
+        print("kvgate export-workflows: give exactly one of --gateway URL or --redis URL",
+              file=sys.stderr)
+        return 2
+    if args.limit is not None and args.limit <= 0:
+        print("kvgate export-workflows: --limit must be positive", file=sys.stderr)
+        return 2
+    if args.since is not None and args.since <= 0:
+        print("kvgate export-workflows: --since must be a positive number of seconds",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.gateway is not None:
+            limit = args.limit or GATEWAY_LIST_MAX
+            if limit > GATEWAY_LIST_MAX:
+                print(f"kvgate export-workflows: a gateway lists at most {GATEWAY_LIST_MAX} "
+                      "workflows; --redis reads them all", file=sys.stderr)
+            snapshots = asyncio.run(from_gateway(args.gateway, args.api_key, limit))
+        else:
+            snapshots = asyncio.run(from_redis(args.redis, args.namespace))
+    except ExportError as e:
+        print(f"kvgate export-workflows: {e}", file=sys.stderr)
+        return 2
+    result = export(keep(snapshots, args.since, args.limit), args.static_tokens)
+    write_lines(result.lines, args.output)
+    for reason in result.skipped:
+        print(f"skipped {reason}", file=sys.stderr)
+    if result.inexact:
+        print(f"{len(result.inexact)} tasks' recorded prompts are shorter than their messages' "
+              f"framing; they replay longer: {', '.join(result.inexact[:10])}", file=sys.stderr)
+    tasks = sum(len(line["tasks"]) for line in result.lines)
+    print(f"exported {len(result.lines)} workflows ({tasks} tasks) to {args.output}; "
+          f"skipped {len(result.skipped)}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
@@ -382,6 +431,30 @@ def build_parser() -> argparse.ArgumentParser:
     vp.add_argument("--health-timeout", type=float, default=300.0,
                     help="seconds each engine may take to become healthy")
     vp.set_defaults(func=_vllm_pool)
+
+    x = sub.add_parser(
+        "export-workflows", help="served workflows as a --workflow-trace file for kvgate bench",
+        description="Export finished workflows (API and hint mode) as the JSON Lines "
+                    "`kvgate bench --workflow-trace` replays: their DAGs, token counts, think "
+                    "times and arrivals, with synthetic prompt text.")
+    src = x.add_argument_group("source (exactly one)")
+    src.add_argument("--gateway", metavar="URL", help="a gateway's workflow API")
+    src.add_argument("--redis", metavar="URL",
+                     help="the Redis workflow store the gateways share (workflows.redis_url)")
+    x.add_argument("--namespace", default="kvgate",
+                   help="the store's namespace (workflows.namespace; default kvgate)")
+    x.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"),
+                   help="sent as Authorization: Bearer KEY to --gateway "
+                        "(default: $KVGATE_API_KEY)")
+    x.add_argument("--since", type=float, metavar="SECONDS",
+                   help="only workflows created within the last SECONDS")
+    x.add_argument("--limit", type=int, metavar="N", help="only the newest N workflows")
+    x.add_argument("--static-tokens", type=int, metavar="N",
+                   help="size of the static segment every workflow of a model and tenant "
+                        "shares (default: estimated from root tasks' cached tokens)")
+    x.add_argument("-o", "--output", default="-", metavar="FILE.jsonl",
+                   help="where to write (default: standard output)")
+    x.set_defaults(func=_export_workflows)
 
     d = sub.add_parser("demo", help="start simulated engines + gateway and run a sample workflow")
     d.add_argument("--engines", type=int, default=4)

@@ -7,7 +7,7 @@ can take it. Drivers carry them out and report back with events.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvindex.index import BlockKey
 from planner.cost import PlacementCost
@@ -22,6 +22,9 @@ class Dispatch:
     engine: str
     cached_tokens: int
     """Prompt tokens the engine is expected to serve from its cache (whole engine blocks)."""
+    kv_move: str | None = field(default=None, kw_only=True)
+    """The reason of the KV move the request waited for at `engine` (`pull`, `disaggregate`,
+    `prefetch`, `replicate`); None if it waited for none."""
     cost: PlacementCost | None = None
     """The placement's estimate, for policies that make one."""
     speculative_keys: tuple[BlockKey, ...] = ()
@@ -34,6 +37,15 @@ class Dispatch:
     """The prompt's blocks by kind (static/shared/transient), for per-segment stages."""
     runners_up: tuple[PlacementCost, ...] = ()
     """The placement's estimates for other engines, cheapest first (`Placement.runners_up`)."""
+
+    @property
+    def reason(self) -> str:
+        """Why the request goes here, for metrics: the reason of the KV move it waited for,
+        else `prefix_hit` (the engine holds part of the prompt) or `load` (nothing cached
+        there: chosen by load or cost alone)."""
+        if self.kv_move is not None:
+            return self.kv_move
+        return "prefix_hit" if self.cached_tokens > 0 else "load"
 
 
 @dataclass(frozen=True)

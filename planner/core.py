@@ -674,7 +674,7 @@ class Planner:
             placement.runners_up)
         if wait is not None:
             req.move(RequestState.AWAITING_KV)
-            req.dispatch = dispatch
+            req.dispatch = replace(dispatch, kv_move=wait.action.reason)
             req.move_id = wait.action.move_id
             wait.waiters.append(rid)
         else:
