@@ -185,6 +185,8 @@ def test_a_fanout_runs_spread_over_engines_streamed_and_readable_from_both_repli
         assert t["output_tokens"] == 8 and t["output"]
         assert t["prompt_tokens"] > 100 and t["cached_tokens"] is not None
         assert t["ready_s"] <= t["dispatched_s"] <= t["finished_s"]
+        # Tasks are streamed through the gateway, so their first token is seen as it comes.
+        assert t["dispatched_s"] <= t["first_token_s"] <= t["finished_s"]
     assert tasks["w2"]["after"] == ["plan"]
     assert tasks["reduce"]["after"] == ["w0", "w1", "w2", "w3"]
     assert tasks["reduce"]["ready_s"] >= max(tasks[f"w{i}"]["finished_s"] for i in range(4))
@@ -421,3 +423,51 @@ def test_bad_hints_are_a_400_naming_them(replicas: tuple[Child, Child]) -> None:
     status, _, err = call("POST", f"{a.url}/v1/chat/completions", body,
                           headers={"X-KVGate-Task": "t"})
     assert status == 400 and "needs a workflow id" in err["error"]["message"]
+
+
+def test_a_streamed_task_answer_is_put_back_together_as_the_non_streamed_one() -> None:
+    from gateway.workflows import _StreamedAnswer
+
+    answer = _StreamedAnswer()
+    chunks = [
+        {"id": "chatcmpl-1", "created": 7, "model": MODEL,
+         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "Looking "}}]},
+        {"choices": [{"index": 0, "delta": {"content": "it up."}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "call_a", "type": "function",
+             "function": {"name": "web_search", "arguments": "{\"query\": "}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 1, "id": "call_b", "function": {"name": "read_page", "arguments": "{}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": "\"kv\"}"}}]}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 5,
+                                  "prompt_tokens_details": {"cached_tokens": 8}}},
+    ]
+    for c in chunks:
+        answer.feed(b"data: " + json.dumps(c).encode() + b"\n")
+        answer.feed(b"\n")
+    assert not answer.done
+    answer.feed(b"data: [DONE]\n")
+    doc = answer.completion()
+    assert answer.done and answer.error is None
+    assert doc["id"] == "chatcmpl-1" and doc["model"] == MODEL
+    message = doc["choices"][0]["message"]
+    assert message["content"] == "Looking it up."
+    assert message["tool_calls"] == [
+        {"id": "call_a", "type": "function",
+         "function": {"name": "web_search", "arguments": "{\"query\": \"kv\"}"}},
+        {"id": "call_b", "type": "function", "function": {"name": "read_page", "arguments": "{}"}},
+    ]
+    assert doc["choices"][0]["finish_reason"] == "tool_calls"
+    assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
+
+
+def test_an_error_event_in_a_task_stream_is_the_tasks_error() -> None:
+    from gateway.workflows import _StreamedAnswer
+
+    answer = _StreamedAnswer()
+    answer.feed(b'data: {"choices": [{"index": 0, "delta": {"content": "par"}}]}\n')
+    answer.feed(b'data: {"error": {"message": "engine 127.0.0.1:9 died mid-stream", '
+                b'"type": "upstream_error"}}\n')
+    assert answer.error == "stream error: engine 127.0.0.1:9 died mid-stream"
