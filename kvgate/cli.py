@@ -1,9 +1,9 @@
-"""The `kvgate` command line: `serve`, `sim`, `bench`, `microbench`, `calibrate`, `demo`,
-`vllm-pool` and `export-workflows`."""
+"""The `kvgate` command line."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -29,13 +29,34 @@ def _serve(args: argparse.Namespace) -> int:
             engines = [{"url": u.strip()} for u in args.engines.split(",") if u.strip()]
             config = parse_config(apply_overrides({"engines": engines}, overrides), "--engines")
         else:
-            print("kvgate serve: give --config FILE or --engines URL,...", file=sys.stderr)
+            print("kvgate serve: say which engines to route to: --engines "
+                  "http://127.0.0.1:8101,... (start a simulated one with `kvgate sim --port "
+                  "8101`) or --config FILE (see configs/local-sim.yaml)", file=sys.stderr)
             return 2
     except ConfigError as e:
         print(f"kvgate serve: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    run(config)
+    try:
+        run(config)
+    except OSError as e:
+        print(f"kvgate serve: {_listen_error(config.host, config.port, e)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _listen_error(host: str, port: int, error: OSError) -> str:
+    """What to do when a server cannot bind its address."""
+    what = error.strerror or str(error)
+    if error.errno == errno.EADDRINUSE:
+        return (f"cannot listen on {host}:{port}: the port is in use; pick a free one with "
+                f"--port (or stop what holds it: `ss -ltnp 'sport = :{port}'` names it)")
+    if error.errno == errno.EACCES:
+        return (f"cannot listen on {host}:{port}: permission denied; ports below 1024 need "
+                f"privileges, pick one above with --port")
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (f"cannot listen on {host}:{port}: no local interface has that address; use "
+                f"--host 127.0.0.1 (or an address of this machine)")
+    return f"cannot listen on {host}:{port}: {what}"
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -81,7 +102,11 @@ def _sim(args: argparse.Namespace) -> int:
         kv_connector=connector, kv_link=link, engine_id=args.engine_id or "",
         host=args.host, port=args.port,
     )
-    run(settings, args.host, args.port)
+    try:
+        run(settings, args.host, args.port)
+    except OSError as e:
+        print(f"kvgate sim: {_listen_error(args.host, args.port, e)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -268,11 +293,30 @@ def _export_workflows(args: argparse.Namespace) -> int:
     return 0
 
 
+EPILOG = """\
+getting started:
+  kvgate demo                                   4 simulated engines + the gateway + a sample
+                                                workflow, with its timeline URL (--keep)
+  kvgate sim --port 8101 &                      one simulated vLLM engine
+  kvgate serve --engines http://127.0.0.1:8101  the gateway on 127.0.0.1:8000 (/v1, /ui/,
+                                                /metrics, /v1/workflows, /v1/traces)
+  kvgate bench --workload fanout --goodput      compare policies in virtual time
+
+Each command has its own --help. The README has every option, config key and endpoint.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
-    p = argparse.ArgumentParser(prog="kvgate", description=__doc__)
-    p.add_argument("--log-level", default=os.environ.get("KVGATE_LOG_LEVEL", "INFO"))
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="kvgate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="kvgate: a workflow-aware, KV-cache-aware gateway in front of vLLM engines.",
+        epilog=EPILOG)
+    p.add_argument("--log-level", type=str.upper, metavar="LEVEL",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   default=os.environ.get("KVGATE_LOG_LEVEL", "INFO").upper(),
+                   help="debug, info (default, or $KVGATE_LOG_LEVEL), warning or error")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 
     s = sub.add_parser("serve", help="run the gateway")
     s.add_argument("--config", help="YAML config file (see configs/local-sim.yaml)")
