@@ -25,9 +25,11 @@ class RequestHints:
     expect_children: int | None = None
     """How many calls will extend this call's context (`X-KVGate-Expect-Children`)."""
     priority: int | None = None
-    """Lower runs first, as vLLM's `priority` (`kvgate.priority`, `nvext.agent_hints.priority`)."""
+    """Lower runs first, as vLLM's `priority` (`X-KVGate-Priority`, `kvgate.priority`,
+    `nvext.agent_hints.priority`)."""
     deadline_s: float | None = None
-    """Seconds from arrival by which the caller wants the answer (`kvgate.deadline_s`)."""
+    """Seconds from arrival by which the caller wants the answer (`X-KVGate-Deadline`,
+    `kvgate.deadline_s`)."""
     osl: int | None = None
     """Expected output length in tokens (`nvext.agent_hints.osl`)."""
     session: str | None = None
@@ -47,6 +49,8 @@ WORKFLOW_HEADER = "x-kvgate-workflow"
 TASK_HEADER = "x-kvgate-task"
 AFTER_HEADER = "x-kvgate-after"
 EXPECT_CHILDREN_HEADER = "x-kvgate-expect-children"
+PRIORITY_HEADER = "x-kvgate-priority"
+DEADLINE_HEADER = "x-kvgate-deadline"
 SESSION_HEADER = "x-session-id"
 BODY_FIELD = "kvgate"
 """`extra_body={"kvgate": {...}}`: read, then stripped before the body reaches the engine."""
@@ -87,6 +91,18 @@ def _int(value: object, where: str, low: int | None = None) -> int:
     return value
 
 
+def _seconds(value: object, where: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise HintError(f"{where} must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
+            or value == float("inf"):
+        raise HintError(f"{where} must be a positive number of seconds")
+    return float(value)
+
+
 def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
                 ) -> tuple[RequestHints, dict[str, Any] | None]:
     """Read a call's hints from its headers and body; the body to forward instead (the
@@ -112,6 +128,12 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
         fields["after"] = _ids(after_h, "header X-KVGate-After")
     if expect_h is not None:
         fields["expect_children"] = _int(expect_h, "header X-KVGate-Expect-Children", 0)
+    priority_h = get(PRIORITY_HEADER)
+    if priority_h is not None:
+        fields["priority"] = _int(priority_h, "header X-KVGate-Priority")
+    deadline_h = get(DEADLINE_HEADER)
+    if deadline_h is not None:
+        fields["deadline_s"] = _seconds(deadline_h, "header X-KVGate-Deadline")
     nvext = body.get("nvext")
     if isinstance(nvext, dict):
         agent = nvext.get("agent_hints")
@@ -119,7 +141,8 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
             if not isinstance(agent, dict):
                 raise HintError("nvext.agent_hints must be an object")
             if agent.get("priority") is not None:
-                fields["priority"] = _int(agent["priority"], "nvext.agent_hints.priority")
+                priority = _int(agent["priority"], "nvext.agent_hints.priority")
+                fields.setdefault("priority", priority)
             if agent.get("osl") is not None:
                 fields["osl"] = _int(agent["osl"], "nvext.agent_hints.osl", 0)
     forwarded = None
@@ -142,11 +165,9 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
         if ours.get("priority") is not None:
             fields["priority"] = _int(ours["priority"], "kvgate.priority")
         if ours.get("deadline_s") is not None:
-            deadline = ours["deadline_s"]
-            if isinstance(deadline, bool) or not isinstance(deadline, int | float) \
-                    or deadline <= 0:
+            if isinstance(ours["deadline_s"], str):
                 raise HintError("kvgate.deadline_s must be a positive number of seconds")
-            fields["deadline_s"] = float(deadline)
+            fields["deadline_s"] = _seconds(ours["deadline_s"], "kvgate.deadline_s")
         forwarded = {k: v for k, v in body.items() if k != BODY_FIELD}
     session = get(SESSION_HEADER)
     if session is None and isinstance(body.get("user"), str):

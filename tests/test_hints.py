@@ -37,6 +37,15 @@ def test_the_body_field_wins_over_headers_and_is_stripped() -> None:
     assert forwarded == {**BODY, "user": "u"} and "kvgate" in body  # the caller's dict intact
 
 
+def test_priority_and_deadline_headers_are_read_and_the_body_wins() -> None:
+    headers = CIMultiDict({"X-KVGate-Priority": "-2", "X-KVGate-Deadline": "1.5"})
+    hints, _ = parse_hints(headers, dict(BODY))
+    assert (hints.priority, hints.deadline_s) == (-2, 1.5)
+    body = {**BODY, "kvgate": {"priority": 4}}
+    hints, _ = parse_hints(headers, body)
+    assert (hints.priority, hints.deadline_s) == (4, 1.5)
+
+
 def test_dynamo_agent_hints_are_read_and_nvext_forwarded() -> None:
     body = {**BODY, "nvext": {"agent_hints": {"priority": 5, "osl": 512,
                                               "latency_sensitivity": 1.2}}}
@@ -45,6 +54,7 @@ def test_dynamo_agent_hints_are_read_and_nvext_forwarded() -> None:
     assert forwarded is None  # vLLM ignores fields it does not know
     explicit = {**body, "kvgate": {"priority": 1}}
     assert parse_hints(CIMultiDict(), explicit)[0].priority == 1
+    assert parse_hints(CIMultiDict({"X-KVGate-Priority": "2"}), body)[0].priority == 2
 
 
 @pytest.mark.parametrize(("headers", "body", "message"), [
@@ -57,6 +67,11 @@ def test_dynamo_agent_hints_are_read_and_nvext_forwarded() -> None:
     ({}, {"kvgate": {"workflow": "w", "after": 3}}, "kvgate.after must be a list"),
     ({}, {"kvgate": {"workflow": "w", "priority": 1.5}}, "kvgate.priority must be an integer"),
     ({}, {"kvgate": {"workflow": "w", "deadline_s": 0}}, "kvgate.deadline_s must be a positive"),
+    ({"X-KVGate-Priority": "high"}, {}, "header X-KVGate-Priority must be an integer"),
+    ({"X-KVGate-Deadline": "soon"}, {}, "header X-KVGate-Deadline must be a number of seconds"),
+    ({"X-KVGate-Deadline": "-2"}, {}, "header X-KVGate-Deadline must be a positive number"),
+    ({"X-KVGate-Deadline": "inf"}, {}, "header X-KVGate-Deadline must be a positive number"),
+    ({}, {"kvgate": {"workflow": "w", "deadline_s": "3"}}, "kvgate.deadline_s must be a pos"),
     ({}, {"kvgate": {"workflow": "w" * 300}}, "longer than 256"),
     ({}, {"kvgate": {"task": "t"}}, "needs a workflow id"),
     ({}, {"nvext": {"agent_hints": []}}, "nvext.agent_hints must be an object"),

@@ -278,6 +278,21 @@ async def test_expect_children_is_sent_for_a_task_and_in_a_hints_block(
     assert sent == ["3", "2", None]
 
 
+async def test_priority_and_deadline_go_with_the_calls_of_a_hints_block(
+    kv: Client, recorder: Recorder
+) -> None:
+    async with workflow("urgent"):
+        with hints(priority=-1, deadline_s=2.5):
+            await chat(kv)
+        await chat(kv)
+    sent = [(c.get("x-kvgate-priority"), c.get("x-kvgate-deadline")) for c in recorder.calls]
+    assert sent == [("-1", "2.5"), (None, None)]
+    with pytest.raises(ValueError, match="deadline_s must be a positive"):
+        hints(deadline_s=0)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        hints(priority=1.5)  # type: ignore[arg-type]
+
+
 async def test_a_retried_call_keeps_its_id(recorder: Recorder) -> None:
     recorder.fail_first = 1
     client = openai.AsyncOpenAI(base_url=f"{recorder.url}/v1", api_key="-", max_retries=1,

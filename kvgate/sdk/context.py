@@ -224,6 +224,8 @@ WORKFLOW_HEADER = "X-KVGate-Workflow"
 TASK_HEADER = "X-KVGate-Task"
 AFTER_HEADER = "X-KVGate-After"
 EXPECT_CHILDREN_HEADER = "X-KVGate-Expect-Children"
+PRIORITY_HEADER = "X-KVGate-Priority"
+DEADLINE_HEADER = "X-KVGate-Deadline"
 
 
 @dataclass
@@ -284,14 +286,26 @@ def current_task() -> str | None:
 
 class hints:
     """Extra hints for the calls made inside the block: `expect_children` (how many later
-    calls will extend the call's context; a fan-out the planner can prepare for)."""
+    calls will extend the call's context; a fan-out the planner can prepare for), `priority`
+    (lower first, as vLLM's) and `deadline_s` (seconds from arrival the caller can wait)."""
 
-    def __init__(self, *, expect_children: int | None = None) -> None:
+    def __init__(self, *, expect_children: int | None = None, priority: int | None = None,
+                 deadline_s: float | None = None) -> None:
         if expect_children is not None and (type(expect_children) is not int
                                             or expect_children < 0):
             raise ValueError("expect_children must be a non-negative integer")
-        self._extra = {} if expect_children is None else {
-            EXPECT_CHILDREN_HEADER: str(expect_children)}
+        if priority is not None and type(priority) is not int:
+            raise ValueError("priority must be an integer")
+        if deadline_s is not None and (isinstance(deadline_s, bool) or not
+                                       isinstance(deadline_s, int | float) or deadline_s <= 0):
+            raise ValueError("deadline_s must be a positive number of seconds")
+        self._extra: dict[str, str] = {}
+        if expect_children is not None:
+            self._extra[EXPECT_CHILDREN_HEADER] = str(expect_children)
+        if priority is not None:
+            self._extra[PRIORITY_HEADER] = str(priority)
+        if deadline_s is not None:
+            self._extra[DEADLINE_HEADER] = repr(float(deadline_s))
         self._token: contextvars.Token[dict[str, str]] | None = None
 
     def __enter__(self) -> None:
