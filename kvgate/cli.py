@@ -206,6 +206,9 @@ def _bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
         workflow_trace=args.workflow_trace, goodput=args.goodput, slo_jct=args.slo_jct,
         goodput_precision=args.goodput_precision, link=args.link,
+        engine_urls=([u.strip() for u in args.engine_urls.split(",") if u.strip()]
+                     if args.engine_urls is not None else None),
+        engine_config=args.engine_config,
     )
     try:
         run_bench(options)
@@ -441,6 +444,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--link", default="none", type=_link_arg,
                        help="KV transfer link between engines: nvlink (450 GB/s), rdma "
                             "(50 GB/s), none (default: no KV moves), or a bandwidth in GB/s")
+    existing = bench.add_mutually_exclusive_group()
+    existing.add_argument("--engine-urls", metavar="URL,...",
+                          help="live mode on engines already up (e.g. `kvgate vllm-pool`'s) "
+                               "instead of fresh sims; their prefix caches are reset between "
+                               "policies (vLLM needs VLLM_SERVER_DEV_MODE=1)")
+    existing.add_argument("--engine-config", metavar="FILE.yaml",
+                          help="like --engine-urls, with a gateway config for them (their "
+                               "KV-event sockets, tokenizer, link), as `kvgate vllm-pool` "
+                               "prints it")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 

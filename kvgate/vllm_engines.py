@@ -387,6 +387,10 @@ def engine_env(omp_bind: str = "0-1", extra: Mapping[str, str] | None = None) ->
         VLLM_DO_NOT_TRACK="1",
         DO_NOT_TRACK="1",
         TOKENIZERS_PARALLELISM="false",
+        # The dev endpoints, for POST /reset_prefix_cache: `kvgate calibrate` empties the cache
+        # between probes and `kvgate bench --engine-urls` between policies. The engines bind
+        # 127.0.0.1 only.
+        VLLM_SERVER_DEV_MODE="1",
     )
     env.update(extra or {})
     return env

@@ -41,3 +41,64 @@ def test_fidelity_reports_virtual_and_live_side_by_side(tmp_path: Path) -> None:
     assert f["jct_mean_virtual_s"] > 0 and f["jct_mean_live_s"] > 0
     assert f["jct_mean_diff"] == (f["jct_mean_live_s"] - f["jct_mean_virtual_s"]) / \
         f["jct_mean_virtual_s"]
+
+
+SMALL_FANOUT = ["--workload", "fanout", "--workflows", "2", "--concurrency", "2",
+                "--workload-arg", "width=3", "--workload-arg", "static_tokens=500",
+                "--workload-arg", "research_tokens=24", "--workload-arg", "plan_tokens=16",
+                "--workload-arg", "reduce_tokens=16"]
+
+
+def test_live_run_on_engines_already_up_resets_their_caches_between_policies(
+    tmp_path: Path,
+) -> None:
+    import yaml
+
+    from kvgate.procs import free_port, start_sim
+
+    events = f"tcp://127.0.0.1:{free_port()}"
+    sims = [start_sim(f"up-{i}", tmp_path, ["--model", "tiny-test", "--seed", str(i),
+                                            "--profile", "cpu-tiny", "--kv-events", events,
+                                            "--enable-prompt-tokens-details"])
+            for i in range(2)]
+    try:
+        config = tmp_path / "gateway.yaml"
+        config.write_text(yaml.safe_dump({"kv_events_bind": events,
+                                          "engines": [{"url": s.url} for s in sims]}))
+        out = tmp_path / "up.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvgate.cli", "bench", "--mode", "live", "--profile",
+             "cpu-tiny", "--engine-config", str(config), "--policy", "kvgate,round-robin",
+             *SMALL_FANOUT, "--json", str(out), "--no-progress"],
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        report = json.loads(out.read_text())
+    finally:
+        for s in sims:
+            s.stop()
+    assert report["engines"] == 2
+    for name, r in report["results"].items():
+        assert r["failed"] == 0 and r["requests"] == 2 * (3 + 2), name
+        assert r["prefix_hit_ratio"] > 0.2, name
+        # Each policy found the caches cold: it computed the shared static prompt itself (the
+        # second would have found every prompt cached had the caches been left warm).
+        assert r["recomputed_prompt_tokens"] >= 500, name
+
+
+def test_engines_without_a_cache_reset_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    from kvgate.procs import start_gateway, start_sim
+
+    sim = start_sim("no-reset-sim", tmp_path, ["--model", "tiny-test"])
+    # A gateway answers /v1/models like an engine but has no POST /reset_prefix_cache.
+    gateway = start_gateway([sim.url], tmp_path)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvgate.cli", "bench", "--mode", "live", "--profile",
+             "cpu-tiny", "--engine-urls", gateway.url, "--policy", "round-robin",
+             *SMALL_FANOUT, "--no-progress"], capture_output=True, text=True, timeout=120)
+    finally:
+        gateway.stop()
+        sim.stop()
+    assert proc.returncode == 2
+    assert "has no POST /reset_prefix_cache" in proc.stderr
+    assert "VLLM_SERVER_DEV_MODE=1" in proc.stderr and "Traceback" not in proc.stderr

@@ -2,8 +2,11 @@
 
 Per policy: fresh `kvgate sim` engines, then either a `kvgate serve` gateway with that policy
 (engines publish KV events to it over ZMQ) or, for `sglang-router`, the real sglang-router
-package in front of the same kind of engines. The client replays every workflow, streaming each
-request and feeding real outputs into the prompts that use them. Simulated step times are
+package in front of the same kind of engines. With `--engine-urls` or `--engine-config` the
+engines are ones already up (real vLLM, say): each policy gets a fresh front end, and the
+engines' prefix caches are reset between policies (vLLM's `POST /reset_prefix_cache`). The
+client replays every workflow, streaming each request and feeding real outputs into the prompts
+that use them. Simulated step times are
 multiplied by the time scale; the report converts real seconds back to model seconds.
 """
 
@@ -17,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +32,15 @@ from kvgate.bench.prompts import ChatMessage
 from kvgate.bench.virtual import MODEL, RequestRecord, RunResult, WorkflowRecord
 from kvgate.bench.workloads import BenchTask, BenchWorkflow, OutputRef, WorkloadError
 from kvgate.benchmarks.placement import engine_counters, engine_metric
-from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim, wait_healthy
+from kvgate.procs import (
+    Child,
+    StartupError,
+    free_port,
+    spawn,
+    start_gateway,
+    start_sim,
+    wait_healthy,
+)
 from planner.dag import DagNode, DagRun, Wakeup
 
 SGLANG_ROUTER = "sglang-router"
@@ -81,8 +94,9 @@ class LiveClient:
     """Replays workflows against one endpoint and records what it saw."""
 
     def __init__(self, url: str, prepared: Prepared, scale: float, policy: str,
-                 progress: bool) -> None:
+                 progress: bool, model: str = MODEL) -> None:
         self.url = url
+        self.model = model
         self.prepared = prepared
         self.scale = scale
         self.records: list[RequestRecord] = []
@@ -154,7 +168,7 @@ class LiveClient:
     def _body(self, wf: BenchWorkflow, task: BenchTask,
               outputs: dict[str, str]) -> tuple[str, dict[str, Any]]:
         common: dict[str, Any] = {
-            "model": MODEL, "max_tokens": task.output_tokens, "ignore_eos": True,
+            "model": self.model, "max_tokens": task.output_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "user": wf.id,
             **task.params}
         if wf.tenant:
@@ -221,37 +235,118 @@ NIXL_CONFIG = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
 """vLLM's `--kv-transfer-config` for engines that move KV (VLLM_FACTS.md §7)."""
 
 
+def existing_engines(o: BenchOptions) -> list[str]:
+    """The URLs of the engines `--engine-urls` or `--engine-config` name (none: fresh sims)."""
+    if o.engine_urls is not None:
+        return [u.rstrip("/") for u in o.engine_urls]
+    if o.engine_config is None:
+        return []
+    from gateway.config import ConfigError, load_config
+
+    try:
+        config = load_config(o.engine_config)
+    except ConfigError as e:
+        raise WorkloadError(f"--engine-config: {e}") from None
+    return [e.url.rstrip("/") for e in config.engines]
+
+
+def served_model(url: str) -> str:
+    """The first model an engine serves (its `/v1/models`)."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+            doc = json.loads(r.read())
+        return str(doc["data"][0]["id"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise WorkloadError(f"engine {url} did not list its models on /v1/models ({e}); is "
+                            f"it up?") from None
+
+
+def reset_prefix_caches(urls: list[str], timeout_s: float = 60.0) -> None:
+    """Empty every engine's prefix cache, so a policy finds them as cold as the one before it
+    did. vLLM answers `POST /reset_prefix_cache` only with VLLM_SERVER_DEV_MODE=1 (`kvgate
+    vllm-pool` sets it), and refuses while requests still hold blocks (retried)."""
+    for url in urls:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            req = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    status = r.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            except OSError as e:
+                raise WorkloadError(f"engine {url} is unreachable: {e}") from None
+            if status == 200:
+                break
+            if status in (404, 405):
+                raise WorkloadError(
+                    f"engine {url} has no POST /reset_prefix_cache, so a policy would find the "
+                    f"caches its predecessor warmed: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                    f"(kvgate vllm-pool does), or bench one policy per run")
+            if time.monotonic() > deadline:
+                raise WorkloadError(f"engine {url} kept refusing to reset its prefix cache "
+                                    f"(HTTP {status}) for {timeout_s:.0f} s: is other traffic "
+                                    f"running on it?")
+            time.sleep(0.5)
+
+
 def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
                scale: float) -> RunResult:
-    """Fresh engines and front end for `policy`, the whole workload, then the engines' counters."""
+    """Fresh engines (or the ones already up, their caches reset) and a fresh front end for
+    `policy`, the whole workload, then the engines' counters."""
     children: list[Child] = []
     try:
-        events = f"tcp://127.0.0.1:{free_port()}"
-        profile_args = ["--profile-file", o.profile_file] if o.profile_file else [
-            "--profile", o.profile]
-        sim_args = [*profile_args, "--model", MODEL, "--seed", str(o.seed),
-                    "--time-scale", str(scale), "--enable-prompt-tokens-details"]
-        if policy != SGLANG_ROUTER:
-            sim_args += ["--kv-events", events]
-        gateway_args = ["--policy", policy, "--kv-events-bind", events]
-        if o.transfer_link().enabled:
-            # Every engine runs the NIXL connector; the gateway moves KV for policies whose
-            # peer does (the link is the simulated fabric's).
-            sim_args += ["--kv-transfer-config", NIXL_CONFIG, "--kv-link", o.link]
-            gateway_args += ["--kv-link", o.link]
-        sims = [start_sim(f"{policy}-sim-{i}", log_dir, sim_args) for i in range(o.engines)]
-        children += sims
-        urls = [s.url for s in sims]
-        if policy == SGLANG_ROUTER:
-            front = start_sglang_router(urls, log_dir)
+        urls = existing_engines(o)
+        model = MODEL
+        if urls:
+            reset_prefix_caches(urls)
+            model = served_model(urls[0])
+            if policy == SGLANG_ROUTER:
+                front = start_sglang_router(urls, log_dir)
+            elif o.engine_config is not None:
+                port = free_port()
+                front = spawn(f"{policy}-gateway", [
+                    "serve", "--config", o.engine_config, "--policy", policy, "--host",
+                    "127.0.0.1", "--port", str(port)], f"http://127.0.0.1:{port}", log_dir)
+                wait_healthy(front)
+            else:
+                extra = ["--policy", policy]
+                if o.transfer_link().enabled:
+                    extra += ["--kv-link", o.link]
+                front = start_gateway(urls, log_dir, extra, name=f"{policy}-gateway")
         else:
-            front = start_gateway(urls, log_dir, gateway_args, name=f"{policy}-gateway")
+            events = f"tcp://127.0.0.1:{free_port()}"
+            profile_args = ["--profile-file", o.profile_file] if o.profile_file else [
+                "--profile", o.profile]
+            sim_args = [*profile_args, "--model", MODEL, "--seed", str(o.seed),
+                        "--time-scale", str(scale), "--enable-prompt-tokens-details"]
+            if policy != SGLANG_ROUTER:
+                sim_args += ["--kv-events", events]
+            gateway_args = ["--policy", policy, "--kv-events-bind", events]
+            if o.transfer_link().enabled:
+                # Every engine runs the NIXL connector; the gateway moves KV for policies whose
+                # peer does (the link is the simulated fabric's).
+                sim_args += ["--kv-transfer-config", NIXL_CONFIG, "--kv-link", o.link]
+                gateway_args += ["--kv-link", o.link]
+            sims = [start_sim(f"{policy}-sim-{i}", log_dir, sim_args)
+                    for i in range(o.engines)]
+            children += sims
+            urls = [s.url for s in sims]
+            if policy == SGLANG_ROUTER:
+                front = start_sglang_router(urls, log_dir)
+            else:
+                front = start_gateway(urls, log_dir, gateway_args, name=f"{policy}-gateway")
         children.append(front)
-        client = LiveClient(front.url, prepared, scale, policy, o.progress)
+        before = [engine_counters(u) for u in urls]
+        moved_before = sum(engine_metric(u, "vllm:nixl_bytes_transferred_sum") for u in urls)
+        client = LiveClient(front.url, prepared, scale, policy, o.progress, model)
         asyncio.run(client.run())
-        counters = [engine_counters(u) for u in urls]
-        computed = int(sum(q - h for h, q, _ in counters))
-        moved = int(sum(engine_metric(u, "vllm:nixl_bytes_transferred_sum") for u in urls))
+        after = [engine_counters(u) for u in urls]
+        # Counters of engines that outlive the run are differences over it.
+        computed = int(sum((q1 - h1) - (q0 - h0)
+                           for (h0, q0, _), (h1, q1, _) in zip(before, after, strict=True)))
+        moved = int(sum(engine_metric(u, "vllm:nixl_bytes_transferred_sum") for u in urls)
+                    - moved_before)
         return RunResult(policy, client.records, list(client.workflows.values()), {}, {}, 1.0,
                          computed, transferred_bytes=moved)
     finally:
@@ -262,7 +357,7 @@ def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
 def run_live(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     """Every policy, one after the other, on fresh processes (logs kept on failure)."""
     scale = (o.time_scale if o.time_scale is not None
-             else default_time_scale(o.engine_profile().name))
+             else 1.0 if existing_engines(o) else default_time_scale(o.engine_profile().name))
     if scale <= 0:
         raise WorkloadError("--time-scale must be positive")
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-bench-live-"))

@@ -55,6 +55,11 @@ class BenchOptions:
     """Bisect until the passing and failing rates are this close (relative)."""
     link: str = "none"
     """The KV transfer link between engines: nvlink, rdma, none, or GB/s."""
+    engine_urls: list[str] | None = None
+    """Live mode on engines that are already up (real vLLM, say) instead of fresh sims."""
+    engine_config: str | None = None
+    """Live mode on the engines of this gateway config (their KV-event sockets, tokenizer,
+    KV link): `kvgate serve --config` runs it, with each policy in turn."""
 
     @property
     def name(self) -> str:

@@ -80,6 +80,14 @@ def check_options(o: BenchOptions) -> None:
     if o.goodput and o.mode != "virtual":
         raise WorkloadError("--goodput searches rates in virtual time: use it with --mode "
                             "virtual")
+    if o.engine_urls is not None or o.engine_config is not None:
+        if o.mode != "live" or o.fidelity:
+            raise WorkloadError("--engine-urls/--engine-config run on engines that are already "
+                                "up: use them with --mode live (and without --fidelity)")
+        if o.engine_urls is not None and o.engine_config is not None:
+            raise WorkloadError("give at most one of --engine-urls and --engine-config")
+        if o.engine_urls is not None and not o.engine_urls:
+            raise WorkloadError("--engine-urls needs at least one URL")
     if not 0 < o.goodput_precision < 1:
         raise WorkloadError("--goodput-precision must be between 0 and 1")
     try:
@@ -208,6 +216,10 @@ def fidelity(virtual: dict[str, dict[str, Any]],
 def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
     """The whole command: prepare, run each policy, write the report, table and plot."""
     check_options(o)
+    if o.engine_urls is not None or o.engine_config is not None:
+        from kvgate.bench.live import existing_engines
+
+        o = replace(o, engines=len(existing_engines(o)))
     prepared = prepare(o)
     started = time.monotonic()
     extra: dict[str, Any] = {"workload_args": dict(sorted(o.workload_args.items())),
