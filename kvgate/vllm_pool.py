@@ -185,6 +185,9 @@ class VllmPool:
                 self.model_dir, self.run_dir, name=f"engine-{i}", served_model_name=SERVED_MODEL,
                 venv=venv, port=port, kv_events=kv_events_config(events, url, replay),
                 omp_bind=str(core), nixl_port=nixl_port, health_timeout=opts.health_timeout,
+                # usage.prompt_tokens_details.cached_tokens: the bench's hit ratio, the
+                # workflow records' cached tokens.
+                extra_args=["--enable-prompt-tokens-details"],
             )
             self.engines.append(PoolEngine(engine, core, events, replay, nixl_port))
             self.say(f"engine-{i} {engine.url} (pid {engine.proc.pid}) healthy in "
