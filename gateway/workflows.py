@@ -158,7 +158,8 @@ class LoopbackExecutor:
                     raw = b""
                     async for line in resp.content:
                         answer.feed(line)
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            # ValueError: a stream line over aiohttp's line limit (no engine sends one).
             return TaskOutcome(0, error=f"request failed: {type(e).__name__}: {e}")
         if raw or not 200 <= status < 300:
             try:
