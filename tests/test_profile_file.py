@@ -119,6 +119,7 @@ def test_sim_cli_rejects_bad_profile_file_with_exit_2(tmp_path: Path) -> None:
     assert "unknown key(s) colour" in run.stderr
 
 
-def test_shipped_cpu_tiny_file_matches_the_built_in_profile() -> None:
-    shipped = Path(__file__).resolve().parent.parent / "configs" / "profiles" / "cpu-tiny.yaml"
-    assert load_profile_file(shipped) == PROFILES["cpu-tiny"]
+@pytest.mark.parametrize("name", ["cpu-tiny", "cpu-tiny-avx2"])
+def test_shipped_cpu_tiny_files_match_the_built_in_profiles(name: str) -> None:
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "profiles" / f"{name}.yaml"
+    assert load_profile_file(shipped) == PROFILES[name]
