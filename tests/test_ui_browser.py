@@ -198,6 +198,17 @@ def test_a_finished_fanout_shows_one_bar_per_task_and_one_lane_per_engine(
     hit = 100 * worker["cached_tokens"] / worker["prompt_tokens"]
     assert f"cache hit\n{hit:.1f} %" in text or f"cache hit\t{hit:.1f} %" in text, text
     assert "wait" in text and "duration" in text
+    # The planner's decision, read from the gateway's trace store: the engine it chose with its
+    # estimate, and the engines it weighed against it.
+    spans = get(f"{pool.url}/v1/workflows/{snap['id']}/trace")["spans"]
+    call = next(sp for sp in spans if sp["name"].startswith("chat")
+                and sp["attributes"].get("kvgate.task.id") == "w1")
+    placement = next(sp for sp in spans if sp["name"] == "placement"
+                     and sp["parent_span_id"] == call["span_id"])
+    runners_up = placement["attributes"]["kvgate.placement.runner_up.engines"]
+    assert runners_up and worker["engine"] not in runners_up
+    assert f"placed at (estimate)\n{worker['engine']} " in text.replace("\t", "\n"), text
+    assert "runners-up" in text and all(e in text for e in runners_up), text
     page.screenshot(path=str(artifacts_dir() / "timeline-fanout.png"), full_page=True)
     page.mouse.move(2, 2)
     tip.wait_for(state="hidden")

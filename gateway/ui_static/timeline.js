@@ -256,10 +256,58 @@
     }
     if (view !== current) return;
     current.snapshot = snap;
+    current.placements = await placementsOf(current.id);
+    if (view !== current) return;
     const running = snap.state === "running";
     live.hidden = !running;
     renderWorkflow(current);
     if (running) schedule(refreshWorkflow, current, LIVE_REFRESH_MS);
+  }
+
+  // The planner's decision for each task's call, from the gateway's trace store (the
+  // `placement` span under the task's call): the engine it chose, its estimate, and the
+  // runners-up. Absent when the gateway keeps no traces or the policy makes no estimate.
+  async function placementsOf(id) {
+    let trace;
+    try {
+      trace = await getJson(`${API}/${encodeURIComponent(id)}/trace`);
+    } catch (err) {
+      if (err instanceof AuthNeeded) throw err;
+      return {};
+    }
+    const byId = new Map((trace.spans || []).map((sp) => [sp.span_id, sp]));
+    const taskOf = (sp) => {
+      for (let cur = sp; cur; cur = byId.get(cur.parent_span_id)) {
+        const task = cur.attributes && cur.attributes["kvgate.task.id"];
+        if (task) return task;
+      }
+      return null;
+    };
+    const out = {};
+    for (const sp of trace.spans || []) {
+      const a = sp.attributes || {};
+      if (sp.name !== "placement" || a["kvgate.placement.cost_s"] === undefined) continue;
+      const task = taskOf(sp);
+      if (!task) continue;
+      const engines = a["kvgate.placement.runner_up.engines"] || [];
+      const costs = a["kvgate.placement.runner_up.costs_s"] || [];
+      out[task] = {
+        engine: a["kvgate.engine"],
+        cost: a["kvgate.placement.cost_s"],
+        runnersUp: engines.map((e, i) => ({ engine: e, cost: costs[i] })),
+      };
+    }
+    return out;
+  }
+
+  function placementText(p) {
+    if (!p) return null;
+    return `${p.engine} ${fmtDur(p.cost)}`;
+  }
+
+  function runnersUpText(p) {
+    if (!p || !p.runnersUp.length) return null;
+    return p.runnersUp.map((r) => `${r.engine} ${fmtDur(r.cost)}`).join(", ");
   }
 
   function totals(tasks) {
@@ -660,6 +708,8 @@
         ["output tokens", fmtInt(t.output_tokens)],
         ["after", (t.after || []).length ? t.after.join(", ") : null],
         ["KV moves", (t.kv_moves || []).length ? String(t.kv_moves.length) : null],
+        ["placed at (estimate)", placementText(t.placement)],
+        ["runners-up", runnersUpText(t.placement)],
       ]),
     ];
     if (t.error) parts.push(h("div", { class: "err" }, t.error));
@@ -688,7 +738,8 @@
     if (hovered.kind === "task") {
       const t = view.snapshot.tasks[hovered.key];
       if (!t) return false;
-      tooltip.replaceChildren(...taskTooltip({ id: hovered.key, ...t }));
+      const placement = (view.placements || {})[hovered.key];
+      tooltip.replaceChildren(...taskTooltip({ id: hovered.key, ...t, placement }));
     } else {
       tooltip.replaceChildren(...moveInfo(hovered.move));
     }
