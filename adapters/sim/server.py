@@ -335,8 +335,13 @@ class SimEngine:
     # -- request plumbing -----------------------------------------------------------------------
 
     def _submit(self, prompt_ids: list[int], body: dict[str, Any],
-                priority_header: str | None = None) -> _Stream:
-        """Queue a request in the engine model; its id inside the engine is always unique."""
+                priority_header: str | None, received: float, chat: bool) -> _Stream:
+        """Queue a request in the engine model; its id inside the engine is always unique.
+
+        `received` is when the handler began (engine time): the profile's `request_overhead_s`
+        (plus `chat_overhead_s` for a chat request: vLLM's API-server cost) counts from there,
+        so the sim's own parsing and tokenising are part of it rather than added to it.
+        """
         cfg = self.config
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
@@ -387,7 +392,7 @@ class SimEngine:
             request_id=rid,
             prompt_token_ids=prompt_ids,
             max_tokens=max_tokens,
-            arrival_time=self.now(),
+            arrival_time=received,
             min_tokens=min_tokens,
             ignore_eos=ignore_eos,
             natural_output_len=natural,
@@ -401,9 +406,21 @@ class SimEngine:
             self._peers[rid] = peer
         stream = _Stream(req)
         self._streams[rid] = stream
-        self.model.add_request(req)
-        self._wakeup.set()
+        profile = self.settings.profile
+        overhead = (profile.request_overhead_s + (profile.chat_overhead_s if chat else 0.0)
+                    ) * self.settings.time_scale
+        delay = received + overhead - self.now()
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self._admit, stream)
+        else:
+            self._admit(stream)
         return stream
+
+    def _admit(self, stream: _Stream) -> None:
+        """Hand a request to the engine model, unless its client left in the meantime."""
+        if self._streams.get(stream.request.request_id) is stream:
+            self.model.add_request(stream.request)
+            self._wakeup.set()
 
     def _release(self, stream: _Stream) -> None:
         rid = stream.request.request_id
@@ -472,6 +489,7 @@ class SimEngine:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
+        received = self.now()
         body = await self._json_body(request)
         self._check_n(body)
         messages = body.get("messages")
@@ -486,7 +504,8 @@ class SimEngine:
             )
         except TokenizerError as e:
             raise APIError(400, str(e)) from None
-        stream = self._submit(prompt_ids, body, request.headers.get(PRIORITY_HEADER))
+        stream = self._submit(prompt_ids, body, request.headers.get(PRIORITY_HEADER), received,
+                              chat=True)
         rid = f"chatcmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self.settings.model
@@ -555,10 +574,12 @@ class SimEngine:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions (text or token-id prompt)."""
+        received = self.now()
         body = await self._json_body(request)
         self._check_n(body)
         prompt_ids = self._completion_prompt(body.get("prompt"))
-        stream = self._submit(prompt_ids, body, request.headers.get(PRIORITY_HEADER))
+        stream = self._submit(prompt_ids, body, request.headers.get(PRIORITY_HEADER), received,
+                              chat=False)
         rid = f"cmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self.settings.model

@@ -47,6 +47,9 @@ class TaskShape:
     """The prompt as a later task would see it continued by this task's output."""
     output_tokens: int
     think_time_s: float
+    overhead_s: float = 0.0
+    """The server's latency before the task's request can be scheduled (the profile's request
+    and chat overheads; 0 for the GPU profiles)."""
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,8 @@ def decode_time_lb(profile: EngineProfile, prompt: int, output: int) -> float:
     if n <= 0:
         return 0.0
     ctx_sum = n * (prompt + 1) + n * (n - 1) / 2  # sum of (context + 1) over the steps
-    compute = (n * 2.0 * profile.params + 4.0 * profile.layers * profile.hidden * ctx_sum) / (
-        profile.peak_flops * profile.mfu)
+    attention = 4.0 * profile.layers * profile.hidden * ctx_sum
+    compute = profile.compute_time(n * 2.0 * profile.params + attention, attention)
     memory = (n * profile.weight_bytes + ctx_sum * profile.kv_bytes_per_token) / (
         profile.mem_bandwidth * profile.mbu)
     return n * profile.step_overhead_s + max(compute, memory)
@@ -149,11 +152,12 @@ def _workflow_finish(root: _Node, tasks: Sequence[TaskShape], start: float,
         prompt = sum(n for _, n in t.prompt)
         cached = min(_cached(root, t.prompt, computed, ready), prompt - 1)
         prefill = profile.prefill_time(prompt - cached, cached)
-        done[tid] = ready + prefill + decode_time_lb(profile, prompt, t.output_tokens)
+        scheduled = ready + t.overhead_s
+        done[tid] = scheduled + prefill + decode_time_lb(profile, prompt, t.output_tokens)
         finished = done[tid]
 
-        def prompt_at(upto: int, ready: float = ready, cached: int = cached) -> float:
-            return ready + profile.prefill_time(max(0, upto - cached), cached)
+        def prompt_at(upto: int, scheduled: float = scheduled, cached: int = cached) -> float:
+            return scheduled + profile.prefill_time(max(0, upto - cached), cached)
 
         def extended_at(upto: int, prompt: int = prompt, finished: float = finished) -> float:
             return prompt_at(upto) if upto <= prompt else finished

@@ -34,6 +34,7 @@ from kvgate.bench.virtual import (
     RunResult,
     VirtualRun,
     poisson_arrivals,
+    request_overhead,
     trace_arrivals,
 )
 from kvgate.bench.workloads import (
@@ -141,7 +142,8 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
     for wf in workflows:
         ordered = _topological(wf)
         shapes.append((wf.id, [TaskShape(t.id, t.after, *builder.shape(wf, t), t.output_tokens,
-                                         t.think_time_s) for t in ordered]))
+                                         t.think_time_s, request_overhead(profile, t))
+                               for t in ordered]))
     arrivals = load.arrivals
     bound = lower_bound(shapes, profile, o.engines,
                         arrivals.__getitem__ if arrivals is not None else None, concurrency)

@@ -150,6 +150,14 @@ def _engine_hasher(
     return block_key(parent, tokens, flat)
 
 
+def request_overhead(profile: EngineProfile, task: BenchTask | None = None) -> float:
+    """The server's latency before a request can be scheduled: the profile's request overhead,
+    plus its chat overhead for a chat task (a trace task is sent as a completion, a KV move's
+    legs, `task` None, as token ids). 0 for the GPU profiles."""
+    chat = task is not None and not task.blocks
+    return profile.request_overhead_s + (profile.chat_overhead_s if chat else 0.0)
+
+
 def _merged_removals(events: list[KVEvent]) -> list[KVEvent]:
     """A step's events with each run of consecutive BlockRemoved merged into one event.
 
@@ -528,6 +536,9 @@ class VirtualRun:
             elif kind == "pulled":
                 assert isinstance(data, tuple)
                 self.fleet.pulled(*data)
+            elif kind == "admit":
+                assert isinstance(data, tuple)
+                self.fleet.add(*data)
             elif kind == "wakeup":
                 if self._wakeup_at == t:
                     self._wakeup_at = None
@@ -644,12 +655,21 @@ class VirtualRun:
         out_piece = self.builder.output_piece(wf, task)
         self._live[rid] = _Live(record, wf, task, route, out_piece.ids, out_piece, w.token_ids)
         same_blocks = self.config.block_size == self.block_size
-        self.fleet.add(engine_name, SimRequest(
+        self._send(engine_name, SimRequest(
             request_id=rid, prompt_token_ids=list(w.token_ids), max_tokens=task.output_tokens,
             arrival_time=self.now, ignore_eos=True, natural_output_len=task.output_tokens,
             cache_salt=wf.tenant,
             priority=action.priority if action.priority is not None else task.priority,
-            block_hashes=list(route.block_keys) if same_blocks else []))
+            block_hashes=list(route.block_keys) if same_blocks else []), task)
+
+    def _send(self, engine: str, request: SimRequest, task: BenchTask | None = None) -> None:
+        """A request reaches its engine's scheduler after the server's per-request cost
+        (`request_overhead`)."""
+        overhead = request_overhead(self.profile, task)
+        if overhead > 0:
+            self._push(self.now + overhead, "admit", (engine, request))
+        else:
+            self.fleet.add(engine, request)
 
     # -- KV moves -------------------------------------------------------------------------------
 
@@ -678,7 +698,7 @@ class VirtualRun:
             rid, engine = f"{move.move_id}:warm", move.engine
         self._legs[rid] = leg
         produce = isinstance(move, Transfer)
-        self.fleet.add(engine, self._leg_request(rid, leg, remote_decode=produce))
+        self._send(engine, self._leg_request(rid, leg, remote_decode=produce))
 
     def _leg_request(self, rid: str, leg: _Leg, remote_decode: bool = False,
                      remote: RemotePrefill | None = None) -> SimRequest:
@@ -701,7 +721,7 @@ class VirtualRun:
                 return
             rid = f"{move.move_id}:consume"
             self._legs[rid] = leg
-            self.fleet.add(move.destination, self._leg_request(rid, leg, remote=RemotePrefill(
+            self._send(move.destination, self._leg_request(rid, leg, remote=RemotePrefill(
                 move.source, req.request_id, req.exported_block_ids)))
             return
         self.planner.on_event(TransferDone(move.move_id), self.now)
