@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -352,17 +353,17 @@ async def measure_prefill_on_context(p: Prober, shapes: Sequence[tuple[int, int]
 
 async def measure_chat_overhead(p: Prober, words: int, repeats: int) -> float:
     """What a chat request costs beyond a completion of the same prompt token ids (the chat
-    template and tokenising), each alone on a cold cache: the difference of their fastest
-    TTFTs, at least 0."""
-    chat, ids = [], []
-    for _ in range(repeats):
+    template and tokenising), each alone on a cold cache: the median of paired differences
+    (a difference of two noisy minima is noisier), at least 0."""
+    differences = []
+    for _ in range(max(3, repeats)):
         messages = p.chat_messages(words)
         tokens = await p.chat_tokens(messages)
         await p.reset_cache()
-        chat.append(await p.chat_ttft(messages))
+        chat = await p.chat_ttft(messages)
         await p.reset_cache()
-        ids.append((await p.stream(tokens, 1)).ttft_s)
-    return max(0.0, min(chat) - min(ids))
+        differences.append(chat - (await p.stream(tokens, 1)).ttft_s)
+    return max(0.0, statistics.median(differences))
 
 
 async def measure_decode(p: Prober, shapes: Sequence[tuple[int, int]], tokens: int,
