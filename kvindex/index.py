@@ -142,6 +142,14 @@ class InMemoryIndex:
         self._spec_latest: dict[int, float] = {}
         self._spec_unordered: set[int] = set()
 
+    def _drop_speculative(self, bit: int, keys: Sequence[BlockKey]) -> None:
+        """Forget the engine's speculative entries for `keys`."""
+        spec = self._spec.get(bit)
+        if spec:
+            for k in keys:
+                if spec.pop(k, None) is not None:
+                    self._spec_drop(bit, k)
+
     def _spec_drop(self, bit: int, key: BlockKey) -> None:
         mask = self._spec_mask.get(key, 0) & ~(1 << bit)
         if mask:
@@ -169,17 +177,18 @@ class InMemoryIndex:
         """See KVIndexBackend.add."""
         bit = self._bit(engine)
         mask = 1 << bit
-        table = self._tiers.setdefault(tier.upper(), {})
-        spec = self._spec.get(bit)
+        tier = tier.upper()
+        table = self._tiers.setdefault(tier, {})
+        # Confirmed now, so no longer speculative (the two maps are independent: one pass each).
+        self._drop_speculative(bit, keys)
+        get = table.get
         for k in keys:
-            held = table.get(k, 0)
+            held = get(k, 0)
             if held & mask:
-                ck = (tier.upper(), k, bit)
+                ck = (tier, k, bit)
                 self._extra_copies[ck] = self._extra_copies.get(ck, 0) + 1
             else:
                 table[k] = held | mask
-            if spec is not None and spec.pop(k, None) is not None:
-                self._spec_drop(bit, k)
 
     def remove_sync(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
         """See KVIndexBackend.remove; removing an unknown key is a no-op."""
@@ -187,21 +196,22 @@ class InMemoryIndex:
         if bit is None:
             return
         mask = 1 << bit
-        table = self._tiers.get(tier.upper())
-        spec = self._spec.get(bit)
+        tier = tier.upper()
+        table = self._tiers.get(tier)
+        self._drop_speculative(bit, keys)
+        if table is None:
+            return
+        extra_copies = self._extra_copies
         for k in keys:
-            if spec is not None and spec.pop(k, None) is not None:
-                self._spec_drop(bit, k)
-            if table is None:
-                continue
-            ck = (tier.upper(), k, bit)
-            extra = self._extra_copies.get(ck)
-            if extra:
-                if extra == 1:
-                    del self._extra_copies[ck]
-                else:
-                    self._extra_copies[ck] = extra - 1
-                continue
+            if extra_copies:
+                ck = (tier, k, bit)
+                extra = extra_copies.get(ck)
+                if extra:
+                    if extra == 1:
+                        del extra_copies[ck]
+                    else:
+                        extra_copies[ck] = extra - 1
+                    continue
             held = table.get(k, 0)
             if held & mask:
                 held &= ~mask

@@ -354,6 +354,9 @@ class EventIngestor:
             added = chain_keys(ev.token_ids, B, extras, parent=tail, first_block_index=blocks)
             per = bs // B
             compact = per == 1 and ev.lora_name is None and tier == DEFAULT_TIER
+            if compact and self._remember_new(state, ev.block_hashes, added):
+                ops.append(AddKeys(engine, tuple(added), tier))
+                return
             for j, h in enumerate(ev.block_hashes):
                 keys = added[j * per:(j + 1) * per]
                 blocks += per
@@ -393,23 +396,38 @@ class EventIngestor:
             chain.copies += 1
             state.blocks[h] = chain
 
+    def _remember_new(
+        self, state: _EngineState, hashes: Sequence[EngineHash], keys: Sequence[BlockKey]
+    ) -> bool:
+        """`_remember` each hash with its compact key in one pass, if none is known yet (the
+        usual BlockStored); False, with nothing recorded, if any is (a copy: one at a time)."""
+        fresh = dict(zip(hashes, keys, strict=True))
+        if len(fresh) != len(hashes) or not state.blocks.keys().isdisjoint(fresh):
+            return False
+        state.blocks.update(fresh)
+        self.stats.blocks_stored += len(fresh)
+        return True
+
     def _removed(self, state: _EngineState, ev: BlockRemoved, removed: list[BlockKey]) -> None:
         """Collect the index keys of the removed blocks into `removed`."""
         blocks = state.blocks
+        unknown = 0
+        keep = removed.append
         for h in ev.block_hashes:
             existing = blocks.get(h)
             if existing is None:
-                self.stats.unknown_removals += 1
+                unknown += 1
                 continue
-            self.stats.blocks_removed += 1
             if isinstance(existing, int):
-                removed.append(existing)
+                keep(existing)
                 del blocks[h]
                 continue
             removed.extend(existing.keys)
             existing.copies -= 1
             if existing.copies <= 0:
                 del blocks[h]
+        self.stats.unknown_removals += unknown
+        self.stats.blocks_removed += len(ev.block_hashes) - unknown
 
 
 def _as_chain(state: _BlockState) -> _Chain:

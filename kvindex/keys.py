@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain, pairwise
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
@@ -154,18 +154,21 @@ def chain_keys(
     packed = _pack_tokens(token_ids[: num_blocks * block_size])
     stride = 4 * block_size
     count = block_size.to_bytes(4, "little")
+    first_extra = _extra_bytes(extras.for_block(first_block_index))
+    key = xxh3_64_intdigest(
+        b"".join((_parent_prefix(parent), count, packed[:stride], first_extra))
+    )
+    keys = [key]
+    # Every later block has a parent and the same extras: the loop is `_parent_prefix` inlined,
+    # as an engine's BlockStored of a whole long prompt chains thousands of blocks here.
     later_extra = _extra_bytes(extras.for_block(first_block_index + 1))
-    keys: list[BlockKey] = []
-    for i in range(num_blocks):
-        extra = (
-            later_extra if i else _extra_bytes(extras.for_block(first_block_index))
+    join = b"".join
+    for start in range(stride, num_blocks * stride, stride):
+        key = xxh3_64_intdigest(
+            join((_CHILD_TAG, key.to_bytes(8, "little"), count,
+                  packed[start : start + stride], later_extra))
         )
-        parent = xxh3_64_intdigest(
-            b"".join(
-                (_parent_prefix(parent), count, packed[i * stride : (i + 1) * stride], extra)
-            )
-        )
-        keys.append(parent)
+        keys.append(key)
     return keys
 
 
@@ -315,7 +318,7 @@ def _probe_texts(tokens: list[str]) -> list[str]:
 class _Node:
     """State after one more segment: the segment's ids and the keys of blocks it completes."""
 
-    __slots__ = ("children", "cost", "ids", "keys", "parent", "segment")
+    __slots__ = ("children", "cost", "ids", "keys", "parent", "segment", "whole")
 
     def __init__(
         self,
@@ -330,6 +333,9 @@ class _Node:
         self.keys = keys
         self.children: dict[str, _Node] = {}
         self.cost = _NODE_BYTES + len(segment) + _ITEM_BYTES * (len(ids) + len(keys))
+        self.whole: _Prefix | None = None
+        """All ids and keys from the root through this node, while the node ends one of the
+        keyer's most recent prompts or is the one before its end."""
 
 
 _NODE_IDS = attrgetter("ids")
@@ -340,13 +346,29 @@ _NODE_BYTES = 200
 _ITEM_BYTES = 36
 
 _RootKey = tuple[str, bool, bool, KeyExtras]
+_Whole = tuple[tuple[int, ...], tuple[BlockKey, ...]]
+
+
+class _Prefix(NamedTuple):
+    """The leading `num_ids` ids and `num_keys` keys of a whole prompt's."""
+
+    whole: _Whole
+    num_ids: int
+    num_keys: int
+
+
+_WHOLE_PROMPTS = 32
+"""Recent prompts whose whole ids and keys stay at their last two nodes: a prompt that extends
+one (a conversation's next turn, which replaces the last segment, the generation prompt or a
+partial block, and adds more) copies that state rather than gathering thousands of nodes'."""
 
 
 class PromptKeyer:
     """Token ids and block keys of chat and completion prompts, caching repeated prefixes.
 
     The cache holds about `cache_bytes` (prefix text plus ids and keys), least recently used
-    first out; 0 disables it. Thread-safe.
+    first out; 0 disables it. Besides, the last `_WHOLE_PROMPTS` prompts keep their whole ids and
+    keys (references to the same int objects). Thread-safe.
     """
 
     def __init__(
@@ -364,6 +386,7 @@ class PromptKeyer:
         self._roots: dict[_RootKey, _Node] = {}
         self._root_keys: dict[_Node, _RootKey] = {}
         self._lru: OrderedDict[_Node, None] = OrderedDict()
+        self._wholes: OrderedDict[_Node, None] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
 
@@ -430,9 +453,9 @@ class PromptKeyer:
         ids, keys = self._walk(("text", piecewise is not None, special, extras), pre, segments,
                                encode)
         if post:
-            ids.extend(post)
-            keys.extend(self._continue(ids, keys, extras))
-        return PromptKeys(tuple(ids), tuple(keys), text)
+            ids += post
+            keys += tuple(self._continue(ids, keys, extras))
+        return PromptKeys(ids, keys, text)
 
     def pieces(
         self, pieces: Sequence[tuple[str, Sequence[int]]], extras: KeyExtras = NO_EXTRAS
@@ -442,14 +465,13 @@ class PromptKeyer:
         For callers that know how a prompt is built (the benchmark, workflows): equal names must
         mean equal ids. Shares the cache with nothing else; `text` is "".
         """
-        by_key = dict(pieces)
-
         def encode(rest: Sequence[str]) -> list[list[int]]:
-            return [list(by_key[k]) for k in rest]
+            # The segments not cached are the last pieces.
+            return [list(ids) for _, ids in pieces[len(pieces) - len(rest) :]]
 
         ids, keys = self._walk(("pieces", False, False, extras), (), [k for k, _ in pieces],
                                encode)
-        return PromptKeys(tuple(ids), tuple(keys), "")
+        return PromptKeys(ids, keys, "")
 
     def _walk(
         self,
@@ -457,24 +479,31 @@ class PromptKeyer:
         pre: tuple[int, ...],
         segments: Sequence[str],
         encode: Callable[[Sequence[str]], list[list[int]]],
-    ) -> tuple[list[int], list[BlockKey]]:
+    ) -> _Whole:
         """Ids and keys after `segments`, from the cached state of their longest known prefix;
         `encode` tokenises the segments not yet cached."""
         extras = root_key[3]
         with self._lock:
             node = root = self._root(root_key, pre)
             path: list[_Node] = []
+            start = _Prefix((root.ids, root.keys), len(root.ids), len(root.keys))
+            known = 0
             for segment in segments:
                 child = node.children.get(segment)
                 if child is None:
                     break
                 path.append(child)
                 node = child
-            # Long prompts walk thousands of nodes: concatenate their state in C-level passes.
-            ids = list(root.ids)
-            ids.extend(chain.from_iterable(map(_NODE_IDS, path)))
-            keys = list(root.keys)
-            keys.extend(chain.from_iterable(map(_NODE_KEYS, path)))
+                if child.whole is not None:
+                    start, known = child.whole, len(path)
+            # Long prompts walk thousands of nodes: concatenate their state in C-level passes,
+            # from the longest recent prompt on the path.
+            ids = list(start.whole[0])
+            del ids[start.num_ids :]
+            ids.extend(chain.from_iterable(map(_NODE_IDS, path[known:])))
+            keys = list(start.whole[1])
+            del keys[start.num_keys :]
+            keys.extend(chain.from_iterable(map(_NODE_KEYS, path[known:])))
             rest = segments[len(path) :]
             for segment, segment_ids in zip(rest, encode(rest) if rest else [], strict=True):
                 ids.extend(segment_ids)
@@ -489,10 +518,26 @@ class PromptKeyer:
             # Leaf first, so a node is always more recent than its descendants and the least
             # recently used node is a leaf.
             deque(map(self._lru.move_to_end, reversed(path)), maxlen=0)
+            whole = (tuple(ids), tuple(keys))
+            if path:
+                last = path[-1]
+                self._keep_whole(last, _Prefix(whole, len(ids), len(keys)))
+                if len(path) > 1:
+                    self._keep_whole(path[-2], _Prefix(whole, len(ids) - len(last.ids),
+                                                       len(keys) - len(last.keys)))
             self._evict()
             if not root.children:
                 self._drop_root(root)
-        return ids, keys
+        return whole
+
+    def _keep_whole(self, node: _Node, prefix: _Prefix) -> None:
+        """Keep `prefix` at its node, dropping the least recent beyond the limit."""
+        node.whole = prefix
+        self._wholes[node] = None
+        self._wholes.move_to_end(node)
+        while len(self._wholes) > 2 * _WHOLE_PROMPTS:
+            oldest, _ = self._wholes.popitem(last=False)
+            oldest.whole = None
 
     def _continue(
         self, ids: Sequence[int], keys: Sequence[BlockKey], extras: KeyExtras
@@ -525,6 +570,9 @@ class PromptKeyer:
             assert parent is not None and not victim.children
             del parent.children[victim.segment]
             self._used -= victim.cost
+            if victim.whole is not None:
+                victim.whole = None
+                del self._wholes[victim]
             if parent.parent is None and not parent.children:
                 self._drop_root(parent)
 

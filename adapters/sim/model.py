@@ -123,10 +123,20 @@ class _PrefixMemo:
     req: SimRequest
     max_blocks: int
     mark: tuple[int, int]
-    hashes: set[BlockHash]
     hits: list[KVBlock]
     ref_changes: int
     reusable_free: int
+    hashes: set[BlockHash] | None = None
+    """The hits' hashes, built when first needed: most heads are admitted in the step that
+    looked them up, and their memo is never consulted."""
+
+    def stale(self, pool: BlockPool) -> bool:
+        """Whether a hit may have lost its cached copy since the lookup."""
+        if pool.mark() == self.mark:
+            return False
+        if self.hashes is None:
+            self.hashes = set(self.req.block_hashes[: len(self.hits)])
+        return pool.removed_since(self.mark, self.hashes)
 
 
 def _consume(it: Iterable[object]) -> None:
@@ -171,7 +181,11 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         # vLLM keeps every physical block under its hash: two requests that computed the same
         # block at once both hold a cached copy, each announced and each removed on its own.
-        self._cached: dict[BlockHash, dict[int, KVBlock]] = {}
+        # `_cached` holds each hash's oldest copy, the one a lookup finds; `_copies` all copies
+        # (oldest first) of the rare hashes with more than one, so the common lookup of a long
+        # prompt is one dict probe per block.
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._copies: dict[BlockHash, dict[int, KVBlock]] = {}
         self.events: list[KVEvent] = []
         # Hashes that lost a cached copy since `_removed_epoch` began, and a count of ref-count
         # changes by `touch` and `free`: what lets the engine reuse its waiting head's lookup.
@@ -196,8 +210,7 @@ class BlockPool:
 
     def lookup(self, block_hash: BlockHash) -> KVBlock | None:
         """A cached block with this hash, if any."""
-        copies = self._cached.get(block_hash)
-        return next(iter(copies.values())) if copies else None
+        return self._cached.get(block_hash)
 
     def mark(self) -> tuple[int, int]:
         """A point in the pool's history of cached-copy removals (see `removed_since`)."""
@@ -211,19 +224,25 @@ class BlockPool:
             return True
         return not hashes.isdisjoint(self._removed[at:])
 
-    def _log_removal(self, block_hash: BlockHash) -> None:
-        if len(self._removed) >= _REMOVAL_LOG:
-            self._removed.clear()
-            self._removed_epoch += 1
-        self._removed.append(block_hash)
+    def _log_removals(self, block_hashes: list[BlockHash]) -> None:
+        """Append to the removal history, starting a new epoch whenever it is full."""
+        removed = self._removed
+        at = 0
+        while at < len(block_hashes):
+            room = _REMOVAL_LOG - len(removed)
+            if room <= 0:
+                removed.clear()
+                self._removed_epoch += 1
+                room = _REMOVAL_LOG
+            removed.extend(block_hashes[at : at + room])
+            at += room
 
     def cached_run(self, block_hashes: Iterable[BlockHash]) -> list[KVBlock]:
         """Cached blocks of the longest leading run of `block_hashes` that are all cached (the
         first copy of each, as `lookup` gives it)."""
-        # A hash's copies dict is never left empty, so truthiness is "cached".
+        # A KVBlock is always truthy, so the run ends at the first miss (None).
         found = map(self._cached.get, block_hashes)
-        runs = cast("Iterable[dict[int, KVBlock]]", takewhile(bool, found))
-        return list(map(next, map(iter, map(dict.values, runs))))
+        return cast("list[KVBlock]", list(takewhile(bool, found)))
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on cached blocks a request reuses (they leave the free queue)."""
@@ -244,17 +263,22 @@ class BlockPool:
         ids = list(islice(free, n))
         _consume(map(free.__delitem__, ids))
         out = list(map(self.blocks.__getitem__, ids))
+        cached, copies = self._cached, self._copies
+        evicted: list[BlockHash] = []
         for b in out:
             block_hash = b.block_hash
             if block_hash is not None:
-                copies = self._cached[block_hash]
-                del copies[b.block_id]
-                if not copies:
-                    del self._cached[block_hash]
-                self._log_removal(block_hash)
-                self.events.append(BlockRemoved((block_hash,)))
+                if block_hash in copies:
+                    self._drop_copy(b, block_hash)
+                else:
+                    del cached[block_hash]
+                evicted.append(block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
+        if evicted:
+            # One event per evicted block, in eviction order, as vLLM announces them.
+            self._log_removals(evicted)
+            self.events.extend([BlockRemoved((h,)) for h in evicted])
         return out
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
@@ -269,27 +293,46 @@ class BlockPool:
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (another copy may already be cached)."""
         block.block_hash = block_hash
-        self._cached.setdefault(block_hash, {})[block.block_id] = block
+        oldest = self._cached.setdefault(block_hash, block)
+        if oldest is not block:
+            self._add_copy(oldest, block, block_hash)
 
     def cache_all(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash]) -> None:
         """`cache` each block under the hash at the same position."""
         cached = self._cached
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             block.block_hash = block_hash
-            copies = cached.get(block_hash)
-            if copies is None:
-                cached[block_hash] = {block.block_id: block}
-            else:
-                copies[block.block_id] = block
+            oldest = cached.setdefault(block_hash, block)
+            if oldest is not block:
+                self._add_copy(oldest, block, block_hash)
+
+    def _add_copy(self, oldest: KVBlock, block: KVBlock, block_hash: BlockHash) -> None:
+        copies = self._copies.get(block_hash)
+        if copies is None:
+            self._copies[block_hash] = {oldest.block_id: oldest, block.block_id: block}
+        else:
+            copies[block.block_id] = block
+
+    def _drop_copy(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Drop one of a hash's several cached copies; the oldest remaining is what lookups
+        find."""
+        copies = self._copies[block_hash]
+        del copies[block.block_id]
+        self._cached[block_hash] = next(iter(copies.values()))
+        if len(copies) == 1:
+            del self._copies[block_hash]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no request holds a block."""
         if self.num_free != self.num_blocks:
             return False
-        for copies in self._cached.values():
+        for b in self._cached.values():
+            b.block_hash = None
+        for copies in self._copies.values():
             for b in copies.values():
                 b.block_hash = None
         self._cached.clear()
+        self._copies.clear()
         self._removed.clear()
         self._removed_epoch += 1
         self.events.append(AllBlocksCleared())
@@ -630,17 +673,18 @@ class EngineModel:
         pool = self.pool
         memo = self._prefix_memo
         if (memo is None or memo.req is not req or memo.max_blocks != max_blocks
-                or pool.removed_since(memo.mark, memo.hashes)):
+                or memo.stale(pool)):
             hits = pool.cached_run(req.block_hashes[:max_blocks])
-            memo = _PrefixMemo(req, max_blocks, pool.mark(), set(req.block_hashes[: len(hits)]),
-                               hits, pool.ref_changes, list(map(_REF_CNT, hits)).count(0))
+            memo = _PrefixMemo(req, max_blocks, pool.mark(), hits, pool.ref_changes,
+                               list(map(_REF_CNT, hits)).count(0))
             self._prefix_memo = memo
             return hits, memo.reusable_free
         known = len(memo.hits)
         more = pool.cached_run(islice(req.block_hashes, known, max_blocks))
         if more:
             memo.hits = memo.hits + more
-            memo.hashes.update(req.block_hashes[known : len(memo.hits)])
+            if memo.hashes is not None:
+                memo.hashes.update(req.block_hashes[known : len(memo.hits)])
         memo.mark = pool.mark()
         if more or memo.ref_changes != pool.ref_changes:
             memo.ref_changes = pool.ref_changes

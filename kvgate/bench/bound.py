@@ -89,15 +89,12 @@ def lower_bound(
     root = _Node(0)
     for wf_id, tasks in workflows:
         for t in tasks:
-            for seq in (t.prompt, t.extended):
-                node = root
-                for key, n in seq:
-                    child = node.children.get(key)
-                    if child is None:
-                        child = node.children[key] = _Node(n, wf_id)
-                    elif child.workflow != wf_id:
-                        child.shared_across = True
-                    node = child
+            end = _insert(root, t.prompt, wf_id)
+            # Inserting the prompt again as the extended sequence's head would change nothing.
+            if _extends(t.extended, t.prompt):
+                _insert(end, t.extended[len(t.prompt):], wf_id)
+            else:
+                _insert(root, t.extended, wf_id)
     unique_tokens = _tokens(root)
     jct: dict[str, float] = {}
     ends: list[float] = []
@@ -116,6 +113,22 @@ def lower_bound(
         makespan = max(max(paths, default=0.0), sum(paths) / max(1, concurrency or 1), capacity)
     mean = sum(jct.values()) / len(jct) if jct else 0.0
     return LowerBound(jct, mean, makespan, capacity)
+
+
+def _insert(node: _Node, seq: PieceSeq, wf_id: str) -> _Node:
+    """Add `seq` below `node` as a prefix `wf_id`'s tasks have; returns its last node."""
+    for key, n in seq:
+        child = node.children.get(key)
+        if child is None:
+            child = node.children[key] = _Node(n, wf_id)
+        elif child.workflow != wf_id:
+            child.shared_across = True
+        node = child
+    return node
+
+
+def _extends(seq: PieceSeq, head: PieceSeq) -> bool:
+    return len(seq) >= len(head) and seq[:len(head)] == head
 
 
 def _tokens(node: _Node) -> int:
@@ -162,8 +175,12 @@ def _workflow_finish(root: _Node, tasks: Sequence[TaskShape], start: float,
         def extended_at(upto: int, prompt: int = prompt, finished: float = finished) -> float:
             return prompt_at(upto) if upto <= prompt else finished
 
-        _mark(root, t.prompt, computed, prompt_at)
-        _mark(root, t.extended, computed, extended_at)
+        end = _mark(root, t.prompt, computed, prompt_at, cached, ready)
+        if _extends(t.extended, t.prompt):
+            # The extended sequence's head is the prompt, marked just now with the same times.
+            _mark(end, t.extended[len(t.prompt):], computed, extended_at, upto=prompt)
+        else:
+            _mark(root, t.extended, computed, extended_at)
         for s in dependents[tid]:
             waiting[s] -= 1
             ready_at[s] = max(ready_at.get(s, start), done[tid])
@@ -188,14 +205,18 @@ def _cached(root: _Node, seq: PieceSeq, computed: dict[int, float], ready: float
     return cached
 
 
-def _mark(root: _Node, seq: PieceSeq, computed: dict[int, float],
-          at: Callable[[int], float]) -> None:
-    """Record when each prefix of `seq` is computed: `at(tokens up to its end)`; the earliest
-    time wins (a prompt's leading chunks are in cache before its last one)."""
-    node, upto = root, 0
+def _mark(node: _Node, seq: PieceSeq, computed: dict[int, float],
+          at: Callable[[int], float], free: int = -1, free_at: float = 0.0,
+          upto: int = 0) -> _Node:
+    """Record when each prefix of `seq` (below `node`, which ends `upto` tokens in) is
+    computed: `at(tokens up to its end)`, known to be `free_at` up to `free` tokens (served
+    from cache: no prefill time); the earliest time wins (a prompt's leading chunks are in
+    cache before its last one). Returns the last node."""
+    inf = float("inf")
     for key, n in seq:
         node = node.children[key]
         upto += n
-        when = at(upto)
-        if computed.get(id(node), float("inf")) > when:
+        when = free_at if upto <= free else at(upto)
+        if computed.get(id(node), inf) > when:
             computed[id(node)] = when
+    return node

@@ -15,8 +15,10 @@ import gc
 import heapq
 import itertools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import cast
 
 from adapters.sim.link import LinkModel
 from adapters.sim.model import (
@@ -167,18 +169,18 @@ def _merged_removals(events: list[KVEvent]) -> list[KVEvent]:
     step was a large share of a long-context run.
     """
     out: list[KVEvent] = []
-    run: list[int] = []
-    for event in events:
-        if type(event) is BlockRemoved:
-            run.extend(event.block_hashes)
-            continue
-        if run:
-            out.append(BlockRemoved(tuple(run)))
-            run = []
-        out.append(event)
-    if run:
-        out.append(BlockRemoved(tuple(run)))
+    for kind, run in itertools.groupby(events, type):
+        if kind is BlockRemoved:
+            removed = cast("Iterable[BlockRemoved]", run)
+            out.append(BlockRemoved(tuple(itertools.chain.from_iterable(
+                map(_REMOVED_HASHES, removed)))))
+        else:
+            out.extend(run)
     return out
+
+
+_REMOVED_HASHES = attrgetter("block_hashes")
+_PIECE_IDS = attrgetter("ids")
 
 
 @dataclass
@@ -382,7 +384,8 @@ class PromptBuilder:
         as the message it renders; the template's framing (BOS, tools) is static and its
         generation prompt transient. Trace prompts (blocks, no messages) are transient."""
         if task.blocks:
-            return tag_parts([("transient", sum(len(p.ids) for p in pieces))], block_size)
+            return tag_parts([("transient", sum(map(len, map(_PIECE_IDS, pieces))))],
+                             block_size)
         readers: dict[str, int] = {}
         for t in wf.tasks:
             for dep in t.after:

@@ -408,6 +408,9 @@ class _Replay:
     max_think_s: float
     max_tokens: int
     clipped: int = 0
+    pieces: dict[tuple[object, ...], Piece] = field(default_factory=dict)
+    """Block pieces by ("cc-static", model, position) for static blocks, (session, hash id) for
+    the rest: every turn repeats its session's earlier blocks, so most lookups hit here."""
 
 
 def _cc_requests(entries: list[dict[str, Any]], session: str, rp: _Replay, static_tokens: int,
@@ -427,9 +430,14 @@ def _cc_requests(entries: list[dict[str, Any]], session: str, rp: _Replay, stati
         n_in, n_out, cut = _clip(n_in, max(1, int(r["out"])), rp.max_tokens)
         rp.clipped += cut
         static_blocks = static_tokens // block
-        keys = [f"cc-static:{model}:{j}" if j < static_blocks else f"cc:{session}:{h}"
-                for j, h in enumerate(hids)]
-        pieces = list(_blocks(rp.vocab, keys, block, n_in))
+        pieces: list[Piece] = []
+        for j, h in enumerate(hids[: n_in // block]):
+            at = ("cc-static", model, j) if j < static_blocks else (session, h)
+            piece = rp.pieces.get(at)
+            if piece is None:
+                key = f"cc-static:{model}:{j}" if j < static_blocks else f"cc:{session}:{h}"
+                piece = rp.pieces[at] = rp.vocab.piece(key, block)
+            pieces.append(piece)
         tail = n_in - len(pieces) * block
         task_id = f"{prefix}{k}"
         if tail > 0:
