@@ -263,13 +263,22 @@ class Prober:
 
     async def stream(self, prompt: list[int], max_tokens: int) -> StreamTiming:
         """One streamed completion; the arrival time of every chunk that carries text."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
-                "stream": True}
+        return await self._streamed("/v1/completions", {
+            "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
+            "ignore_eos": True})
+
+    async def chat_ttft(self, messages: list[dict[str, str]]) -> float:
+        """TTFT of one streamed chat request (a single output token)."""
+        return (await self._streamed("/v1/chat/completions",
+                                     {"messages": messages, "max_tokens": 1})).ttft_s
+
+    async def _streamed(self, path: str, fields: dict[str, Any]) -> StreamTiming:
+        """POST a streamed, greedy request to `path`; when each chunk with choices arrived."""
+        body = {"model": self.model, **fields, "temperature": 0.0, "stream": True}
         t = StreamTiming(time.perf_counter())
-        async with self.session.post(self.url + "/v1/completions", json=body) as r:
+        async with self.session.post(self.url + path, json=body) as r:
             if r.status != 200:
-                raise CalibrationError(f"POST {self.url}/v1/completions -> {r.status}: "
+                raise CalibrationError(f"POST {self.url}{path} -> {r.status}: "
                                        f"{(await r.text())[:500]}")
             async for raw in r.content:
                 line = raw.strip()
@@ -280,24 +289,8 @@ class Prober:
                 if chunk.get("choices"):
                     t.chunks.append(now)
         if not t.chunks:
-            raise CalibrationError("a streamed completion returned no tokens")
+            raise CalibrationError(f"a streamed request to {path} returned no tokens")
         return t
-
-    async def chat_ttft(self, messages: list[dict[str, str]]) -> float:
-        """TTFT of one streamed chat request (a single output token)."""
-        body = {"model": self.model, "messages": messages, "max_tokens": 1, "stream": True,
-                "temperature": 0.0}
-        start = time.perf_counter()
-        async with self.session.post(self.url + "/v1/chat/completions", json=body) as r:
-            if r.status != 200:
-                raise CalibrationError(f"POST {self.url}/v1/chat/completions -> {r.status}: "
-                                       f"{(await r.text())[:500]}")
-            async for raw in r.content:
-                line = raw.strip()
-                if (line.startswith(b"data:") and line != b"data: [DONE]"
-                        and json.loads(line[5:]).get("choices")):
-                    return time.perf_counter() - start
-        raise CalibrationError("a streamed chat completion returned no tokens")
 
     async def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt token ids the engine renders `messages` to (POST /tokenize)."""

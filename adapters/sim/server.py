@@ -406,9 +406,7 @@ class SimEngine:
             self._peers[rid] = peer
         stream = _Stream(req)
         self._streams[rid] = stream
-        profile = self.settings.profile
-        overhead = (profile.request_overhead_s + (profile.chat_overhead_s if chat else 0.0)
-                    ) * self.settings.time_scale
+        overhead = self.settings.profile.server_latency(chat) * self.settings.time_scale
         delay = received + overhead - self.now()
         if delay > 0:
             asyncio.get_running_loop().call_later(delay, self._admit, stream)

@@ -156,8 +156,7 @@ def request_overhead(profile: EngineProfile, task: BenchTask | None = None) -> f
     """The server's latency before a request can be scheduled: the profile's request overhead,
     plus its chat overhead for a chat task (a trace task is sent as a completion, a KV move's
     legs, `task` None, as token ids). 0 for the GPU profiles."""
-    chat = task is not None and not task.blocks
-    return profile.request_overhead_s + (profile.chat_overhead_s if chat else 0.0)
+    return profile.server_latency(chat=task is not None and not task.blocks)
 
 
 def _merged_removals(events: list[KVEvent]) -> list[KVEvent]:
