@@ -250,6 +250,9 @@ class GatewayConfig(BaseModel):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     scrape_interval_s: float = Field(default=0.5, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
+    health_failure_threshold: int = Field(default=3, ge=1)
+    """Consecutive failed health checks (timeouts, error statuses) before an engine leaves
+    rotation; a refused connection takes it out at once."""
     connect_timeout_s: float = Field(default=5.0, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
     retries: int = Field(default=2, ge=0)

@@ -35,6 +35,8 @@ class EngineState:
     """vLLM's `prefix_cache_queries_total` at the last scrape (tokens)."""
     prefix_hits: float = 0.0
     """vLLM's `prefix_cache_hits_total` at the last scrape."""
+    failed_checks: int = 0
+    """Health checks failed in a row."""
 
 
 class EnginePool:
@@ -47,6 +49,7 @@ class EnginePool:
         scrape_interval_s: float,
         health_interval_s: float,
         notify: Callable[[Event], None] = lambda _: None,
+        health_failure_threshold: int = 3,
     ) -> None:
         self.notify = notify
         """Where what the pool learns goes (the planner, through the gateway state)."""
@@ -56,6 +59,7 @@ class EnginePool:
         self._session = session
         self._scrape_interval = scrape_interval_s
         self._health_interval = health_interval_s
+        self._failure_threshold = health_failure_threshold
         self._tasks: list[asyncio.Task[None]] = []
         self.on_restart: Callable[[str], Awaitable[None]] | None = None
         """Called when a scrape shows the engine process restarted (its cache is gone)."""
@@ -130,7 +134,12 @@ class EnginePool:
         await asyncio.gather(*(self._scrape(e) for e in list(self.engines.values()) if e.healthy))
 
     async def _check(self, state: EngineState) -> None:
+        """One health check. A healthy engine leaves rotation when its port refuses
+        connections (the process is gone) or after `health_failure_threshold` failed checks in
+        a row (timeouts, error statuses): a busy engine whose API server misses one check's
+        deadline keeps its traffic, as behind Kubernetes' `failureThreshold`."""
         timeout = aiohttp.ClientTimeout(total=max(1.0, self._health_interval * 2))
+        refused = False
         try:
             async with self._session.get(f"{state.url}/health", timeout=timeout) as r:
                 ok = r.status == 200
@@ -141,7 +150,14 @@ class EnginePool:
                     state.models = frozenset(m["id"] for m in body.get("data", []))
         except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as e:
             ok = False
+            refused = isinstance(e, aiohttp.ClientConnectorError)
             log.debug("health check of %s failed: %r", state.name, e)
+        state.failed_checks = 0 if ok else state.failed_checks + 1
+        if not ok and state.healthy and not refused \
+                and state.failed_checks < self._failure_threshold:
+            log.info("engine %s missed a health check (%d of %d in a row)", state.name,
+                     state.failed_checks, self._failure_threshold)
+            return
         if ok and not state.healthy:
             log.info("engine %s is healthy (models: %s)", state.name, ", ".join(state.models))
         if not ok and state.healthy:

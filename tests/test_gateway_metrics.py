@@ -44,13 +44,16 @@ def series(samples: Samples, name: str) -> dict[tuple[tuple[str, str], ...], flo
     return {labels: v for (n, labels), v in samples.items() if n == name}
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 20.0,
+             seen: Callable[[], Any] | None = None) -> None:
+    """Poll `condition` until it holds; on a timeout, say what `seen` read last."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
             return
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    last = f" (last seen: {seen()!r})" if seen is not None else ""
+    raise AssertionError(f"timed out waiting for {what}{last}")
 
 
 def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None
@@ -67,21 +70,28 @@ def agent_call(question: str, max_tokens: int = 2) -> dict[str, Any]:
 
 
 class Pool:
-    """Two simulated engines and a gateway that ingests their KV events."""
+    """Two simulated engines and a gateway that ingests their KV events.
+
+    As in a real deployment, each engine also binds a replay socket: PUB/SUB drops what an
+    engine publishes before the gateway's subscription reaches it, and the first call may come
+    that early; the gateway recovers those events by replay (kvgate.gateway.kv_events)."""
 
     def __init__(self, tmp: Path) -> None:
         events = free_port()
         self.sims = []
+        replays = []
         for i in range(2):
-            port = free_port()
+            port, replay = free_port(), free_port()
             child = spawn(f"metrics-sim-{i}", [
                 "sim", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
                 "--seed", str(i), "--kv-events", f"tcp://127.0.0.1:{events}",
+                "--kv-replay", f"tcp://127.0.0.1:{replay}",
                 "--enable-prompt-tokens-details"], f"http://127.0.0.1:{port}", tmp)
             self.sims.append(child)
+            replays.append(f"tcp://127.0.0.1:{replay}")
         port = free_port()
         config = {"host": "127.0.0.1", "port": port, "policy": "kvgate",
-                  "engines": [{"url": s.url, "name": f"sim-{i}"}
+                  "engines": [{"url": s.url, "name": f"sim-{i}", "kv_replay": replays[i]}
                               for i, s in enumerate(self.sims)],
                   "kv_events_bind": f"tcp://127.0.0.1:{events}",
                   "scrape_interval_s": 0.2, "health_interval_s": 0.2}
@@ -197,7 +207,7 @@ def test_static_segment_replicas_count_the_engines_that_hold_it(
         return out
 
     wait_for(lambda: [seg["replicas"] for seg in segments().values()] == [1.0],
-             "one engine to hold the system prompt")
+             "one engine to hold the system prompt", seen=segments)
     (seg,) = segments().values()
     assert seg["calls"] == served["calls"]
     assert seg["blocks"] * 16 <= len(SYSTEM)  # full blocks of the system prompt alone
@@ -207,7 +217,7 @@ def test_static_segment_replicas_count_the_engines_that_hold_it(
     status, _, _ = post(f"{other.url}/v1/chat/completions", agent_call("Elsewhere."))
     assert status == 200
     wait_for(lambda: [seg["replicas"] for seg in segments().values()] == [2.0],
-             "both engines to hold the system prompt")
+             "both engines to hold the system prompt", seen=segments)
 
 
 

@@ -178,7 +178,8 @@ def test_the_planner_copies_a_fanout_parent_to_the_other_engine_over_real_nixl(
         time.sleep(0.2)
         snap = get(f"{gateway}/v1/workflows/{snap['id']}")
     placed = {t: rec["engine"] for t, rec in snap["tasks"].items()}
-    assert snap["state"] == "done", (snap, p.lines[-20:])
+    errors = {t: (rec["state"], rec["engine"], rec["error"]) for t, rec in snap["tasks"].items()}
+    assert snap["state"] == "done", (errors, p.lines[-30:])
 
     def url_of(name: str) -> str:
         return next(u for u in engines if u.removeprefix("http://") == name or u == name)

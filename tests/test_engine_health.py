@@ -1,0 +1,108 @@
+"""The pool's health checks: a busy engine that misses a check keeps its traffic, one that keeps
+failing leaves rotation after `health_failure_threshold` checks, a refused connection at once.
+
+A real aiohttp engine stub on 127.0.0.1 answers `/health` as the test sets it (200, 500, or too
+late for the check's deadline); `gateway.pool.EnginePool` checks it over a real socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.config import EngineEntry
+from gateway.pool import EnginePool
+from kvgate.procs import free_port
+from planner.events import EngineHealth
+
+
+class Stub:
+    """`/health` and `/v1/models` of an engine whose health answer the test chooses."""
+
+    def __init__(self) -> None:
+        self.answer = "ok"  # "ok", "error" or "slow"
+        self.port = free_port()
+        self.runner: web.AppRunner | None = None
+
+    async def health(self, _: web.Request) -> web.Response:
+        if self.answer == "slow":
+            await asyncio.sleep(3.0)  # past the check's 1 s deadline
+        return web.Response(status=200 if self.answer == "ok" else 500)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[Stub]:
+    s = Stub()
+    await s.start()
+    yield s
+    if s.runner is not None:
+        await s.stop()
+
+
+async def checked(pool: EnginePool, times: int) -> list[bool]:
+    """Health after each of `times` checks."""
+    seen = []
+    for _ in range(times):
+        await pool.refresh("e")
+        seen.append(pool.engines["e"].healthy)
+    return seen
+
+
+@pytest.mark.parametrize("answer", ["error", "slow"])
+async def test_an_engine_leaves_rotation_after_the_threshold_of_failed_checks(
+        stub: Stub, answer: str) -> None:
+    events: list[EngineHealth] = []
+    async with aiohttp.ClientSession() as session:
+        pool = EnginePool([EngineEntry(url=f"http://127.0.0.1:{stub.port}", name="e")], session,
+                          scrape_interval_s=10.0, health_interval_s=0.5,
+                          notify=lambda e: events.append(e) if isinstance(e, EngineHealth)
+                          else None, health_failure_threshold=3)
+        assert await checked(pool, 1) == [True]
+        stub.answer = answer
+        assert await checked(pool, 3) == [True, True, False]
+        assert [e.healthy for e in events] == [True, False]
+        # One good answer brings it back and starts the count again.
+        stub.answer = "ok"
+        assert await checked(pool, 1) == [True]
+        stub.answer = answer
+        assert await checked(pool, 2) == [True, True]
+
+
+async def test_a_refused_connection_takes_an_engine_out_at_once(stub: Stub) -> None:
+    async with aiohttp.ClientSession() as session:
+        pool = EnginePool([EngineEntry(url=f"http://127.0.0.1:{stub.port}", name="e")], session,
+                          scrape_interval_s=10.0, health_interval_s=0.5,
+                          health_failure_threshold=3)
+        assert await checked(pool, 1) == [True]
+        await stub.stop()
+        stub.runner = None
+        assert await checked(pool, 1) == [False]
+
+
+async def test_a_threshold_of_one_takes_out_an_engine_on_its_first_miss(stub: Stub) -> None:
+    async with aiohttp.ClientSession() as session:
+        pool = EnginePool([EngineEntry(url=f"http://127.0.0.1:{stub.port}", name="e")], session,
+                          scrape_interval_s=10.0, health_interval_s=0.5,
+                          health_failure_threshold=1)
+        assert await checked(pool, 1) == [True]
+        stub.answer = "error"
+        assert await checked(pool, 1) == [False]
