@@ -12,9 +12,10 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 WORDS = ("agent", "tool", "call", "result", "search", "file", "patch", "test", "error", "plan",
          "read", "write", "shell", "query", "index", "answer", "review", "step", "commit", "diff")
@@ -37,6 +38,47 @@ class RunStats:
     makespan_s: float
     prompt_tokens: int
     completion_tokens: int
+    engine: dict[str, float] = field(default_factory=dict)
+    """Means per request of the engine's own latency histograms over the run (ENGINE_PHASES):
+    where the client's TTFT and e2e went, as the engine itself measured them."""
+
+
+ENGINE_PHASES = {
+    "engine TTFT": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+    "engine e2e": "vllm:e2e_request_latency_seconds",
+}
+"""vLLM's per-request histograms, which `kvgate sim` exports alike."""
+
+
+async def histogram_totals(session: aiohttp.ClientSession,
+                           url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each ENGINE_PHASES histogram on the engine's /metrics, over labels."""
+    async with session.get(url + "/metrics") as r:
+        r.raise_for_status()
+        text = await r.text()
+    totals = {name: [0.0, 0.0] for name in ENGINE_PHASES.values()}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name, total in totals.items():
+                if sample.name == name + "_sum":
+                    total[0] += sample.value
+                elif sample.name == name + "_count":
+                    total[1] += sample.value
+    return {name: (t[0], t[1]) for name, t in totals.items()}
+
+
+def phase_means(before: dict[str, tuple[float, float]],
+                after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean per request of each phase between two `histogram_totals` readings."""
+    out = {}
+    for phase, name in ENGINE_PHASES.items():
+        count = after[name][1] - before[name][1]
+        if count > 0:
+            out[phase] = (after[name][0] - before[name][0]) / count
+    return out
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -87,12 +129,17 @@ async def run_workload(url: str, model: str, concurrency: int, tasks: int = 12,
             while queue:
                 results.append(await _one(session, url, model, system, queue.pop(0)))
 
+        before = await histogram_totals(session, url)
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         makespan = time.perf_counter() - start
+        # vLLM records a request's histograms as its output is processed, after the last
+        # chunk may have reached the client: give it a moment.
+        await asyncio.sleep(0.2)
+        engine = phase_means(before, await histogram_totals(session, url))
     return RunStats(statistics.fmean(r[0] for r in results),
                     statistics.fmean(r[1] for r in results), makespan,
-                    sum(r[2] for r in results), sum(r[3] for r in results))
+                    sum(r[2] for r in results), sum(r[3] for r in results), engine)
 
 
 async def reset_prefix_cache(session: aiohttp.ClientSession, url: str) -> None:
@@ -103,10 +150,22 @@ async def reset_prefix_cache(session: aiohttp.ClientSession, url: str) -> None:
 
 def median_stats(runs: list[RunStats]) -> RunStats:
     """Per-statistic medians of several runs of the same workload."""
+    phases = set.intersection(*(set(r.engine) for r in runs))
     return RunStats(statistics.median(r.mean_ttft_s for r in runs),
                     statistics.median(r.mean_e2e_s for r in runs),
                     statistics.median(r.makespan_s for r in runs),
-                    runs[0].prompt_tokens, runs[0].completion_tokens)
+                    runs[0].prompt_tokens, runs[0].completion_tokens,
+                    {p: statistics.median(r.engine[p] for r in runs) for p in sorted(phases)})
+
+
+def breakdown(sim: RunStats, real: RunStats) -> str:
+    """Client and engine-side means, sim against real, in ms: where a gap comes from."""
+    rows = [("client TTFT", sim.mean_ttft_s, real.mean_ttft_s),
+            ("client e2e", sim.mean_e2e_s, real.mean_e2e_s),
+            *((p, sim.engine[p], real.engine[p]) for p in ENGINE_PHASES
+              if p in sim.engine and p in real.engine)]
+    return ", ".join(f"{name} {s * 1e3:.1f}/{r * 1e3:.1f}" for name, s, r in rows) + \
+        " (ms, sim/real)"
 
 
 async def compare(urls: list[str], model: str, concurrency: int,

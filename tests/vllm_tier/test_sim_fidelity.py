@@ -39,7 +39,7 @@ from kvgate.vllm_engines import (
 )
 from planner.profile_file import profile_to_yaml
 from planner.profiles import EngineProfile, get_profile
-from tests.vllm_tier.agent_workload import RunStats, compare
+from tests.vllm_tier.agent_workload import RunStats, breakdown, compare
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -144,7 +144,7 @@ def test_fitted_sim_tracks_real_vllm(fidelity: Fidelity, concurrency: int) -> No
         fitted = fidelity.fitted
         misses.append(
             ", ".join(f"{k} sim/real {v:.2f}" for k, v in r.items())
-            + f" (real {real}, sim {simulated}; the fit predicts a 1,000-token prefill in "
+            + f" ({breakdown(simulated, real)}; the fit predicts a 1,000-token prefill in "
             f"{fitted.prefill_time(1000) * 1e3:.2f} ms and a 4 x 512 decode step in "
             f"{fitted.decode_step_time(4, 512) * 1e3:.2f} ms, request overhead "
             f"{fitted.request_overhead_s * 1e3:.2f} ms, chat "
