@@ -140,6 +140,19 @@ def test_eviction_takes_least_recently_freed_blocks_first() -> None:
     assert removed[:3] == [stored_a[3], stored_a[2], stored_a[1]]
 
 
+def test_without_removal_per_event_an_allocations_evictions_come_in_one_event() -> None:
+    one_each, merged = BlockPool(4), BlockPool(4, removal_per_event=False)
+    for pool in (one_each, merged):
+        blocks = pool.allocate(4)
+        pool.cache_all(blocks, [11, 12, 13, 14])
+        pool.free(blocks)
+        pool.drain_events()
+        pool.allocate(3)
+    assert one_each.drain_events() == [BlockRemoved((14,)), BlockRemoved((13,)),
+                                       BlockRemoved((12,))]
+    assert merged.drain_events() == [BlockRemoved((14, 13, 12))]
+
+
 def engine_first_hashes(prompt: list[int]) -> list[int]:
     probe = make_engine()
     probe.add_request(request("x", prompt, max_tokens=1))

@@ -175,10 +175,13 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class BlockPool:
     """Paged KV pool with ref counts, a prefix cache keyed by block hash and an LRU free queue."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, removal_per_event: bool = True) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Unreferenced blocks, least recently freed first: the front is evicted first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.removal_per_event = removal_per_event
+        """One BlockRemoved per evicted block, as vLLM announces them; False announces an
+        allocation's evictions in one event (the same index operations, far fewer objects)."""
         # vLLM keeps every physical block under its hash: two requests that computed the same
         # block at once both hold a cached copy, each announced and each removed on its own.
         # `_cached` holds each hash's oldest copy, the one a lookup finds; `_copies` all copies
@@ -276,9 +279,12 @@ class BlockPool:
                 b.block_hash = None
             b.ref_cnt = 1
         if evicted:
-            # One event per evicted block, in eviction order, as vLLM announces them.
+            # In eviction order; one event per block as vLLM announces them, unless merged.
             self._log_removals(evicted)
-            self.events.extend([BlockRemoved((h,)) for h in evicted])
+            if self.removal_per_event:
+                self.events.extend([BlockRemoved((h,)) for h in evicted])
+            else:
+                self.events.append(BlockRemoved(tuple(evicted)))
         return out
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
@@ -492,6 +498,10 @@ class EngineConfig:
     lacks (vLLM's `external_prefix_cache_queries`)."""
     kv_load_failure_policy: str = "recompute"
     """After a failed pull: `recompute` locally, or `fail` the request (vLLM 0.32's default)."""
+    removal_per_event: bool = True
+    """Announce each evicted block in its own BlockRemoved, as vLLM does; False puts an
+    allocation's evictions in one (a consumer that merges runs of removals, as the ingestor
+    does, sees the same; the virtual driver, which encodes every event, sets it)."""
 
     @property
     def scheduling_policy(self) -> str:
@@ -519,7 +529,7 @@ class EngineModel:
         # Any chained hash works (vLLM offers several); a request may arrive with its prompt's
         # leading hashes already computed by the caller with the same function.
         self.hasher = hasher
-        self.pool = BlockPool(config.num_blocks)
+        self.pool = BlockPool(config.num_blocks, config.removal_per_event)
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}

@@ -162,10 +162,11 @@ def request_overhead(profile: EngineProfile, task: BenchTask | None = None) -> f
 def _merged_removals(events: list[KVEvent]) -> list[KVEvent]:
     """A step's events with each run of consecutive BlockRemoved merged into one event.
 
-    The engine announces every evicted block on its own, as vLLM does; the ingestor turns a run
-    of removals into one index operation whichever way they are packed, so the index sees the
-    same operations. Under eviction, encoding and decoding thousands of one-block events per
-    step was a large share of a long-context run.
+    vLLM announces every evicted block on its own; the ingestor turns a run of removals into
+    one index operation whichever way they are packed, so the index sees the same operations.
+    Under eviction, encoding and decoding thousands of one-block events per step was a large
+    share of a long-context run: the driver's engines announce an allocation's evictions in one
+    event (`EngineConfig.removal_per_event` off), and a step's allocations are merged here.
     """
     out: list[KVEvent] = []
     for kind, run in itertools.groupby(events, type):
@@ -263,6 +264,7 @@ class Fleet:
             max_num_seqs=profile.max_num_seqs,
             max_model_len=min(profile.max_model_len, num_blocks * bs),
             eos_token_id=eos_token_id, priority_scheduling=priority_scheduling,
+            removal_per_event=False,
         )
         self.engines = {n: _Engine(n, EngineModel(self.config, profile, sample,
                                                   _engine_hasher)) for n in names}
