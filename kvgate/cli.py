@@ -467,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--base-profile", default="cpu-tiny",
                    help="built-in profile with the model's shape (params, layers, hidden, ...)")
     c.add_argument("--name", help="name of the fitted profile (default: the base profile's)")
-    c.add_argument("--repeats", type=int, default=3, help="runs per probe (the fastest is fitted)")
+    c.add_argument("--repeats", type=int, default=3, help="runs per probe (the median is fitted)")
     c.add_argument("--out", required=True, help="write the profile YAML here")
     c.set_defaults(func=_calibrate)
 
