@@ -10,9 +10,9 @@ cache is reset (`POST /reset_prefix_cache`, vLLM needs VLLM_SERVER_DEV_MODE=1) o
 unavailable, every prompt starts with a token no other prompt starts with. Each probe runs
 `repeats` times and keeps the median: the simulated engine should take what the real one
 typically takes. (Fits to the fastest repeat, as earlier versions made, read the real engine's
-mean TTFT and end-to-end latency on an agent workload 20-25% low: the engine's own run-to-run
-spread is part of its cost. The median still ignores a burst of other load in a minority of
-the repeats.)
+mean TTFT and end-to-end latency on an agent workload 11-21% low in a run on 2026-11-25: the
+engine's own run-to-run spread is part of its cost. The median still ignores a burst of other
+load in a minority of the repeats.)
 
 The fit (`fit_roofline`, pure) treats each sample as one engine step of the base profile's model:
 step = overhead + max(linear flops x c + attention flops x a, bytes x m); it picks each sample's
