@@ -23,7 +23,7 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) build *.egg-info
