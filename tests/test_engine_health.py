@@ -8,7 +8,7 @@ late for the check's deadline); `gateway.pool.EnginePool` checks it over a real 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.config import EngineEntry
 from gateway.pool import EnginePool
 from kvgate.procs import free_port
-from planner.events import EngineHealth
+from planner.events import EngineHealth, Event
 
 
 class Stub:
@@ -58,6 +58,14 @@ async def stub() -> AsyncIterator[Stub]:
         await s.stop()
 
 
+def pool_of(stub: Stub, session: aiohttp.ClientSession, threshold: int,
+            notify: Callable[[Event], None] = lambda _: None) -> EnginePool:
+    """A pool checking the stub alone, as engine "e"."""
+    return EnginePool([EngineEntry(url=f"http://127.0.0.1:{stub.port}", name="e")], session,
+                      scrape_interval_s=10.0, health_interval_s=0.5, notify=notify,
+                      health_failure_threshold=threshold)
+
+
 async def checked(pool: EnginePool, times: int) -> list[bool]:
     """Health after each of `times` checks."""
     seen = []
@@ -72,10 +80,8 @@ async def test_an_engine_leaves_rotation_after_the_threshold_of_failed_checks(
         stub: Stub, answer: str) -> None:
     events: list[EngineHealth] = []
     async with aiohttp.ClientSession() as session:
-        pool = EnginePool([EngineEntry(url=f"http://127.0.0.1:{stub.port}", name="e")], session,
-                          scrape_interval_s=10.0, health_interval_s=0.5,
-                          notify=lambda e: events.append(e) if isinstance(e, EngineHealth)
-                          else None, health_failure_threshold=3)
+        pool = pool_of(stub, session, 3, lambda e: events.append(e)
+                       if isinstance(e, EngineHealth) else None)
         assert await checked(pool, 1) == [True]
         stub.answer = answer
         assert await checked(pool, 3) == [True, True, False]
@@ -89,9 +95,7 @@ async def test_an_engine_leaves_rotation_after_the_threshold_of_failed_checks(
 
 async def test_a_refused_connection_takes_an_engine_out_at_once(stub: Stub) -> None:
     async with aiohttp.ClientSession() as session:
-        pool = EnginePool([EngineEntry(url=f"http://127.0.0.1:{stub.port}", name="e")], session,
-                          scrape_interval_s=10.0, health_interval_s=0.5,
-                          health_failure_threshold=3)
+        pool = pool_of(stub, session, 3)
         assert await checked(pool, 1) == [True]
         await stub.stop()
         stub.runner = None
@@ -100,9 +104,7 @@ async def test_a_refused_connection_takes_an_engine_out_at_once(stub: Stub) -> N
 
 async def test_a_threshold_of_one_takes_out_an_engine_on_its_first_miss(stub: Stub) -> None:
     async with aiohttp.ClientSession() as session:
-        pool = EnginePool([EngineEntry(url=f"http://127.0.0.1:{stub.port}", name="e")], session,
-                          scrape_interval_s=10.0, health_interval_s=0.5,
-                          health_failure_threshold=1)
+        pool = pool_of(stub, session, 1)
         assert await checked(pool, 1) == [True]
         stub.answer = "error"
         assert await checked(pool, 1) == [False]
