@@ -468,7 +468,7 @@ class WorkflowService:
         if not await self.store.create(workflow, tasks):
             raise RuntimeError(f"workflow id {wf_id} collided")  # 64 random bits: never
         self._runs[wf_id] = run
-        self.notify(WorkflowSubmitted(wf_id, task_specs(spec)))
+        self.notify(WorkflowSubmitted(wf_id, task_specs(spec, spec.tenant or "")))
         snapshot = {**workflow, "tasks": json.loads(json.dumps(tasks))}
         driver = asyncio.create_task(self._drive(run))
         self._drivers.add(driver)

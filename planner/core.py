@@ -313,6 +313,8 @@ class Planner:
         self.prefetch = prefetch and self.moves_kv and profile_of is not None
         self.replicate = replicate and self.moves_kv and link.enabled and profile_of is not None
         self.static_demand = StaticDemand()
+        self._static_of: dict[str, dict[str, str]] = {}
+        """Per submitted workflow, its tasks' static segment names (replication demand)."""
         self._children: dict[str, dict[str, int]] = {}
         """Per submitted workflow, each task's number of children (what prefetch plans for)."""
         self._ready: list[Action] = []
@@ -359,8 +361,9 @@ class Planner:
 
     @property
     def wants_workflows(self) -> bool:
-        """The planner uses whole DAGs (`WorkflowSubmitted`): for priorities or prefetch."""
-        return self.priorities is not None or self.prefetch
+        """The planner uses whole DAGs (`WorkflowSubmitted`): for priorities, prefetch or the
+        replication demand they announce."""
+        return self.priorities is not None or self.prefetch or self.replicate
 
     @property
     def buffered(self) -> int:
@@ -444,12 +447,27 @@ class Planner:
                         if len(t.after) == 1:
                             children[t.after[0]] = children.get(t.after[0], 0) + 1
                     self._children[wf] = children
+                if self.replicate:
+                    # A task that opens with its parent's static segment extends the parent's
+                    # context and is placed by it (pulls, prefetch); demand for the segment
+                    # alone comes from root tasks and from sub-agents of another kind.
+                    opens = {t.task: t.static_segment for t in tasks}
+                    named = {t.task: t.static_segment for t in tasks if t.static_segment
+                             and all(opens.get(p) != t.static_segment for p in t.after)}
+                    if named:
+                        counts: dict[str, int] = {}
+                        for name in named.values():
+                            counts[name] = counts.get(name, 0) + 1
+                        self.static_demand.expect(wf, counts)
+                        self._static_of[wf] = named
             case TransferDone(move_id=mid):
                 self._move_over(mid, ok=True, now=now)
             case TransferFailed(move_id=mid):
                 self._move_over(mid, ok=False, now=now)
             case WorkflowOver(workflow=wf):
                 self._children.pop(wf, None)
+                if self._static_of.pop(wf, None) is not None:
+                    self.static_demand.forget(wf)
                 self._lineage.pop(wf, None)
                 if self.priorities is not None:
                     self.priorities.forget(wf)
@@ -785,10 +803,16 @@ class Planner:
         """Count the call's static segment as demanded, and copy it to one more engine if
         fewer hold it than its share of demand calls for (planner/replication.py)."""
         first = req.segments.ranges[0] if req.segments.ranges else None
-        if first is None or first.kind != "static" or first.blocks < REPLICATE_MIN_BLOCKS:
-            return
         route = req.call.route
-        keys = route.block_keys[:first.end]
+        static = first is not None and first.kind == "static"
+        keys = route.block_keys[:first.end] if first is not None and static else ()
+        hints = req.call.hints
+        if hints.workflow is not None and hints.task is not None:
+            name = self._static_of.get(hints.workflow, {}).get(hints.task)
+            if name is not None:
+                self.static_demand.admitted(hints.workflow, name, keys)
+        if len(keys) < REPLICATE_MIN_BLOCKS:
+            return
         self.static_demand.observe(keys, now)
         views = [v for v in self.views() if v.healthy and route.model in v.models]
         wanted = self.static_demand.replicas(keys, len(views), now)

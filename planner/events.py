@@ -98,6 +98,9 @@ class TaskSpec:
     prompt_tokens: int = 0
     output_tokens: int = 0
     think_time_s: float = 0.0
+    static_segment: str = ""
+    """A name for the static segment (system prompt, tools) its prompt opens with, equal for
+    equal content ("" if none): the replication demand the DAG announces ahead."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ Validation names the problem: unknown ids, cycles, dangling `output_of`, an empt
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.events import TaskSpec
+from planner.segments import SYSTEM_ROLES
 
 SegmentKind = Literal["static", "shared", "transient"]
 
@@ -143,9 +145,32 @@ CHARS_PER_TOKEN = 4
 DEFAULT_OUTPUT_TOKENS = 128
 
 
-def task_specs(spec: Workflow) -> tuple[TaskSpec, ...]:
-    """What the planner's priorities need of each task: its dependencies and estimated sizes
-    (prompt text at `CHARS_PER_TOKEN`, parents' outputs at their output limits)."""
+def static_segment_name(spec: Workflow, task: Task, namespace: str = "") -> str:
+    """A name for the static segment `task`'s prompt opens with (the tools it offers and a
+    leading system or static message), equal for equal content within `namespace` (a
+    tenant: its prompts are cached apart); "" if it opens with none."""
+    parts: list[str] = []
+    if task.tools is not None:
+        parts.append(json.dumps(spec.segments[task.tools].tools, sort_keys=True))
+    lead = task.messages[0]
+    if isinstance(lead, SegmentRef):
+        seg = spec.segments[lead.segment]
+        if seg.kind == "static" or seg.role in SYSTEM_ROLES:
+            body = seg.content if seg.content is not None else f"<{seg.tokens} tokens of "\
+                f"{lead.segment}>"
+            parts.append(f"{seg.role}:{body}")
+    elif isinstance(lead, LiteralMessage) and lead.role in SYSTEM_ROLES:
+        parts.append(f"{lead.role}:{lead.content}")
+    if not parts:
+        return ""
+    digest = hashlib.sha256("\0".join([namespace, *parts]).encode()).hexdigest()
+    return digest[:24]
+
+
+def task_specs(spec: Workflow, namespace: str = "") -> tuple[TaskSpec, ...]:
+    """What the planner needs of each task ahead: its dependencies and estimated sizes (prompt
+    text at `CHARS_PER_TOKEN`, parents' outputs at their output limits), for its priorities,
+    and the static segment it opens with, for replication (`namespace`: the tenant)."""
     out_tokens = {t.id: t.output_tokens or t.max_tokens or DEFAULT_OUTPUT_TOKENS
                   for t in spec.tasks}
     specs = []
@@ -161,7 +186,8 @@ def task_specs(spec: Workflow) -> tuple[TaskSpec, ...]:
             elif isinstance(m, OutputOf):
                 prompt += out_tokens[m.output_of]
         specs.append(TaskSpec(t.id, dependencies(t), prompt + chars // CHARS_PER_TOKEN,
-                              out_tokens[t.id], t.think_time_s))
+                              out_tokens[t.id], t.think_time_s,
+                              static_segment_name(spec, t, namespace)))
     return tuple(specs)
 
 

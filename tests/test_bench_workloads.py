@@ -14,7 +14,7 @@ import pytest
 from kvgate.bench.options import BenchOptions
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Vocabulary
 from kvgate.bench.runner import prepare, run_bench
-from kvgate.bench.virtual import PromptBuilder
+from kvgate.bench.virtual import PromptBuilder, static_segment
 from kvgate.bench.workloads import (
     BenchWorkflow,
     OutputRef,
@@ -93,6 +93,25 @@ def test_agent_types_are_distinct_static_prompts_each_workflow_uses_one(
     assert len({s.ids for s in systems}) == 3
     for wf in workflows:
         assert chat(wf, "turn1", 0).content == chat(wf, "turn0", 0).content
+
+
+def test_worker_types_make_the_researchers_sub_agents_of_their_own_kind(
+        vocab: Vocabulary) -> None:
+    args = {**SMALL, "width": "2", "agent_types": "2", "worker_types": "2",
+            "worker_static_tokens": "150", "context_tokens": "300"}
+    workflows = build_workload("fanout", None, args, 8, "m", vocab).workflows
+    for wf in workflows:
+        worker = chat(wf, "research0", 0)
+        assert worker.role == "system" and worker.content.key.startswith("static:")
+        assert worker.content != chat(wf, "plan", 0).content  # not the parent's prompt
+        assert chat(wf, "research1", 0).content == worker.content
+        assert chat(wf, "research0", 1).content.key.startswith("transient:")  # no context
+        # The bench names each task's static segment for the planner's replication demand.
+        assert static_segment(wf.task("research0"), wf.tenant) != \
+            static_segment(wf.task("plan"), wf.tenant)
+    names = {static_segment(wf.task("research0"), wf.tenant) for wf in workflows}
+    assert len(names) == 2  # one per worker type, equal across workflows
+    assert static_segment(wf.task("plan"), "other") != static_segment(wf.task("plan"), None)
 
 
 def test_agent_types_are_drawn_by_the_seed(vocab: Vocabulary) -> None:

@@ -27,11 +27,13 @@ from planner.events import (
     TaskSpec,
     TransferDone,
     TransferFailed,
+    WorkflowOver,
     WorkflowSubmitted,
 )
 from planner.hints import RequestHints
 from planner.policy import Placement, PolicyContext, RouteRequest
 from planner.profiles import get_profile
+from planner.replication import StaticDemand
 from planner.segments import tag_parts
 from planner.transfer import NAMED_LINKS, Pull, TransferLink, parse_link
 
@@ -341,13 +343,17 @@ def test_virtual_run_without_a_link_moves_nothing() -> None:
 # -- replication ---------------------------------------------------------------------------------
 
 
-def static_call(rid: str, system: int, holders: tuple[str, ...] = ("a",)) -> Call:
-    """A call whose prompt opens with static segment `system` (64 blocks), held by `holders`."""
+def static_call(rid: str, system: int, holders: tuple[str, ...] = ("a",),
+                workflow: str | None = None) -> Call:
+    """A call whose prompt opens with static segment `system` (64 blocks), held by `holders`;
+    task `rid` of `workflow` if one is named."""
     keys = (*range(system * 1000, system * 1000 + 64), 10**6 + int(rid[1:]))
     matches = {h: EngineMatch(h, 64, 64, 64.0) for h in holders}
     route = RouteRequest(rid, "m", prompt_tokens=len(keys) * 16, block_keys=keys,
                          matches=matches, max_tokens=16)
-    return Call(route, segments=tag_parts([("static", 64 * 16), ("transient", 16)], 16))
+    hints = RequestHints(workflow=workflow, task=rid if workflow else None)
+    return Call(route, hints=hints,
+                segments=tag_parts([("static", 64 * 16), ("transient", 16)], 16))
 
 
 def replicas_started(p: Planner, now: float) -> list[Transfer]:
@@ -390,6 +396,59 @@ def test_few_calls_are_not_yet_a_share_of_demand() -> None:
     for i in range(7):
         p.admit(static_call(f"r{i}", 1), float(i))
         assert replicas_started(p, float(i)) == []
+
+
+def test_a_submitted_dag_announces_its_demand_before_its_calls_arrive() -> None:
+    """Eight calls of segment 1 make it the whole demand so far; a workflow announcing twelve
+    tasks of segment 2 makes segment 2 most of it: its first call already has it copied,
+    where counting only admitted calls would keep it on its one holder."""
+    def run(announce: bool) -> list[Transfer]:
+        p = replicating_planner()
+        for i in range(8):
+            p.admit(static_call(f"r{i}", 1), float(i))
+            p.release(float(i))
+        tasks = tuple(TaskSpec(f"r{100 + j}", static_segment="system-2" if announce else "")
+                      for j in range(12))
+        p.on_event(WorkflowSubmitted("wf", tasks), 8.0)
+        p.admit(static_call("r100", 2, holders=("b",), workflow="wf"), 8.0)
+        return replicas_started(p, 8.0)
+
+    moves = run(announce=True)
+    assert [(m.source, m.block_keys) for m in moves] == [("b", tuple(range(2000, 2064)))]
+    assert run(announce=False) == []
+
+
+def test_only_tasks_that_do_not_extend_a_parent_of_their_kind_announce_demand() -> None:
+    """A child opening with its parent's static segment is placed by the parent's context;
+    sub-agents of another kind need their own segment where they will run."""
+    p = replicating_planner()
+    p.on_event(WorkflowSubmitted("wf", (
+        TaskSpec("r1", static_segment="A"),
+        *(TaskSpec(f"r{2 + j}", after=("r1",), static_segment="B") for j in range(4)),
+        TaskSpec("r9", after=("r1", "r2"), static_segment="A"))), 0.0)
+    p.admit(static_call("r1", 1, workflow="wf"), 0.0)
+    p.admit(static_call("r2", 2, holders=("b",), workflow="wf"), 0.0)
+    assert p.static_demand.expected(tuple(range(1000, 1064))) == 0  # r9 extends r1
+    assert p.static_demand.expected(tuple(range(2000, 2064))) == 3
+    p.on_event(WorkflowOver("wf"), 1.0)
+    assert p.static_demand.expected(tuple(range(2000, 2064))) == 0
+
+
+def test_announced_demand_ends_with_its_calls_or_its_workflow() -> None:
+    demand = StaticDemand()
+    keys = tuple(range(2000, 2064))
+    demand.expect("wf", {"s": 3})
+    demand.expect("wf2", {"s": 2})
+    demand.admitted("wf", "s", keys)
+    assert demand.expected(keys) == 4  # bound to its keys by the admitted call
+    demand.forget("wf2")
+    assert demand.expected(keys) == 2
+    demand.admitted("wf", "s", keys)
+    demand.admitted("wf", "s", keys)
+    demand.admitted("wf", "s", keys)  # more calls than announced: nothing goes negative
+    assert demand.expected(keys) == 0
+    demand.observe(keys, 0.0)
+    assert demand.replicas(keys, 4, 0.0) == 1  # one call seen, none ahead: not yet a share
 
 
 @pytest.mark.parametrize("name,link", [("kvgate-no-replicate", NAMED_LINKS["rdma"]),

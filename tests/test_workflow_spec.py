@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.workflow import OutputOf, WorkflowError, load_workflow
+from planner.workflow import OutputOf, WorkflowError, load_workflow, task_specs
 
 
 def fanout(workers: int = 3) -> dict[str, Any]:
@@ -37,6 +37,20 @@ def test_a_fanout_workflow_validates_and_orders_its_tasks() -> None:
     assert order[0] == "plan" and order[-1] == "reduce"
     assert set(wf.graph().predecessors("reduce")) == {"w0", "w1", "w2"}
     assert isinstance(wf.task("w1").messages[1], OutputOf)
+
+
+def test_tasks_name_the_static_segment_they_open_with() -> None:
+    """Replication demand announced ahead: equal static content, equal name; a tenant's
+    names are its own; a task that opens with no static message names none."""
+    doc = fanout()
+    doc["tasks"].append({"id": "free", "messages": [{"role": "user", "content": "Hi."}]})
+    specs = {t.task: t for t in task_specs(load_workflow(doc))}
+    assert specs["plan"].static_segment and specs["free"].static_segment == ""
+    assert specs["w0"].static_segment == specs["w1"].static_segment  # the same tools, too
+    assert specs["plan"].static_segment != specs["w0"].static_segment  # w* offer tools
+    assert specs["reduce"].static_segment == specs["plan"].static_segment
+    other = {t.task: t for t in task_specs(load_workflow(doc), "tenant-b")}
+    assert other["plan"].static_segment != specs["plan"].static_segment
 
 
 def test_a_cycle_is_named_with_its_path() -> None:

@@ -355,6 +355,17 @@ class Fleet:
             t = upto
 
 
+def static_segment(task: BenchTask, tenant: str | None) -> str:
+    """A name for the static segment the task's prompt opens with (its tools and leading
+    system message; equal content of one tenant, equal name), "" if it opens with none."""
+    lead = task.messages[0] if task.messages else None
+    system = (f"{lead.role}:{lead.content.key}" if isinstance(lead, ChatMessage)
+              and lead.role in SYSTEM_ROLES else "")
+    if not system and not task.tools_key:
+        return ""
+    return f"{tenant or ''}|{task.tools_key or ''}|{system}"
+
+
 class PromptBuilder:
     """Materialises task prompts (with their parents' outputs) as pieces, text and keys."""
 
@@ -591,7 +602,8 @@ class VirtualRun:
         if self.planner.wants_workflows:
             self.planner.on_event(WorkflowSubmitted(wf.id, tuple(
                 TaskSpec(t.id, tuple(t.after), sum(n for _, n in self.builder.shape(wf, t)[0]),
-                         t.output_tokens, t.think_time_s) for t in wf.tasks)), self.now)
+                         t.output_tokens, t.think_time_s, static_segment(t, wf.tenant))
+                for t in wf.tasks)), self.now)
         self._runs[wf.id] = run
         self._wake(wf, run.start(self.now))
 

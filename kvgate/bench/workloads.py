@@ -153,7 +153,10 @@ def _head(a: WorkloadArgs, agent: int, static_tokens: int) -> tuple[dict[str, An
 
 def fanout_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
     """plan -> `width` parallel researchers -> reduce, all on one static system prompt (and the
-    workflow's shared context, if any)."""
+    workflow's shared context, if any). With `worker_types` K, the researchers are sub-agents
+    of their own kind instead: each opens with worker type (agent mod K)'s static prompt
+    (`worker_static_tokens`, its instructions and tools) and the question, not the parent's
+    context."""
     width = a.int("width", 8)
     think = a.num("think_s", 0.0)
     out = {"plan": a.int("plan_tokens", 128), "research": a.int("research_tokens", 256),
@@ -162,12 +165,18 @@ def fanout_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
     segments |= {"question": _seg("transient", a.int("question_tokens", 200), "user"),
                  "reduce_ask": _seg("transient", 32, "user")}
     head = [*head, {"segment": "question"}]
+    worker_head = head
+    worker_types = a.count("worker_types", 0)
+    if worker_types > 0:
+        worker = f"worker{agent % worker_types}"
+        segments[worker] = _seg("static", a.int("worker_static_tokens", 4000))
+        worker_head = [{"segment": worker}, {"segment": "question"}]
     tasks: list[dict[str, Any]] = [{"id": "plan", "messages": head,
                                     "output_tokens": out["plan"]}]
     for i in range(width):
         segments[f"ask{i}"] = _seg("transient", a.int("worker_prompt_tokens", 64), "user")
         tasks.append({"id": f"research{i}", "think_time_s": think, "output_tokens": out["research"],
-                      "messages": [*head, {"output_of": "plan"}, {"segment": f"ask{i}"}]})
+                      "messages": [*worker_head, {"output_of": "plan"}, {"segment": f"ask{i}"}]})
     tasks.append({"id": "reduce", "output_tokens": out["reduce"], "messages": [
         *head, {"output_of": "plan"},
         *({"output_of": f"research{i}", "role": "user"} for i in range(width)),
