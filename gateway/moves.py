@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from adapters.vllm.transport import TransportError, nixl_transfer, warm
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from gateway.state import GatewayState
 
 log = logging.getLogger("kvgate.moves")
+RECENT_ORIGINS = 64
+"""Finished requests whose prompts a move may still copy (each up to a context's token ids)."""
 
 
 class KvMover:
@@ -31,6 +34,8 @@ class KvMover:
         self._origins: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._tasks_of: dict[str, tuple[str, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._recent: OrderedDict[str, tuple[tuple[str, tuple[int, ...]],
+                                             tuple[str, str] | None]] = OrderedDict()
 
     def remember(self, request_id: str, model: str, token_ids: tuple[int, ...],
                  task: tuple[str, str] | None = None) -> None:
@@ -41,15 +46,22 @@ class KvMover:
             self._tasks_of[request_id] = task
 
     def forget(self, request_id: str) -> None:
-        """The request is over."""
-        self._origins.pop(request_id, None)
-        self._tasks_of.pop(request_id, None)
+        """The request is over; its prompt stays among the last RECENT_ORIGINS (a join's
+        prefetch may copy a finished parent's prompt)."""
+        origin = self._origins.pop(request_id, None)
+        of = self._tasks_of.pop(request_id, None)
+        if origin is not None:
+            self._recent[request_id] = (origin, of)
+            if len(self._recent) > RECENT_ORIGINS:
+                self._recent.popitem(last=False)
 
     def carry_out(self, move: Transfer | Warm) -> None:
         """Start the move; its end reaches the planner as an event. The origin's prompt is
         taken now: the origin may end before the move's task first runs."""
         origin = self._origins.get(move.origin)
         of = self._tasks_of.get(move.origin)
+        if origin is None and move.origin in self._recent:
+            origin, of = self._recent[move.origin]
         trace = self.state.tracing.move(move, of[0] if of is not None else None)
         task = asyncio.get_running_loop().create_task(self._run(move, origin, of, trace))
         self._tasks.add(task)

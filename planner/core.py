@@ -236,6 +236,11 @@ class _Lineage:
     keys: tuple[BlockKey, ...]
     expect_children: int
     children: int = 0
+    route: RouteRequest | None = None
+    """The task's call as dispatched, and where (a later join's prefetch copies its prompt)."""
+    engine: str | None = None
+    shared: bool = False
+    """Its prompt holds a shared context (worth copying ahead)."""
 
 
 @dataclass
@@ -316,6 +321,11 @@ class Planner:
         self._static_of: dict[str, dict[str, str]] = {}
         """Per submitted workflow, its tasks' static segment names (replication demand)."""
         self._children: dict[str, dict[str, int]] = {}
+        self._joins: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {}
+        """Per submitted workflow, its joins that extend one parent's prompt: their parents
+        and that parent (prefetched once every parent answers)."""
+        self._started: dict[str, set[str]] = {}
+        """Per workflow with such joins, its tasks that have produced a first token."""
         """Per submitted workflow, each task's number of children (what prefetch plans for)."""
         self._ready: list[Action] = []
         """Actions decided on an event, handed out at the next `release`."""
@@ -399,6 +409,7 @@ class Planner:
                     self._load_changed = True
                     if self.prefetch:
                         self._plan_prefetch(req, now)
+                        self._plan_join_prefetch(req, now)
             case Finished(request_id=rid, output_tokens=tokens):
                 req = self._requests.pop(rid, None)
                 if req is None:
@@ -441,12 +452,24 @@ class Planner:
                     self.priorities.submit(wf, tasks)
                 if self.prefetch:
                     children: dict[str, int] = {}
+                    opening = {t.task: t.static_segment for t in tasks}
                     for t in tasks:
                         # A join's prompt extends several parents: no one parent's prompt
-                        # is its prefix, so only single-parent children are counted.
-                        if len(t.after) == 1:
+                        # is its prefix, so only single-parent children are counted; and a
+                        # sub-agent of another kind (another static segment) starts afresh.
+                        if len(t.after) == 1 and opening.get(t.after[0]) == t.static_segment:
                             children[t.after[0]] = children.get(t.after[0], 0) + 1
                     self._children[wf] = children
+                    joins: dict[str, tuple[tuple[str, ...], str]] = {}
+                    for t in tasks:
+                        # A join that opens like exactly one of its parents extends that
+                        # parent's prompt (a reduce after sub-agents of another kind).
+                        kin = [q for q in t.after if opening.get(q) == t.static_segment]
+                        if len(t.after) > 1 and t.static_segment and len(kin) == 1:
+                            joins[t.task] = (t.after, kin[0])
+                    if joins:
+                        self._joins[wf] = joins
+                        self._started[wf] = set()
                 if self.replicate:
                     # A task that opens with its parent's static segment extends the parent's
                     # context and is placed by it (pulls, prefetch); demand for the segment
@@ -466,6 +489,8 @@ class Planner:
                 self._move_over(mid, ok=False, now=now)
             case WorkflowOver(workflow=wf):
                 self._children.pop(wf, None)
+                self._joins.pop(wf, None)
+                self._started.pop(wf, None)
                 if self._static_of.pop(wf, None) is not None:
                     self.static_demand.forget(wf)
                 self._lineage.pop(wf, None)
@@ -676,6 +701,12 @@ class Planner:
                     engine, n, n, float(n))})
         req.outstanding = open_dispatch(placed_route, engine, rec.load,
                                         self._block_size_of(engine))
+        hints = req.call.hints
+        if hints.workflow is not None and hints.task is not None:
+            known = self._lineage.get(hints.workflow, {}).get(hints.task)
+            if known is not None:
+                known.route, known.engine = placed_route, engine
+                known.shared = req.segments.blocks_of("shared") > 0
         self.policy.on_dispatch(route, placement, now)
         if group is not None:
             finish = now + (placement.cost.total_s if placement.cost is not None else 0.0)
@@ -776,8 +807,38 @@ class Planner:
         if (children < 2 or planner_fn is None or not keys
                 or segments.blocks_of("shared") == 0):
             return
-        source = out.engine
         destinations: list[str] = planner_fn(route, children, self.views(), now)
+        self._copy_ahead(route, keys, out.engine, destinations, now)
+
+    def _plan_join_prefetch(self, req: _Request, now: float) -> None:
+        """Every parent of a join that extends one of them has answered: the join is one step
+        from ready. Copy that parent's prompt to where the policy plans the join, overlapped
+        with the parents' decode (the parent itself may be long over: its engine keeps the
+        prompt in its prefix cache, and the driver its token ids)."""
+        wf, task = req.call.hints.workflow, req.call.hints.task
+        joins = self._joins.get(wf) if wf is not None else None
+        if wf is None or task is None or not joins:
+            return
+        started = self._started[wf]
+        started.add(task)
+        planner_fn = getattr(self.policy, "plan_prefetch", None)
+        lineage = self._lineage.get(wf, {})
+        for join, (after, anchor) in list(joins.items()):
+            if task not in after or not started.issuperset(after):
+                continue
+            del joins[join]
+            known = lineage.get(anchor)
+            if (planner_fn is None or known is None or known.route is None
+                    or known.engine is None or not known.shared):
+                continue
+            route = known.route
+            destinations: list[str] = planner_fn(route, 1, self.views(), now)
+            self._copy_ahead(route, route.block_keys[:-1], known.engine, destinations, now)
+
+    def _copy_ahead(self, route: RouteRequest, keys: tuple[BlockKey, ...], source: str,
+                    destinations: list[str], now: float) -> None:
+        """Copy `keys` of `route`'s prompt from `source` to each destination that lacks them
+        (by a transfer, or a recompute warm-up without a link)."""
         bs = route.block_size
         for dest in dict.fromkeys(destinations):
             if dest == source or dest not in self.engines:

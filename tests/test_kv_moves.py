@@ -23,6 +23,7 @@ from planner.core import Call, Planner, RequestState, make_planner
 from planner.events import (
     Cancelled,
     EngineJoined,
+    Finished,
     FirstToken,
     TaskSpec,
     TransferDone,
@@ -296,6 +297,101 @@ def test_no_prefetch_for_the_ablation_or_a_parent_without_shared_context(
     p.release(0.0)
     p.on_event(FirstToken("w/plan"), 0.5)
     assert p.release(0.5) == []
+
+
+def sub_agent_fanout(p: Planner) -> None:
+    """plan (agent kind A, a shared context) -> three sub-agents of kind B -> a join of kind A
+    (it extends the plan's prompt, not the sub-agents')."""
+    p.on_event(WorkflowSubmitted("w", (
+        TaskSpec("plan", static_segment="A"),
+        *(TaskSpec(f"r{i}", ("plan",), static_segment="B") for i in range(3)),
+        TaskSpec("join", ("plan", "r0", "r1", "r2"), static_segment="A"))), 0.0)
+    parts = [("static", 256), ("shared", 3840), ("transient", 64)]
+    route = RouteRequest("w/plan", "m", prompt_tokens=4160, block_keys=tuple(range(260)),
+                         max_tokens=128)
+    p.admit(Call(route, hints=RequestHints(workflow="w", task="plan"),
+                 segments=tag_parts(parts, 16)), 0.0)
+
+
+def sub_agent(p: Planner, i: int, now: float) -> Dispatch:
+    keys = (*range(5000, 5016), 6000 + i)
+    route = RouteRequest(f"w/r{i}", "m", prompt_tokens=len(keys) * 16, block_keys=keys,
+                         max_tokens=64)
+    p.admit(Call(route, hints=RequestHints(workflow="w", task=f"r{i}", after=("plan",)),
+                 segments=tag_parts([("static", 256), ("transient", 16)], 16)), now)
+    (d,) = [a for a in p.release(now) if isinstance(a, Dispatch)]
+    return d
+
+
+def test_sub_agents_of_another_kind_get_no_copy_of_the_parents_context() -> None:
+    p = kvgate_planner(NAMED_LINKS["rdma"])
+    sub_agent_fanout(p)
+    p.release(0.0)
+    p.on_event(FirstToken("w/plan"), 0.5)
+    assert p.release(0.5) == []  # they do not read it
+
+
+def test_a_join_extending_the_parent_gets_its_prompt_once_every_parent_answers() -> None:
+    p = kvgate_planner(NAMED_LINKS["rdma"])
+    sub_agent_fanout(p)
+    (plan,) = p.release(0.0)
+    assert isinstance(plan, Dispatch)
+    p.on_event(FirstToken("w/plan"), 0.5)
+    p.release(0.5)
+    p.on_event(Finished("w/plan", 128), 2.0)
+    for i in range(3):
+        sub_agent(p, i, 2.0)
+    p.on_event(FirstToken("w/r0"), 2.1)
+    p.on_event(FirstToken("w/r1"), 2.1)
+    assert [a for a in p.release(2.1) if isinstance(a, Transfer)] == []  # r2 still to answer
+    p.on_event(FirstToken("w/r2"), 2.2)
+    moves = [a for a in p.release(2.2) if isinstance(a, Transfer)]
+    if moves:  # copied unless the policy plans the join where the plan ran
+        (m,) = moves
+        assert (m.reason, m.source, m.origin) == ("prefetch", plan.engine, "w/plan")
+        assert m.block_keys == tuple(range(259)) and m.destination != plan.engine
+    p.on_event(FirstToken("w/r2"), 2.3)  # once only
+    assert [a for a in p.release(2.3) if isinstance(a, Transfer)] == []
+
+
+def test_a_join_prefetch_goes_where_the_join_would_run_if_the_plan_engine_is_busy() -> None:
+    """With the plan's engine loaded by other work, the join is planned elsewhere: a copy."""
+    p = kvgate_planner(NAMED_LINKS["rdma"])
+    sub_agent_fanout(p)
+    (plan,) = p.release(0.0)
+    assert isinstance(plan, Dispatch)
+    p.on_event(FirstToken("w/plan"), 0.5)
+    p.on_event(Finished("w/plan", 128), 2.0)
+    for j in range(24):  # unrelated long calls pinned to the plan's engine
+        route = RouteRequest(f"x{j}", "m", prompt_tokens=8000,
+                             block_keys=tuple(range(10**5 + 600 * j, 10**5 + 600 * j + 500)),
+                             max_tokens=512)
+        others = frozenset({"a", "b", "c", "d"} - {plan.engine})
+        p.admit(Call(route, exclude=others), 2.0)
+    p.release(2.0)
+    for i in range(3):
+        sub_agent(p, i, 2.0)
+        p.on_event(FirstToken(f"w/r{i}"), 2.1)
+    (m,) = [a for a in p.release(2.1) if isinstance(a, Transfer)]
+    assert (m.reason, m.source, m.destination != plan.engine) == ("prefetch", plan.engine, True)
+
+
+def test_virtual_join_prefetch_copies_a_finished_parents_prompt() -> None:
+    """The driver still knows a finished parent's prompt: the join's copy succeeds."""
+    o = BenchOptions(workload="fanout", workload_args={
+        "context_tokens": "16000", "width": "4", "worker_types": "1",
+        "worker_static_tokens": "600"}, profile="h100x4-llama3-70b", rate=0.2,
+        workflows=4, engines=4, link="rdma", progress=False)
+    prepared = prepare(o)
+    run = VirtualRun("kvgate", prepared.workflows, prepared.load, o.engine_profile(),
+                     o.engines, prepared.builder, link=o.transfer_link())
+    result = run.run()
+    assert not any(w.failed or w.finished_s is None for w in result.workflows)
+    stats = run.planner.moves.stats
+    assert stats.started.get("transfer:prefetch", 0) > 0
+    assert stats.done == sum(stats.started.values())  # none failed: origins were found
+    reduces = [r for r in result.requests if r.task == "reduce"]
+    assert all(r.cached_tokens >= 16000 for r in reduces)
 
 
 # -- the virtual driver --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import gc
 import heapq
 import itertools
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -59,6 +60,7 @@ from planner.segments import SYSTEM_ROLES, SegmentKind, Segments, message_kind, 
 from planner.transfer import NO_LINK, TransferLink
 
 MODEL = "kvgate-bench"
+RECENT_ORIGINS = 512
 
 
 @dataclass
@@ -488,6 +490,9 @@ class VirtualRun:
         self._live: dict[str, _Live] = {}
         self._waiting: dict[str, _Waiting] = {}
         self._legs: dict[str, _Leg] = {}
+        self._recent: OrderedDict[str, tuple[Sequence[int], str | None]] = OrderedDict()
+        """Prompts of the last RECENT_ORIGINS finished requests: a later move may copy one
+        (a join's prefetch names a parent that has finished)."""
         self._over = 0
         self._runs: dict[str, DagRun] = {}
         self._rid = itertools.count()
@@ -697,7 +702,7 @@ class VirtualRun:
         live = self._live.get(request_id)
         if live is not None:
             return live.token_ids, live.wf.tenant
-        return None
+        return self._recent.get(request_id)
 
     def _start_move(self, move: Transfer | Warm) -> None:
         """A transfer's first leg at its source (the prefix alone, `do_remote_decode`), or a
@@ -770,6 +775,9 @@ class VirtualRun:
     def _request_done(self, live: _Live) -> int:
         rid = live.route.request_id
         del self._live[rid]
+        self._recent[rid] = (live.token_ids, live.wf.tenant)
+        if len(self._recent) > RECENT_ORIGINS:
+            self._recent.popitem(last=False)
         r = live.record
         r.finished_s = self.now
         self.planner.on_event(Finished(rid, r.output_tokens), self.now)
