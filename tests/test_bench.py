@@ -174,6 +174,22 @@ def test_mooncake_equal_hash_ids_become_equal_blocks(vocab: Vocabulary) -> None:
 # -- runs ---------------------------------------------------------------------------------------
 
 
+def test_recomputed_static_tokens_count_what_no_cache_served_of_the_static_prompts() -> None:
+    """One engine, one agent type: its static prompt is computed once, then every call finds
+    it cached; four engines without a link: each engine the calls reach computes it once."""
+    def static_recomputed(engines: int) -> tuple[int, int]:
+        r = bench(workload="fanout", workload_args={**SMALL, "width": "3"}, workflows=4,
+                  concurrency=4, engines=engines, policies=["round-robin"])
+        result = r["results"]["round-robin"]
+        return result["recomputed_static_tokens"], result["recomputed_prompt_tokens"]
+
+    # The static range is whole blocks: 600 tokens and the template's framing, rounded down.
+    one, total = static_recomputed(1)
+    assert 576 <= one <= 700 and one < total  # computed once
+    four, _ = static_recomputed(4)
+    assert 4 * 576 <= four <= 4 * 700  # round-robin reaches every engine
+
+
 def test_same_seed_gives_an_identical_report() -> None:
     kw = dict(workload="fanout", workload_args={**SMALL, "width": "4"}, workflows=6,
               policies=["kvgate", "round-robin", "sglang-like"], engines=3, rate=2.0, seed=7)

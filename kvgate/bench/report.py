@@ -51,6 +51,7 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "output_tokens_per_s": outputs / makespan if makespan > 0 else 0.0,
         "prefix_hit_ratio": cached / prompt if prompt else 0.0,
         "recomputed_prompt_tokens": run.computed_prompt_tokens,
+        "recomputed_static_tokens": _recomputed_static(ok),
         "transferred_bytes": run.transferred_bytes,
         "gateway_wait_p50_s": percentile(waits, 50),
         "compute_utilisation": _compute_utilisation(run, engines, makespan),
@@ -58,6 +59,15 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "engine_busy_ratio": busy / (engines * makespan) if engines and makespan > 0 else None,
         "requests_per_engine": _per_engine(ok, sorted(run.busy_s)),
     }
+
+
+def _recomputed_static(records: Sequence[Any]) -> int | None:
+    """Tokens of the static segments requests opened with that their engines did not serve
+    from cache (first uses, evictions, placements away from every copy); None in live mode."""
+    known = [r for r in records if r.static_tokens is not None and r.first_token_s is not None]
+    if not known:
+        return None
+    return int(sum(max(0, r.static_tokens - r.cached_tokens) for r in known))
 
 
 def _compute_utilisation(run: RunResult, engines: int, makespan: float) -> float | None:

@@ -78,6 +78,9 @@ class RequestRecord:
     cached_tokens: int = 0
     output_tokens: int = 0
     failed: str | None = None
+    static_tokens: int | None = None
+    """Tokens (whole blocks) of the static segment its prompt opens with; None where the
+    driver does not know the segments (live mode)."""
 
 
 @dataclass
@@ -639,6 +642,9 @@ class VirtualRun:
         self._waiting[rid] = _Waiting(record, wf, task, route, keys.token_ids)
         hints = RequestHints(workflow=wf.id, task=task.id, after=tuple(task.after))
         segments = self.builder.segments(wf, task, pieces, self.block_size)
+        first = segments.ranges[0] if segments.ranges else None
+        record.static_tokens = (min(first.end * self.block_size, keys.num_tokens)
+                                if first is not None and first.kind == "static" else 0)
         self.planner.admit(Call(route, hints=hints, segments=segments), self.now)
         self._release()
 
