@@ -321,12 +321,12 @@ class Planner:
         self._static_of: dict[str, dict[str, str]] = {}
         """Per submitted workflow, its tasks' static segment names (replication demand)."""
         self._children: dict[str, dict[str, int]] = {}
+        """Per submitted workflow, each task's number of children (what prefetch plans for)."""
         self._joins: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {}
         """Per submitted workflow, its joins that extend one parent's prompt: their parents
         and that parent (prefetched once every parent answers)."""
         self._started: dict[str, set[str]] = {}
         """Per workflow with such joins, its tasks that have produced a first token."""
-        """Per submitted workflow, each task's number of children (what prefetch plans for)."""
         self._ready: list[Action] = []
         """Actions decided on an event, handed out at the next `release`."""
 
@@ -702,8 +702,9 @@ class Planner:
         req.outstanding = open_dispatch(placed_route, engine, rec.load,
                                         self._block_size_of(engine))
         hints = req.call.hints
-        if hints.workflow is not None and hints.task is not None:
-            known = self._lineage.get(hints.workflow, {}).get(hints.task)
+        if hints.workflow in self._joins and hints.task is not None:
+            # Only a workflow with such joins keeps its calls (a join's prefetch copies one).
+            known = self._lineage.get(hints.workflow or "", {}).get(hints.task)
             if known is not None:
                 known.route, known.engine = placed_route, engine
                 known.shared = req.segments.blocks_of("shared") > 0
