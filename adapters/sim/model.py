@@ -378,7 +378,8 @@ class SimRequest:
     """A request inside the engine model; the server owns everything about its HTTP life."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
+    """Never modified: a caller may pass the tuple it keyed the prompt from, not a copy."""
     max_tokens: int
     arrival_time: float
     min_tokens: int = 0
@@ -427,14 +428,14 @@ class SimRequest:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def tokens_between(self, start: int, end: int) -> list[int]:
+    def tokens_between(self, start: int, end: int) -> Sequence[int]:
         """Token ids at positions `start` to `end` (exclusive) of prompt + output."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:
             return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - n]]
 
 
 class TokenOutput(NamedTuple):

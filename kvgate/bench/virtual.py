@@ -695,7 +695,7 @@ class VirtualRun:
         self._live[rid] = _Live(record, wf, task, route, out_piece.ids, out_piece, w.token_ids)
         same_blocks = self.config.block_size == self.block_size
         self._send(engine_name, SimRequest(
-            request_id=rid, prompt_token_ids=list(w.token_ids), max_tokens=task.output_tokens,
+            request_id=rid, prompt_token_ids=w.token_ids, max_tokens=task.output_tokens,
             arrival_time=self.now, ignore_eos=True, natural_output_len=task.output_tokens,
             cache_salt=wf.tenant,
             priority=action.priority if action.priority is not None else task.priority,
@@ -744,7 +744,7 @@ class VirtualRun:
         same_blocks = self.config.block_size == self.block_size
         keys = leg.move.block_keys
         return SimRequest(
-            request_id=rid, prompt_token_ids=list(leg.token_ids), max_tokens=1,
+            request_id=rid, prompt_token_ids=leg.token_ids, max_tokens=1,
             arrival_time=self.now, ignore_eos=True, natural_output_len=1,
             cache_salt=leg.cache_salt, remote_decode=remote_decode, remote_prefill=remote,
             block_hashes=list(keys) if same_blocks and len(keys) * self.block_size
