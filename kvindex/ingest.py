@@ -185,10 +185,14 @@ class EventIngestor:
 
     def on_message(self, engine: str, seq: int, payload: bytes) -> IngestResult:
         """One live `[topic, seq, payload]` message from `engine`."""
-        result = IngestResult()
         batch = self._decode(payload)
         if batch is None:
-            return result
+            return IngestResult()
+        return self.on_batch(engine, seq, batch)
+
+    def on_batch(self, engine: str, seq: int, batch: KVEventBatch) -> IngestResult:
+        """`on_message` for a payload already decoded (an in-process engine's events)."""
+        result = IngestResult()
         state = self._state(engine, result)
         if state.replaying:
             state.held[seq] = batch

@@ -357,6 +357,14 @@ class _Prefix(NamedTuple):
     num_keys: int
 
 
+def _ids_after(head: tuple[int, ...], tail: list[int], start: int) -> Sequence[int]:
+    """Ids from position `start` on of `head` followed by `tail` (a prompt's last blocks: a
+    short copy)."""
+    if start >= len(head):
+        return tail[start - len(head) :]
+    return [*head[start:], *tail]
+
+
 _WHOLE_PROMPTS = 32
 """Recent prompts whose whole ids and keys stay at their last two nodes: a prompt that extends
 one (a conversation's next turn, which replaces the last segment, the generation prompt or a
@@ -454,7 +462,7 @@ class PromptKeyer:
                                encode)
         if post:
             ids += post
-            keys += tuple(self._continue(ids, keys, extras))
+            keys += tuple(self._continue(ids[len(keys) * self.block_size :], keys, extras))
         return PromptKeys(ids, keys, text)
 
     def pieces(
@@ -497,17 +505,20 @@ class PromptKeyer:
                 if child.whole is not None:
                     start, known = child.whole, len(path)
             # Long prompts walk thousands of nodes: concatenate their state in C-level passes,
-            # from the longest recent prompt on the path.
-            ids = list(start.whole[0])
-            del ids[start.num_ids :]
-            ids.extend(chain.from_iterable(map(_NODE_IDS, path[known:])))
+            # from the longest recent prompt on the path. Its ids are copied once, into the
+            # result (a prompt's ids are its largest part: tens of thousands per turn).
+            head = start.whole[0]
+            if start.num_ids < len(head):
+                head = head[: start.num_ids]
+            tail = list(chain.from_iterable(map(_NODE_IDS, path[known:])))
             keys = list(start.whole[1])
             del keys[start.num_keys :]
             keys.extend(chain.from_iterable(map(_NODE_KEYS, path[known:])))
             rest = segments[len(path) :]
             for segment, segment_ids in zip(rest, encode(rest) if rest else [], strict=True):
-                ids.extend(segment_ids)
-                new_keys = self._continue(ids, keys, extras)
+                tail.extend(segment_ids)
+                pending = _ids_after(head, tail, len(keys) * self.block_size)
+                new_keys = self._continue(pending, keys, extras)
                 child = _Node(node, segment, tuple(segment_ids), tuple(new_keys))
                 keys.extend(new_keys)
                 node.children[segment] = child
@@ -518,7 +529,8 @@ class PromptKeyer:
             # Leaf first, so a node is always more recent than its descendants and the least
             # recently used node is a leaf.
             deque(map(self._lru.move_to_end, reversed(path)), maxlen=0)
-            whole = (tuple(ids), tuple(keys))
+            ids = head + tuple(tail) if tail else head
+            whole = (ids, tuple(keys))
             if path:
                 last = path[-1]
                 self._keep_whole(last, _Prefix(whole, len(ids), len(keys)))
@@ -540,14 +552,14 @@ class PromptKeyer:
             oldest.whole = None
 
     def _continue(
-        self, ids: Sequence[int], keys: Sequence[BlockKey], extras: KeyExtras
+        self, pending: Sequence[int], keys: Sequence[BlockKey], extras: KeyExtras
     ) -> list[BlockKey]:
-        """Keys of the blocks `ids` completes beyond the `keys` already known."""
-        done = len(keys) * self.block_size
-        if len(ids) - done < self.block_size:
+        """Keys of the blocks `pending` completes, the ids after the blocks of the `keys`
+        already known."""
+        if len(pending) < self.block_size:
             return []
         return chain_keys(
-            ids[done:],
+            pending,
             self.block_size,
             extras,
             parent=keys[-1] if keys else None,

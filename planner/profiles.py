@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 GIB = 1024**3
 
@@ -102,20 +103,30 @@ class EngineProfile:
         return ((flops - attention_flops) / (self.peak_flops * self.mfu)
                 + attention_flops / (self.peak_flops * self.attention_mfu))
 
+    @cached_property
+    def _step_factors(self) -> tuple[float, float, float, float, int, float]:
+        """The constant products `step_flops` and `step_time_of` use (the engine model times
+        millions of steps), each computed as those expressions compute it, so results are the
+        same to the bit: FLOPs per new token and per attended token, effective compute rate,
+        weight bytes, KV bytes per token, effective bandwidth."""
+        return (2.0 * self.params, 4.0 * self.layers * self.hidden, self.peak_flops * self.mfu,
+                self.weight_bytes, self.kv_bytes_per_token, self.mem_bandwidth * self.mbu)
+
     def step_flops(self, new_tokens: float, attended: float) -> float:
         """FLOPs of a step with `new_tokens` and attention sum `attended` (as `step_time_of`)."""
-        return 2.0 * self.params * new_tokens + 4.0 * self.layers * self.hidden * attended
+        factors = self._step_factors
+        return factors[0] * new_tokens + factors[1] * attended
 
     def step_time_of(self, new_tokens: float, attended: float, kv_tokens: float) -> float:
         """`step_time` from the chunks' sums: new tokens, sum of new_tokens x (context +
         (new_tokens + 1) / 2), and context plus new tokens (for a step with work)."""
-        flops = self.step_flops(new_tokens, attended)
+        per_token, per_attended, rate, weights, kv_bytes, bandwidth = self._step_factors
+        flops = per_token * new_tokens + per_attended * attended
         if self.attention_mfu is None:  # the engine model's hot path: no second product
-            compute_s = flops / (self.peak_flops * self.mfu)
+            compute_s = flops / rate
         else:
-            compute_s = self.compute_time(flops, 4.0 * self.layers * self.hidden * attended)
-        memory_s = (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / (
-            self.mem_bandwidth * self.mbu)
+            compute_s = self.compute_time(flops, per_attended * attended)
+        memory_s = (weights + kv_tokens * kv_bytes) / bandwidth
         return self.step_overhead_s + max(compute_s, memory_s)
 
     def decode_step_time(self, batch: int, context_tokens: int) -> float:

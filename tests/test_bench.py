@@ -7,14 +7,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from adapters.sim.model import StepOutput
 from kvgate.bench.bound import TaskShape, decode_time_lb, lower_bound
 from kvgate.bench.options import BenchOptions, progress_bar
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Vocabulary
 from kvgate.bench.report import percentile
 from kvgate.bench.runner import run_bench
+from kvgate.bench.virtual import VirtualRun
 from kvgate.bench.workloads import TRACES, WorkloadError, build_workload
 from kvindex.tokenizer import Tokenizer
 from planner.policy import policy_names
@@ -194,6 +197,25 @@ def test_same_seed_gives_an_identical_report() -> None:
     kw = dict(workload="fanout", workload_args={**SMALL, "width": "4"}, workflows=6,
               policies=["kvgate", "round-robin", "sglang-like"], engines=3, rate=2.0, seed=7)
     assert bench(**kw) == bench(**kw)
+
+
+def test_running_inert_steps_ahead_of_the_agenda_changes_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    kw = dict(workload="fanout", workload_args={**SMALL, "width": "4"}, workflows=6,
+              policies=["kvgate", "least-loaded"], engines=3, rate=2.0, seed=3)
+    ahead: list[bool] = []
+    run_ahead = VirtualRun._run_ahead
+
+    def counting(self: VirtualRun, end: float, e: Any, out: StepOutput) -> list[Any]:
+        steps = run_ahead(self, end, e, out)
+        ahead.append(not steps or steps[0][2] is not out)
+        return steps
+
+    monkeypatch.setattr(VirtualRun, "_run_ahead", counting)
+    report = bench(**kw)
+    assert sum(ahead) > 10
+    monkeypatch.setattr(VirtualRun, "_run_ahead", lambda self, end, e, out: [(end, e, out)])
+    assert bench(**kw) == report
 
 
 def test_a_different_seed_changes_poisson_arrivals() -> None:

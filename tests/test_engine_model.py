@@ -16,6 +16,7 @@ from adapters.sim.model import (
     EngineModel,
     FinishReason,
     SimRequest,
+    StepOutput,
 )
 from planner.profiles import PROFILES, ScheduledChunk, get_profile
 
@@ -327,3 +328,92 @@ def test_a_waiting_request_loses_cached_blocks_evicted_while_it_waits() -> None:
     assert b is None and waited
     # Only a's first three blocks were still cached when b got in.
     assert engine.stats.prefix_cache_hits == 48
+
+
+class _GeneralStepsOnly(EngineModel):
+    """The engine model without its plain-decode shortcut."""
+
+    def _plain_decode_step(self) -> None:
+        return None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 120), st.integers(1, 40), st.booleans(),
+                  st.integers(0, 3)),
+        min_size=1,
+        max_size=10,
+    ),
+    num_blocks=st.integers(min_value=12, max_value=48),
+    priority=st.booleans(),
+)
+def test_plain_decode_steps_equal_the_general_step(
+    prompts: list[tuple[int, int, int, bool, int]], num_blocks: int, priority: bool
+) -> None:
+    """Every step, its outputs, events and timing, and the counters are the general step's."""
+    cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=64,
+                       max_num_seqs=4, max_model_len=2048, eos_token_id=EOS,
+                       priority_scheduling=priority)
+    engines = [EngineModel(cfg, PROFILE, sampler=lambda req: 100 + len(req.output_token_ids)),
+               _GeneralStepsOnly(cfg, PROFILE,
+                                 sampler=lambda req: 100 + len(req.output_token_ids))]
+    now = 0.0
+    arrivals = list(enumerate(prompts))
+    for _ in range(20000):
+        # A new request every few steps, so batches grow and shrink while others decode.
+        if arrivals and not int(now * 1000) % 3:
+            i, (family, length, max_tokens, ignore_eos, stagger) = arrivals.pop(0)
+            length = min(length, num_blocks * 16 - max_tokens)
+            for engine in engines:
+                engine.add_request(SimRequest(
+                    f"r{i}", [family * 1000 + t for t in range(length)], max_tokens=max_tokens,
+                    arrival_time=now, ignore_eos=ignore_eos, natural_output_len=8 + stagger,
+                    priority=stagger))
+        if not engines[1].has_work():
+            if not arrivals:
+                break
+            now += 0.001
+            continue
+        fast, general = (engine.step(now) for engine in engines)
+        assert fast == general
+        now += general.duration
+    assert engines[0].stats == engines[1].stats
+    assert not engines[0].has_work() and not arrivals
+
+
+def test_a_lone_decoding_request_takes_the_plain_decode_step() -> None:
+    taken = []
+
+    class Counting(EngineModel):
+        def _plain_decode_step(self) -> StepOutput | None:
+            out = super()._plain_decode_step()
+            taken.append(out is not None)
+            return out
+
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
+                       max_model_len=2048, eos_token_id=EOS)
+    engine = Counting(cfg, PROFILE, sampler=lambda req: 100 + len(req.output_token_ids))
+    engine.add_request(request("a", list(range(1000, 1040)), max_tokens=40))
+    run_to_completion(engine)
+    # 39 decode steps after the prefill's first token: the last finishes, and at each of the two
+    # block boundaries (48 and 64 tokens) one step fills a block and the next allocates one.
+    assert taken.count(True) == 34
+
+
+def test_step_time_of_equals_the_expressions_it_caches() -> None:
+    """The cached factors give the step time and FLOPs to the bit, with or without a separate
+    attention efficiency."""
+    for profile in PROFILES.values():
+        for new, attended, kv in [(1.0, 5001.0, 5001.0), (3.0, 90.5, 40.0), (8192.0, 3e7, 9e4)]:
+            flops = 2.0 * profile.params * new + 4.0 * profile.layers * profile.hidden * attended
+            assert profile.step_flops(new, attended) == flops
+            if profile.attention_mfu is None:
+                compute = flops / (profile.peak_flops * profile.mfu)
+            else:
+                compute = profile.compute_time(
+                    flops, 4.0 * profile.layers * profile.hidden * attended)
+            memory = (profile.weight_bytes + kv * profile.kv_bytes_per_token) / (
+                profile.mem_bandwidth * profile.mbu)
+            expected = profile.step_overhead_s + max(compute, memory)
+            assert profile.step_time_of(new, attended, kv) == expected

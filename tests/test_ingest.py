@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adapters.sim.model import EngineConfig, EngineModel, SimRequest, hash_block
-from adapters.sim.publisher import to_wire
+from adapters.sim.publisher import encode_events, to_wire, wire_batch
 from kvindex.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -278,3 +278,35 @@ def test_answers_to_a_replay_from_before_a_reset_are_ignored() -> None:
     assert h.ingestor.replay_done(E, old.generation) == []
     apply_ops_sync(h.index, h.ingestor.replay_done(E, new.generation))
     assert h.keys() == set(chain_keys(TOKENS[32:48], 16))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(8, 120), st.integers(1, 6)),
+                     min_size=1, max_size=10),
+    num_blocks=st.integers(min_value=6, max_value=40),
+)
+def test_a_batch_handed_over_decoded_gives_the_ops_of_its_payload(
+    prompts: list[tuple[int, int, int]], num_blocks: int,
+) -> None:
+    """The virtual driver skips the wire: `on_batch` must do exactly what `on_message` does."""
+    cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_num_batched_tokens=96,
+                       max_num_seqs=8, max_model_len=4096, eos_token_id=3,
+                       removal_per_event=False)
+    model = EngineModel(cfg, get_profile("h100-llama3-8b"), lambda r: 500 + len(r.output_token_ids))
+    wire, decoded = EventIngestor(16), EventIngestor(16)
+    seq = itertools.count()
+    now = 0.0
+    for i, (family, length, out) in enumerate(prompts):
+        tokens = [family * 1000 + t for t in range(min(length, num_blocks * 16 - out))]
+        model.add_request(SimRequest(f"r{i}", tokens, max_tokens=out, arrival_time=now,
+                                     ignore_eos=True))
+        while model.has_work():
+            step = model.step(now)
+            now += step.duration
+            if step.kv_events:
+                n = next(seq)
+                sent = wire.on_message(E, n, encode_events(step.kv_events, now))
+                handed = decoded.on_batch(E, n, wire_batch(step.kv_events, now))
+                assert handed == sent
+    assert decoded.stats == wire.stats

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -511,3 +512,27 @@ def test_tokenizers_that_break_piecewise_encoding_fall_back_to_whole_text(
         got = keyer.completion(text)
         assert list(got.token_ids) == tokenizer.encode_prompt(text)
         assert list(got.keys) == chain_keys(got.token_ids, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(turns=st.lists(
+    st.tuples(st.integers(0, 3), st.lists(st.integers(1, 40), min_size=1, max_size=5)),
+    min_size=1, max_size=8))
+def test_conversation_turns_as_pieces_get_the_whole_prompts_ids_and_keys(
+    tok: Tokenizer, turns: list[tuple[int, list[int]]]
+) -> None:
+    """Each turn drops some of the previous prompt's last pieces and adds new ones (of any
+    length, so blocks straddle pieces): the keyer's copy of the earlier state must still give
+    the ids and keys of the whole prompt."""
+    keyer = PromptKeyer(tok, 16)
+    pieces: list[tuple[str, list[int]]] = []
+    made = itertools.count()
+    for drop, lengths in turns:
+        del pieces[max(0, len(pieces) - drop):]
+        for n in lengths:
+            i = next(made)
+            pieces.append((f"p{i}", [1000 * i + t for t in range(n)]))
+        got = keyer.pieces(pieces)
+        ids = [t for _, piece in pieces for t in piece]
+        assert list(got.token_ids) == ids
+        assert list(got.keys) == chain_keys(ids, 16)

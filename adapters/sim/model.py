@@ -378,7 +378,8 @@ class SimRequest:
     """A request inside the engine model; the server owns everything about its HTTP life."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]
+    """Never modified: a caller may pass the tuple it keyed the prompt from, not a copy."""
     max_tokens: int
     arrival_time: float
     min_tokens: int = 0
@@ -427,14 +428,14 @@ class SimRequest:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def tokens_between(self, start: int, end: int) -> list[int]:
+    def tokens_between(self, start: int, end: int) -> Sequence[int]:
         """Token ids at positions `start` to `end` (exclusive) of prompt + output."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
         if start >= n:
             return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - n]]
 
 
 class TokenOutput(NamedTuple):
@@ -454,6 +455,9 @@ class StepOutput:
     finished: list[SimRequest]
     kv_events: list[KVEvent]
     num_scheduled_tokens: int
+    inert: bool = False
+    """Nothing in it reaches beyond the engine: no KV event, no first token, no request ended
+    (a plain decode step; a driver may deliver it without waiting on anything else)."""
 
 
 @dataclass
@@ -894,6 +898,10 @@ class EngineModel:
         """Schedule and run one engine step starting at `now`."""
         if self.exports:
             self.expire_exports(now)
+        elif not self.waiting:
+            plain = self._plain_decode_step()
+            if plain is not None:
+                return plain
         scheduled = self._schedule(now)
         kv_events = self.pool.drain_events()
         new_tokens = attended = kv_tokens = 0.0
@@ -943,7 +951,50 @@ class EngineModel:
         stats.steps += 1
         stats.busy_time += duration
         stats.flops += self.profile.step_flops(new_tokens, attended)
-        return StepOutput(duration, outputs, finished, kv_events, int(new_tokens))
+        return StepOutput(duration, outputs, finished, kv_events, int(new_tokens),
+                          not kv_events and not first and not finished)
+
+    def _plain_decode_step(self) -> StepOutput | None:
+        """`step` when nobody waits and every running request decodes one token into room its
+        last block has, without filling it, finishing or giving its first token; None, with
+        nothing changed, otherwise. Most steps of a long run are these: the same result with a
+        fraction of the general step's work."""
+        running = self.running
+        if not running or self.pool.events or len(running) > self.config.max_num_batched_tokens:
+            return None
+        bs = self.config.block_size
+        max_len = self.config.max_model_len
+        for req in running:
+            out_ids = req.output_token_ids
+            total = len(req.prompt_token_ids) + len(out_ids)
+            if (req.status is not RUNNING or total - req.num_computed_tokens != 1
+                    or total > len(req.blocks) * bs or total // bs > req.num_cached_blocks
+                    or req.first_token_time is None or len(out_ids) + 1 >= req.max_tokens
+                    or total + 1 >= max_len):
+                return None
+            if not req.ignore_eos and len(out_ids) + 1 >= max(req.min_tokens,
+                                                              req.natural_output_len):
+                return None
+        # The general step's sums, term for term (n = 1: n * (ctx + (n + 1) / 2.0) is ctx + 1.0).
+        new_tokens = attended = kv_tokens = 0.0
+        outputs: list[TokenOutput] = []
+        sampler = self.sampler
+        for req in running:
+            ctx = req.num_computed_tokens
+            new_tokens += 1
+            attended += ctx + 1.0
+            kv_tokens += ctx + 1
+            req.num_computed_tokens = ctx + 1
+            token = sampler(req)
+            req.output_token_ids.append(token)
+            outputs.append(TokenOutput(req.request_id, (token,), None))
+        duration = self.profile.step_time_of(new_tokens, attended, kv_tokens)
+        stats = self.stats
+        stats.generation_tokens += len(outputs)
+        stats.steps += 1
+        stats.busy_time += duration
+        stats.flops += self.profile.step_flops(new_tokens, attended)
+        return StepOutput(duration, outputs, [], [], int(new_tokens), True)
 
     def _finish(self, req: SimRequest, reason: FinishReason, now: float) -> None:
         if req.remote_decode and reason is not FinishReason.ABORT and req.blocks:

@@ -52,11 +52,16 @@ def to_wire(event: model.KVEvent, medium: str = "GPU") -> WireEvent:
     return AllBlocksCleared()
 
 
-def encode_events(events: list[model.KVEvent], ts: float) -> bytes:
-    """One step's events as the payload of one vLLM KV-event message."""
+def wire_batch(events: list[model.KVEvent], ts: float) -> KVEventBatch:
+    """One step's events as vLLM's wire batch, before encoding."""
     batch = KVEventBatch(ts=ts, events=[to_wire(e) for e in events])
     batch.data_parallel_rank = 0
-    return encode_batch(batch)
+    return batch
+
+
+def encode_events(events: list[model.KVEvent], ts: float) -> bytes:
+    """One step's events as the payload of one vLLM KV-event message."""
+    return encode_batch(wire_batch(events, ts))
 
 
 class KVEventPublisher:
