@@ -345,11 +345,11 @@ def test_a_join_extending_the_parent_gets_its_prompt_once_every_parent_answers()
     p.on_event(FirstToken("w/r1"), 2.1)
     assert [a for a in p.release(2.1) if isinstance(a, Transfer)] == []  # r2 still to answer
     p.on_event(FirstToken("w/r2"), 2.2)
-    moves = [a for a in p.release(2.2) if isinstance(a, Transfer)]
-    if moves:  # copied unless the policy plans the join where the plan ran
-        (m,) = moves
-        assert (m.reason, m.source, m.origin) == ("prefetch", plan.engine, "w/plan")
-        assert m.block_keys == tuple(range(259)) and m.destination != plan.engine
+    # The plan's engine learned from the plan's pace here (128 tokens in 1.5 s) that it decodes
+    # slower than its profile says, so the join is planned on another engine: a copy.
+    (m,) = [a for a in p.release(2.2) if isinstance(a, Transfer)]
+    assert (m.reason, m.source, m.origin) == ("prefetch", plan.engine, "w/plan")
+    assert m.block_keys == tuple(range(259)) and m.destination != plan.engine
     p.on_event(FirstToken("w/r2"), 2.3)  # once only
     assert [a for a in p.release(2.3) if isinstance(a, Transfer)] == []
 
