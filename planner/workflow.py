@@ -158,7 +158,7 @@ def static_segment_name(spec: Workflow, task: Task, namespace: str = "") -> str:
         if seg.kind == "static" or seg.role in SYSTEM_ROLES:
             body = seg.content if seg.content is not None else f"<{seg.tokens} tokens of "\
                 f"{lead.segment}>"
-            parts.append(f"{seg.role}:{body}")
+            parts.append(f"{seg.role}:{body}:{json.dumps(seg.tools, sort_keys=True)}")
     elif isinstance(lead, LiteralMessage) and lead.role in SYSTEM_ROLES:
         parts.append(f"{lead.role}:{lead.content}")
     if not parts:
