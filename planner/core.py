@@ -450,9 +450,9 @@ class Planner:
             case WorkflowSubmitted(workflow=wf, tasks=tasks):
                 if self.priorities is not None:
                     self.priorities.submit(wf, tasks)
+                opening = {t.task: t.static_segment for t in tasks}
                 if self.prefetch:
                     children: dict[str, int] = {}
-                    opening = {t.task: t.static_segment for t in tasks}
                     for t in tasks:
                         # A join's prompt extends several parents: no one parent's prompt
                         # is its prefix, so only single-parent children are counted; and a
@@ -474,9 +474,8 @@ class Planner:
                     # A task that opens with its parent's static segment extends the parent's
                     # context and is placed by it (pulls, prefetch); demand for the segment
                     # alone comes from root tasks and from sub-agents of another kind.
-                    opens = {t.task: t.static_segment for t in tasks}
                     named = {t.task: t.static_segment for t in tasks if t.static_segment
-                             and all(opens.get(p) != t.static_segment for p in t.after)}
+                             and all(opening.get(p) != t.static_segment for p in t.after)}
                     if named:
                         counts: dict[str, int] = {}
                         for name in named.values():

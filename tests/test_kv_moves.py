@@ -253,6 +253,11 @@ def fanout_parent(p: Planner, shared: bool = True) -> None:
     p.on_event(WorkflowSubmitted("w", (
         TaskSpec("plan"), TaskSpec("r0", ("plan",)), TaskSpec("r1", ("plan",)),
         TaskSpec("r2", ("plan",)), TaskSpec("join", ("r0", "r1", "r2")))), 0.0)
+    admit_plan(p, shared)
+
+
+def admit_plan(p: Planner, shared: bool = True) -> None:
+    """Workflow w's plan: a 256-token static prompt, a 3,840-token context, its question."""
     parts = [("static", 256), ("shared" if shared else "transient", 3840), ("transient", 64)]
     route = RouteRequest("w/plan", "m", prompt_tokens=4160, block_keys=tuple(range(260)),
                          max_tokens=128)
@@ -306,11 +311,7 @@ def sub_agent_fanout(p: Planner) -> None:
         TaskSpec("plan", static_segment="A"),
         *(TaskSpec(f"r{i}", ("plan",), static_segment="B") for i in range(3)),
         TaskSpec("join", ("plan", "r0", "r1", "r2"), static_segment="A"))), 0.0)
-    parts = [("static", 256), ("shared", 3840), ("transient", 64)]
-    route = RouteRequest("w/plan", "m", prompt_tokens=4160, block_keys=tuple(range(260)),
-                         max_tokens=128)
-    p.admit(Call(route, hints=RequestHints(workflow="w", task="plan"),
-                 segments=tag_parts(parts, 16)), 0.0)
+    admit_plan(p)
 
 
 def sub_agent(p: Planner, i: int, now: float) -> Dispatch:
