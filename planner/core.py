@@ -127,6 +127,9 @@ class PlannerSettings:
     replicate: bool = False
     """With a link, keep hot static segments on as many engines as their share of demand
     needs (planner/replication.py)."""
+    homes: bool = True
+    """Policies that can (`kvgate`) place a workflow's first call by the workflows each engine
+    is home to; False keeps the cost estimate alone."""
 
 
 VARIANTS: dict[str, PlannerSettings] = {
@@ -142,6 +145,9 @@ VARIANTS: dict[str, PlannerSettings] = {
                                           prefetch=True, replicate=True),
     "kvgate-no-siblings": PlannerSettings("kvgate", release="batch", priorities=True,
                                           prefetch=True, replicate=True),
+    "kvgate-no-homes": PlannerSettings("kvgate", release="batch", priorities=True,
+                                       siblings=True, prefetch=True, replicate=True,
+                                       homes=False),
     "kvgate-routing-only": PlannerSettings("kvgate"),
 }
 """The full planner and its ablations; every other name is a routing policy under `immediate`
@@ -226,6 +232,10 @@ class EngineRecord:
     foreign: int = 0
     """Requests the last scrape counted beyond the gateway's own in flight at that moment."""
 
+
+HOME_IDLE_S = 300.0
+"""A workflow with no call for this long no longer counts as homed anywhere (hint-mode
+workflows never say they are over)."""
 
 LINEAGE_WORKFLOWS = 10_000
 """Workflows whose calls the planner remembers for segment tagging (least recent forgotten)."""
@@ -329,6 +339,11 @@ class Planner:
         """Per workflow with such joins, its tasks that have produced a first token."""
         self._ready: list[Action] = []
         """Actions decided on an event, handed out at the next `release`."""
+        self._homes: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        """Workflows in flight (least recently dispatched first): the engine of their latest
+        call, and when it was sent."""
+        self._homed: dict[str, int] = {}
+        """Per engine, how many of `_homes` point at it."""
 
     # -- what drivers may read ------------------------------------------------------------------
 
@@ -341,7 +356,7 @@ class Planner:
                 prefilling=e.load.prefilling,
                 queued_prefill_tokens=e.load.queued_prefill_tokens,
                 active_blocks=e.load.active_blocks, block_size=self._block_size_of(e.name),
-                foreign=e.foreign)
+                foreign=e.foreign, homed_workflows=self._homed.get(e.name, 0))
             for e in self.engines.values() if e.name not in exclude
         ]
 
@@ -487,6 +502,7 @@ class Planner:
             case TransferFailed(move_id=mid):
                 self._move_over(mid, ok=False, now=now)
             case WorkflowOver(workflow=wf):
+                self._unhome(wf)
                 self._children.pop(wf, None)
                 self._joins.pop(wf, None)
                 self._started.pop(wf, None)
@@ -667,6 +683,11 @@ class Planner:
                     at[engine_name] = at.get(engine_name, 0) + 1
                 finish = max(f for _, f in members.values())
                 route = replace(route, group_finish_s=max(0.0, finish - now), group_at=at)
+        hints = req.call.hints
+        if hints.workflow is not None:
+            self._expire_homes(now)
+            if not hints.after and hints.workflow not in self._homes:
+                route = replace(route, workflow_root=True)
         if self.moves_kv and len(self.moves):
             arriving = self.moves.arriving(route.block_keys, now)
             busy = self.moves.nic_wait(now)
@@ -700,7 +721,8 @@ class Planner:
                     engine, n, n, float(n))})
         req.outstanding = open_dispatch(placed_route, engine, rec.load,
                                         self._block_size_of(engine))
-        hints = req.call.hints
+        if hints.workflow is not None:
+            self._home(hints.workflow, engine, now)
         if hints.workflow in self._joins and hints.task is not None:
             # Only a workflow with such joins keeps its calls (a join's prefetch copies one).
             known = self._lineage.get(hints.workflow or "", {}).get(hints.task)
@@ -969,6 +991,25 @@ class Planner:
                 shared = shared or known.expect_children > 1 or known.children > 1
         return tag_blocks(len(keys), call.static_blocks, context, shared)
 
+    def _home(self, workflow: str, engine: str, now: float) -> None:
+        """The workflow's latest call went to `engine`."""
+        self._unhome(workflow)
+        self._homes[workflow] = (engine, now)
+        self._homed[engine] = self._homed.get(engine, 0) + 1
+
+    def _unhome(self, workflow: str) -> None:
+        old = self._homes.pop(workflow, None)
+        if old is not None:
+            self._homed[old[0]] -= 1
+
+    def _expire_homes(self, now: float) -> None:
+        homes = self._homes
+        while homes:
+            workflow, (_, seen) = next(iter(homes.items()))
+            if seen >= now - HOME_IDLE_S:
+                return
+            self._unhome(workflow)
+
     def _sibling_group(self, hints: RequestHints) -> str | None:
         if not self.siblings or hints.workflow is None:
             return None
@@ -1002,6 +1043,8 @@ def make_planner(
     """The named planner variant (VARIANTS) or routing policy, over `context`'s profiles."""
     settings = planner_settings(name)
     policy = make_policy(settings.routing, context)
+    if not settings.homes and hasattr(policy, "homes"):
+        policy.homes = False
     priorities = WorkflowPriorities(context.default_profile) if settings.priorities else None
     return Planner(policy, speculative_ttl_s=speculative_ttl_s,
                    engine_block_size=engine_block_size, release=settings.release,

@@ -45,6 +45,10 @@ class EngineView:
     foreign: int = 0
     """Requests the last scrape counted beyond what the gateway had in flight there then
     (other clients, other replicas)."""
+    homed_workflows: int = 0
+    """Workflows in flight whose latest call went here (their context lives here, and their
+    next calls most likely come back here), whether a call of theirs runs now or not. Only
+    the planner knows it (from the workflow hints)."""
 
     @property
     def load(self) -> int:
@@ -90,6 +94,9 @@ class RouteRequest:
     seconds until it lands (only the planner knows; only for policies that move KV)."""
     link_wait: Mapping[str, float] = field(default_factory=dict)
     """Per engine, seconds until its NIC is done with the transfers already under way."""
+    workflow_root: bool = False
+    """The first call of a workflow the planner knows (no parents, no earlier call): where it
+    runs is where the workflow's context will live."""
 
     def cached_tokens(self, engine: str, engine_block_size: int = 0) -> int:
         """Prompt tokens the engine is expected to serve from its cache.

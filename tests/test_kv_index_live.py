@@ -128,6 +128,12 @@ class Cluster:
         assert status == 200, body
         return set(body["keys"])
 
+    def pool_idle(self, gateway: Child) -> bool:
+        status, body, _ = http("GET", f"{gateway.url}/admin/engines", admin=True)
+        assert status == 200, body
+        return all(e["running"] == 0 and e["waiting"] == 0 and e["in_flight"] == 0
+                   for e in body["engines"])
+
     def prompt_keys(self, gateway: Child, body: dict[str, Any]) -> list[str]:
         status, out, _ = http("POST", f"{gateway.url}/admin/index/match", body, admin=True)
         assert status == 200, out
@@ -305,13 +311,17 @@ def test_two_gateways_sharing_redis_send_a_prefix_to_the_same_engine(
         cluster.start_sim(n)
     wait_healthy(first)
     wait_healthy(second)
-    # Warm the other engines so the prefix's engine is not simply the idle one.
     status, out, headers = http("POST", f"{first.url}/v1/chat/completions", chat(6, "First?"))
     assert status == 200
     engine = headers["x-kvgate-engine"]
     name = next(n for n in cluster.engines if cluster.engine_name(n) == engine)
     wait_for(lambda: len(cluster.index_keys(second, name)) > 10, "shared index entries")
+    # The second gateway prices foreign requests from its last /metrics scrape: one taken while
+    # the first call still ran would read the holder as busy. Wait for a scrape that sees the
+    # pool idle (before each call: one taken during the previous call would too), so the
+    # choice below rests on the shared index alone.
     for i in range(3):
+        wait_for(lambda: cluster.pool_idle(second), "an idle scrape on the second gateway")
         status, out, headers = http("POST", f"{second.url}/v1/chat/completions",
                                     chat(6, f"Follow-up {i}?"))
         assert status == 200

@@ -343,3 +343,44 @@ def test_a_buffered_call_sees_the_prefixes_placed_while_it_waited() -> None:
     # engine as holding the whole prefix, as the index's speculative entries would.
     match = seen["s2"].matches.get(sent[0].engine)
     assert match is not None and match.blocks == len(keys)
+
+
+def test_a_workflows_first_call_goes_where_the_fewest_workflows_live() -> None:
+    """Engine a is home to two workflows between calls (nothing of theirs runs), b to none but
+    it runs a plain request: the estimate alone sends a new workflow's first call to the idle
+    a, where both loops will come back; kvgate sends it to b. Later calls are placed by the
+    estimate, and a workflow that is over is home nowhere."""
+    def setup(name: str) -> Planner:
+        p = batch_planner(name)
+        for n, wf in enumerate(("w1", "w2")):
+            rid = f"{wf}/t1"
+            p.admit(Call(RouteRequest(rid, "m", prompt_tokens=512, max_tokens=64,
+                                      block_keys=tuple(range(100 * n, 100 * n + 32)),
+                                      matches={"a": EngineMatch("a", 32, 32, 32.0)}),
+                         hints=RequestHints(workflow=wf, task="t1", after=("t0",))), 0.0)
+            (d,) = p.release(0.0)
+            assert isinstance(d, Dispatch) and d.engine == "a"
+            p.on_event(Finished(rid, 64), 1.0)
+        p.admit(Call(RouteRequest("plain", "m", prompt_tokens=512, max_tokens=64,
+                                  block_keys=tuple(range(500, 532)),
+                                  matches={"b": EngineMatch("b", 32, 32, 32.0)})), 1.0)
+        (d,) = p.release(1.0)
+        assert isinstance(d, Dispatch) and d.engine == "b"
+        return p
+
+    def root(p: Planner, wf: str, now: float) -> str:
+        p.admit(Call(RouteRequest(f"{wf}/t0", "m", prompt_tokens=512, max_tokens=64,
+                                  block_keys=tuple(range(900, 932))),
+                     hints=RequestHints(workflow=wf, task="t0")), now)
+        (d,) = p.release(now)
+        assert isinstance(d, Dispatch)
+        return d.engine
+
+    p = setup("kvgate")
+    assert {v.name: v.homed_workflows for v in p.views()} == {"a": 2, "b": 0}
+    assert {v.name: v.in_flight for v in p.views()} == {"a": 0, "b": 1}
+    assert root(p, "w3", 2.0) == "b"
+    assert root(setup("kvgate-no-homes"), "w3", 2.0) == "a"
+    p.on_event(WorkflowOver("w1"), 3.0)
+    p.on_event(WorkflowOver("w2"), 3.0)
+    assert {v.name: v.homed_workflows for v in p.views()} == {"a": 0, "b": 1}
