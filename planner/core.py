@@ -829,7 +829,8 @@ class Planner:
         if (children < 2 or planner_fn is None or not keys
                 or segments.blocks_of("shared") == 0):
             return
-        destinations: list[str] = planner_fn(route, children, self.views(), now)
+        destinations: list[str] = planner_fn(route, children, self.views(), now,
+                                             holder=out.engine)
         self._copy_ahead(route, keys, out.engine, destinations, now)
 
     def _plan_join_prefetch(self, req: _Request, now: float) -> None:
@@ -854,7 +855,8 @@ class Planner:
                     or known.engine is None or not known.shared):
                 continue
             route = known.route
-            destinations: list[str] = planner_fn(route, 1, self.views(), now)
+            destinations: list[str] = planner_fn(route, 1, self.views(), now,
+                                                 holder=known.engine)
             self._copy_ahead(route, route.block_keys[:-1], known.engine, destinations, now)
 
     def _copy_ahead(self, route: RouteRequest, keys: tuple[BlockKey, ...], source: str,

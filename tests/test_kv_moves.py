@@ -556,3 +556,27 @@ def test_no_replication_for_the_ablation_or_without_a_link(name: str, link: Tran
     for i in range(12):
         p.admit(static_call(f"r{i}", 1), float(i))
         assert replicas_started(p, float(i)) == []
+
+
+def test_without_a_link_prefetch_plans_children_where_a_recompute_would_pay() -> None:
+    """A 32k-token context on a 70B profile, its holder running only the parent: with a link
+    the children are spread (a copy is cheap), without one a warm-up recomputes the context,
+    so the plan keeps them with the holder rather than warming every engine up."""
+    from planner.policies.kvgate import KvgatePolicy
+    from planner.policy import EngineView
+
+    big = get_profile("h100x4-llama3-70b")
+    blocks = 2000
+    parent = RouteRequest("p", "m", prompt_tokens=blocks * 16, block_keys=tuple(range(blocks)),
+                          max_tokens=256, matches={"a": EngineMatch("a", blocks, blocks,
+                                                                    float(blocks))})
+    views = [EngineView(n, True, frozenset({"m"}), in_flight=1 if n == "a" else 0,
+                        active_blocks=blocks if n == "a" else 0, block_size=16)
+             for n in ("a", "b", "c", "d")]
+
+    def plan(link: TransferLink) -> list[str]:
+        policy = KvgatePolicy(PolicyContext(default_profile=big, link=link))
+        return policy.plan_prefetch(parent, 4, views, 0.0, holder="a")
+
+    assert set(plan(NAMED_LINKS["rdma"])) > {"a"}
+    assert plan(parse_link("none")) == ["a"] * 4

@@ -79,16 +79,29 @@ class KvgatePolicy:
         return min(near, key=lambda c: homed.get(c.engine, 0))
 
     def plan_prefetch(self, request: RouteRequest, children: int,
-                      engines: Sequence[EngineView], now: float) -> list[str]:
-        """Where `children` calls extending `request` (its prompt, then its output) should run,
-        if its prompt's KV were copied ahead to wherever they go: each child placed in turn by
-        the cost model on the pool as the earlier ones leave it."""
+                      engines: Sequence[EngineView], now: float,
+                      holder: str | None = None) -> list[str]:
+        """Where `children` calls extending `request` (its prompt, then its output) should run:
+        each child placed in turn by the cost model on the pool as the earlier ones leave it.
+
+        With a link, the prompt's KV can be copied ahead to wherever they go, so every engine
+        is priced as holding it. Without one, a copy is a recompute warm-up that costs what
+        the child's own recompute would: only `holder` (the engine that computed the prompt)
+        and the engines the index says hold it are priced as holding it, and a child goes
+        elsewhere only where the cost model would recompute the prompt there anyway (the
+        warm-up then does that work earlier, overlapped with the parent's decode)."""
         pool = {e.name: e for e in candidates(request, engines)}
         blocks = len(request.block_keys)
         output = request.max_tokens or self.cost.settings.default_output_tokens
+        full = EngineMatch("", blocks, blocks, float(blocks))
+        if self.cost.settings.link.enabled:
+            matches = {n: replace(full, engine=n) for n in pool}
+        else:
+            matches = dict(request.matches)
+            if holder is not None:
+                matches[holder] = replace(full, engine=holder)
         child = replace(
-            request, prompt_tokens=request.prompt_tokens + output,
-            matches={n: EngineMatch(n, blocks, blocks, float(blocks)) for n in pool},
+            request, prompt_tokens=request.prompt_tokens + output, matches=matches,
             group_finish_s=0.0, group_at={}, arriving={})
         picks = []
         for _ in range(children):
