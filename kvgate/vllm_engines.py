@@ -575,20 +575,29 @@ class Received:
 
 
 class EventCollector:
-    """A SUB socket bound on 127.0.0.1, polled continuously by a background thread.
+    """A SUB socket, polled continuously by a background thread: bound on 127.0.0.1 (the
+    engine's PUB connects to ``endpoint``), or connected to ``connect``, a PUB the engine
+    binds (an ``ipc://`` endpoint, which other subscribers such as a gateway may share).
 
     Start it *before* the engine: ZMQ only sends the SUB's subscription to a newly connected
     PUB while the SUB is being polled; an idle bound SUB never subscribes (VLLM_FACTS §2).
+    A connecting SUB started first reconnects until the engine binds, so it too sees every
+    batch from seq 0.
     """
 
-    def __init__(self, subscribe: bytes = b"", host: str = "127.0.0.1") -> None:
+    def __init__(self, subscribe: bytes = b"", host: str = "127.0.0.1",
+                 connect: str | None = None) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, subscribe)
-        self._sock.bind(f"tcp://{host}:0")
-        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if connect is not None:
+            self._sock.connect(connect)
+            self.endpoint: str = connect
+        else:
+            self._sock.bind(f"tcp://{host}:0")
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._messages: list[Received] = []
         self._cond = threading.Condition()
         self._stop = threading.Event()

@@ -52,6 +52,9 @@ AVX2-only CPU the pool names `cpu-tiny-avx2` instead."""
 GATEWAY_HEALTH_TIMEOUT_S = 60.0
 HANDSHAKE_ATTEMPTS = 3
 """Tries per ordered engine pair for the start-up NIXL handshake (see `Pool._handshakes`)."""
+START_ATTEMPTS = 2
+"""Starts per engine that never answers `/health` within the timeout. Seen in CI (2026-11-25):
+a second NIXL engine still not healthy after 300 s, where it normally takes 36-80 s."""
 SHM = Path("/dev/shm")
 
 
@@ -189,14 +192,24 @@ class VllmPool:
             self.say(f"starting engine-{i} on core {core}"
                      + (f", NIXL side channel 127.0.0.1:{nixl_port}" if nixl_port else "")
                      + " ...")
-            engine = start_engine(
-                self.model_dir, self.run_dir, name=f"engine-{i}", served_model_name=SERVED_MODEL,
-                venv=venv, port=port, kv_events=kv_events_config(events, url, replay),
-                omp_bind=str(core), nixl_port=nixl_port, health_timeout=opts.health_timeout,
-                # usage.prompt_tokens_details.cached_tokens: the bench's hit ratio, the
-                # workflow records' cached tokens.
-                extra_args=["--enable-prompt-tokens-details"],
-            )
+            for attempt in range(1, START_ATTEMPTS + 1):
+                try:
+                    engine = start_engine(
+                        self.model_dir, self.run_dir, name=f"engine-{i}",
+                        served_model_name=SERVED_MODEL, venv=venv, port=port,
+                        kv_events=kv_events_config(events, url, replay), omp_bind=str(core),
+                        nixl_port=nixl_port, health_timeout=opts.health_timeout,
+                        # usage.prompt_tokens_details.cached_tokens: the bench's hit ratio,
+                        # the workflow records' cached tokens.
+                        extra_args=["--enable-prompt-tokens-details"],
+                    )
+                    break
+                except EngineStartError as failed:
+                    if attempt == START_ATTEMPTS or "not healthy after" not in str(failed):
+                        raise
+                    # start_engine killed it; same port, side channel and sockets again.
+                    self.say(f"engine-{i} not healthy after {opts.health_timeout:.0f} s "
+                             f"(attempt {attempt}); starting it again")
             self.engines.append(PoolEngine(engine, core, events, replay, nixl_port, profile))
             self.say(f"engine-{i} {engine.url} (pid {engine.proc.pid}) healthy in "
                      f"{engine.startup_s:.1f} s "

