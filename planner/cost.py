@@ -105,10 +105,21 @@ class CostSettings:
     hot_spot_slack: int = 2
     """...cannot win on its cache: its cached tokens are priced as if recomputed."""
     link: TransferLink = NO_LINK
-    disaggregate_min_steps: float | None = 1.0
+    pulls: bool = False
+    """With a link, price pulling the prompt's cached prefix from the engine holding most of
+    it when a request is placed (llm-d's P2P move, made when the cost model says it pays).
+    Off by default: a request's KV moves only ahead of need (prefetch, replication). Measured
+    (2026-11-26, 8 x h100x4-llama3-70b, RDMA, 32k contexts, 4 agent types, goodput at the
+    default SLO, `kvgate-pulls` against `kvgate`): pulls and splits together read 0.594 / 0.364
+    / 1.235 workflows/s on fanout-long / tree-long / debate-long, against 0.700 / 0.390 / 1.482
+    without either; splits alone off, 0.670 / 0.390 / 1.235. A pull takes a workflow's call off
+    the engine its context lives on, and the myopic estimate misses what that does to the
+    workflow's later calls and to the decodes at the new engine."""
+    disaggregate_min_steps: float | None = None
     """With a link, a prompt whose uncached part needs at least this many full prefill steps
     may be computed on one engine and decoded on another (`CostModel.split`), when that costs
-    less: its chunks then stall no decode at the engine it runs on. None: never."""
+    less: its chunks then stall no decode at the engine it runs on. None (the default): never;
+    see `pulls` for what it measured (`kvgate-pulls` sets 1.0)."""
     transfer_min_tokens: int = 256
     """Pulling fewer missing tokens than this is never worth a transfer's setup."""
     externality: float = 1.0
@@ -211,7 +222,7 @@ class CostModel:
             prefill = self.prefill_seconds(e.name, prompt - cached, cached)
             transfer, source, moved = 0.0, None, 0
             best_cached, best_holder = holders[0] if holders else (0, "")
-            if (s.link.bandwidth_bytes_s > 0 and best_holder != e.name
+            if (s.pulls and s.link.bandwidth_bytes_s > 0 and best_holder != e.name
                     and best_cached - cached >= s.transfer_min_tokens):
                 moved = best_cached - cached
                 kv_bytes = moved * self.profile(e.name).kv_bytes_per_token

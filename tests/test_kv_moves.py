@@ -440,17 +440,25 @@ def test_virtual_run_without_a_link_moves_nothing() -> None:
 # -- replication ---------------------------------------------------------------------------------
 
 
+STATIC_BLOCKS = PROFILE.max_num_batched_tokens // 16
+"""A static segment of one full prefill step: the shortest replication copies."""
+
+
+def segment_keys(system: int, blocks: int = STATIC_BLOCKS) -> tuple[int, ...]:
+    return tuple(range(system * 1000, system * 1000 + blocks))
+
+
 def static_call(rid: str, system: int, holders: tuple[str, ...] = ("a",),
-                workflow: str | None = None) -> Call:
-    """A call whose prompt opens with static segment `system` (64 blocks), held by `holders`;
-    task `rid` of `workflow` if one is named."""
-    keys = (*range(system * 1000, system * 1000 + 64), 10**6 + int(rid[1:]))
-    matches = {h: EngineMatch(h, 64, 64, 64.0) for h in holders}
+                workflow: str | None = None, blocks: int = STATIC_BLOCKS) -> Call:
+    """A call whose prompt opens with static segment `system` (`blocks` blocks), held by
+    `holders`; task `rid` of `workflow` if one is named."""
+    keys = (*segment_keys(system, blocks), 10**6 + int(rid[1:]))
+    matches = {h: EngineMatch(h, blocks, blocks, float(blocks)) for h in holders}
     route = RouteRequest(rid, "m", prompt_tokens=len(keys) * 16, block_keys=keys,
                          matches=matches, max_tokens=16)
     hints = RequestHints(workflow=workflow, task=rid if workflow else None)
     return Call(route, hints=hints,
-                segments=tag_parts([("static", 64 * 16), ("transient", 16)], 16))
+                segments=tag_parts([("static", blocks * 16), ("transient", 16)], 16))
 
 
 def replicas_started(p: Planner, now: float) -> list[Transfer]:
@@ -472,9 +480,18 @@ def test_a_segment_every_call_needs_is_copied_to_every_engine() -> None:
     for i in range(12):
         p.admit(static_call(f"r{i}", 1), float(i))
         moves = replicas_started(p, float(i))
-        assert all(m.source == "a" and m.block_keys == tuple(range(1000, 1064)) for m in moves)
+        assert all(m.source == "a" and m.block_keys == segment_keys(1) for m in moves)
         destinations += [m.destination for m in moves]
     assert sorted(destinations) == ["b", "c", "d"]  # one copy each, none twice
+
+
+def test_a_segment_shorter_than_a_prefill_step_is_not_copied() -> None:
+    p = replicating_planner()
+    assert STATIC_BLOCKS > 32  # still long enough to count as demand
+    for i in range(12):
+        p.admit(static_call(f"r{i}", 1, blocks=STATIC_BLOCKS - 1), float(i))
+        assert replicas_started(p, float(i)) == []
+    assert p.static_demand.replicas(segment_keys(1, STATIC_BLOCKS - 1), 4, 11.0) == 4
 
 
 def test_two_segments_with_equal_demand_get_half_the_pool_each() -> None:
@@ -511,7 +528,7 @@ def test_a_submitted_dag_announces_its_demand_before_its_calls_arrive() -> None:
         return replicas_started(p, 8.0)
 
     moves = run(announce=True)
-    assert [(m.source, m.block_keys) for m in moves] == [("b", tuple(range(2000, 2064)))]
+    assert [(m.source, m.block_keys) for m in moves] == [("b", segment_keys(2))]
     assert run(announce=False) == []
 
 
@@ -525,15 +542,15 @@ def test_only_tasks_that_do_not_extend_a_parent_of_their_kind_announce_demand() 
         TaskSpec("r9", after=("r1", "r2"), static_segment="A"))), 0.0)
     p.admit(static_call("r1", 1, workflow="wf"), 0.0)
     p.admit(static_call("r2", 2, holders=("b",), workflow="wf"), 0.0)
-    assert p.static_demand.expected(tuple(range(1000, 1064))) == 0  # r9 extends r1
-    assert p.static_demand.expected(tuple(range(2000, 2064))) == 3
+    assert p.static_demand.expected(segment_keys(1)) == 0  # r9 extends r1
+    assert p.static_demand.expected(segment_keys(2)) == 3
     p.on_event(WorkflowOver("wf"), 1.0)
-    assert p.static_demand.expected(tuple(range(2000, 2064))) == 0
+    assert p.static_demand.expected(segment_keys(2)) == 0
 
 
 def test_announced_demand_ends_with_its_calls_or_its_workflow() -> None:
     demand = StaticDemand()
-    keys = tuple(range(2000, 2064))
+    keys = segment_keys(2)
     demand.expect("wf", {"s": 3})
     demand.expect("wf2", {"s": 2})
     demand.admitted("wf", "s", keys)

@@ -195,7 +195,7 @@ class LiveClient:
         pieces: list[str] = []
         try:
             async with session.post(f"{self.url}{route}", json=body,
-                                    headers={"x-session-id": wf.id}) as resp:
+                                    headers=dag_headers(wf, task)) as resp:
                 r.engine = resp.headers.get("x-kvgate-engine", "")
                 if resp.status != 200:
                     r.failed = f"HTTP {resp.status}: {(await resp.text())[:300]}"
@@ -352,6 +352,20 @@ def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
     finally:
         for c in reversed(children):
             c.stop()
+
+
+def dag_headers(wf: BenchWorkflow, task: BenchTask) -> dict[str, str]:
+    """What an agent built with kvgate's SDK sends with each call: the session, and its place
+    in the DAG as hint-mode headers (workflow, task, the parents it waits for, how many calls
+    will extend it), so a kvgate gateway knows the DAG as the virtual driver's planner does.
+    Routers that do not read them (every baseline's policy, sglang-router) ignore them."""
+    children = sum(task.id in t.after for t in wf.tasks)
+    headers = {"x-session-id": wf.id, "X-KVGate-Workflow": wf.id, "X-KVGate-Task": task.id}
+    if task.after:
+        headers["X-KVGate-After"] = ",".join(task.after)
+    if children:
+        headers["X-KVGate-Expect-Children"] = str(children)
+    return headers
 
 
 def run_live(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
