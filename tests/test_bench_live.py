@@ -102,3 +102,29 @@ def test_engines_without_a_cache_reset_are_refused_with_what_to_do(tmp_path: Pat
     assert proc.returncode == 2
     assert "has no POST /reset_prefix_cache" in proc.stderr
     assert "VLLM_SERVER_DEV_MODE=1" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_live_calls_carry_their_place_in_the_dag_as_hint_headers() -> None:
+    """The live client sends what an SDK-built agent sends, so a kvgate gateway knows the DAG
+    (which task expects children: the trigger for prefetch) as the virtual planner does."""
+    from kvgate.bench.live import dag_headers
+    from kvgate.bench.options import BenchOptions
+    from kvgate.bench.runner import prepare
+
+    o = BenchOptions(workload="fanout", workload_args={"width": "3"}, workflows=1,
+                     progress=False)
+    (wf,) = prepare(o).workflows
+    assert [(t.id, t.after) for t in wf.tasks] == [
+        ("plan", ()), *((f"research{i}", ("plan",)) for i in range(3)),
+        ("reduce", ("plan", "research0", "research1", "research2"))]
+    headers = {t.id: dag_headers(wf, t) for t in wf.tasks}
+    common = {"x-session-id": wf.id, "X-KVGate-Workflow": wf.id}
+    # Four calls wait for the plan: its three researchers and the reduce.
+    assert headers["plan"] == {**common, "X-KVGate-Task": "plan",
+                               "X-KVGate-Expect-Children": "4"}
+    for i in range(3):
+        assert headers[f"research{i}"] == {**common, "X-KVGate-Task": f"research{i}",
+                                           "X-KVGate-After": "plan",
+                                           "X-KVGate-Expect-Children": "1"}
+    assert headers["reduce"] == {**common, "X-KVGate-Task": "reduce",
+                                 "X-KVGate-After": "plan,research0,research1,research2"}

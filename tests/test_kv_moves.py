@@ -597,3 +597,30 @@ def test_without_a_link_prefetch_plans_children_where_a_recompute_would_pay() ->
 
     assert set(plan(NAMED_LINKS["rdma"])) > {"a"}
     assert plan(parse_link("none")) == ["a"] * 4
+
+
+def test_kvgate_moves_kv_ahead_of_need_only_and_kvgate_pulls_also_on_placement() -> None:
+    """A 24k-token prompt held by a busy engine, an idle one beside it, an RDMA link: the
+    `kvgate-pulls` variant pulls the prompt to the idle engine as it places the request;
+    `kvgate` prices no pull (it queues behind the holder here) and moves KV only ahead of need
+    (prefetch, replication)."""
+    from planner.policy import EngineView
+
+    big = get_profile("h100x4-llama3-70b")
+    blocks = 1500
+    request = RouteRequest("r", "m", prompt_tokens=blocks * 16, block_keys=tuple(range(blocks)),
+                           max_tokens=64, matches={"a": EngineMatch("a", blocks, blocks,
+                                                                    float(blocks))})
+    views = [EngineView("a", True, frozenset({"m"}), in_flight=12, active_blocks=12 * blocks,
+                        queued_prefill_tokens=6 * 8192, block_size=16),
+             EngineView("b", True, frozenset({"m"}), block_size=16)]
+
+    def placement(name: str) -> Placement:
+        ctx = PolicyContext(default_profile=big, link=NAMED_LINKS["rdma"])
+        return make_planner(name, ctx, engine_block_size=lambda _: 16).policy.choose(
+            request, views, 0.0)
+
+    pulled = placement("kvgate-pulls")
+    assert (pulled.engine, pulled.pull) == ("b", Pull("a", blocks * 16 - 16, "pull"))
+    plain = placement("kvgate")
+    assert plain.pull is None and plain.cost is not None and plain.cost.transfer_s == 0.0

@@ -1,15 +1,21 @@
 """`kvgate vllm-pool`'s argument checks, which fail before any engine starts (exit 2, the
-problem named). The pool itself is exercised by tests/vllm_tier/test_real_nixl.py."""
+problem named), and its one restart of an engine that hangs at start-up. The pool itself is
+exercised by tests/vllm_tier/test_real_nixl.py."""
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvgate.vllm_engines import Engine, EngineStartError
 from kvgate.vllm_pool import PoolError, parse_cores
 
 
@@ -40,3 +46,51 @@ def test_bad_arguments_exit_2_naming_the_problem() -> None:
         s.listen()
         done = run("--serve", str(s.getsockname()[1]))
     assert done.returncode == 2 and "is not free" in done.stderr
+
+
+def test_an_engine_that_never_gets_healthy_is_started_once_more(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A vLLM engine that hangs at start-up cannot be made on demand, so `start_engine` is
+    replaced here: its first start reports the hang `wait_healthy` raises, the next one gives
+    a real (sleeping) process. Another kind of failure, or a second hang, is not retried."""
+    import kvgate.vllm_pool as vp
+
+    starts: list[tuple[str, int | None]] = []
+
+    def start_engine(model_dir: Path, log_dir: Path, *, name: str, port: int | None,
+                     health_timeout: float, fail: list[str], **kw: Any) -> Engine:
+        starts.append((name, port))
+        if fail:
+            raise EngineStartError(fail.pop(0).format(name=name, t=health_timeout))
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                start_new_session=True)
+        return Engine(name, kw["served_model_name"], f"http://127.0.0.1:{port}", port or 0,
+                      proc, tmp_path / f"{name}.log")
+
+    monkeypatch.setattr(vp, "ensure_vllm_venv", lambda: tmp_path)
+    monkeypatch.setattr(vp, "ensure_tiny_model", lambda: tmp_path)
+    monkeypatch.setattr(vp, "cpu_capability", lambda venv: "AVX512")
+    hang = "vLLM engine {name} not healthy after {t:.0f}s; log x"
+    died = "vLLM engine {name} exited with code 1 during startup; log x"
+
+    def run(fail: list[str]) -> str:
+        starts.clear()
+        monkeypatch.setattr(vp, "start_engine", functools.partial(start_engine, fail=fail))
+        out = io.StringIO()
+        pool = vp.VllmPool(vp.PoolOptions(engines=1, run_dir=tmp_path, health_timeout=5), out)
+        try:
+            pool.start()
+        finally:
+            pool.stop()
+        return out.getvalue()
+
+    said = run([hang])
+    assert "engine-0 not healthy after 5 s (attempt 1); starting it again" in said
+    assert "pool ready" in said
+    assert len(starts) == 2 and starts[0] == starts[1]  # the same name and port again
+    with pytest.raises(EngineStartError, match="exited with code 1"):
+        run([died])
+    assert len(starts) == 1
+    with pytest.raises(EngineStartError, match="not healthy after 5s"):
+        run([hang, hang])
+    assert len(starts) == 2
