@@ -110,9 +110,11 @@ class CostSettings:
     it when a request is placed (llm-d's P2P move, made when the cost model says it pays).
     Off by default: a request's KV moves only ahead of need (prefetch, replication). Measured
     (2026-11-26, 8 x h100x4-llama3-70b, RDMA, 32k contexts, 4 agent types, goodput at the
-    default SLO, `kvgate-pulls` against `kvgate`): pulls and splits together read 0.594 / 0.364
-    / 1.235 workflows/s on fanout-long / tree-long / debate-long, against 0.700 / 0.390 / 1.482
-    without either; splits alone off, 0.670 / 0.390 / 1.235. A pull takes a workflow's call off
+    default SLO; both arms copying every hot system prompt, as replication then did): pulls and
+    splits together read 0.594 / 0.364 / 1.235 workflows/s on fanout-long / tree-long /
+    debate-long, against 0.700 / 0.390 / 1.482 without either; splits alone off, 0.670 / 0.390
+    / 1.235 (with today's replication: `kvgate-pulls` 0.594 / 0.364 / 1.235 against `kvgate`
+    0.700 / 0.416 / 1.606, the README's moves table). A pull takes a workflow's call off
     the engine its context lives on, and the myopic estimate misses what that does to the
     workflow's later calls and to the decodes at the new engine."""
     disaggregate_min_steps: float | None = None

