@@ -15,6 +15,16 @@ from aiohttp import web
 from kvgate.procs import Child, free_port, spawn, start_gateway, start_sim, wait_healthy
 
 MODEL = "tiny-test"
+VLLM_TIER = Path(__file__).parent / "vllm_tier"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-vLLM tier first (its own order kept): its fidelity checks time a real engine
+    against the simulated one, and on 2026-11-26 they missed in two of four full-suite runs
+    after the rest of the suite (the fit read decode steps at 5.4-7.0 ms, then the real engine
+    decoded at half that) while the tier alone passed each time. First, it runs on the machine
+    and in the process the tier alone sees."""
+    items.sort(key=lambda it: it.path.parent != VLLM_TIER)
 
 
 @pytest.fixture(scope="session")

