@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -477,6 +478,15 @@ def wait_healthy(engine: Engine, timeout: float = HEALTH_TIMEOUT_S) -> None:
     )
 
 
+def _cores(spec: str) -> set[int]:
+    """The cores of a `VLLM_CPU_OMP_THREADS_BIND` value such as `1`, `0-1` or `0,2`."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def start_engine(
     model_dir: Path,
     log_dir: Path,
@@ -528,11 +538,16 @@ def start_engine(
         argv += list(extra_args)
         log_path = log_dir / f"{name}-{p}.log"
         t0 = time.monotonic()
+        # A NIXL engine's whole process tree stays on its cores: its busy-polling threads
+        # must not starve the next engine's start-up on the other core (VLLM_FACTS §7; seen
+        # 2026-11-26: a second engine printed nothing in 150 s, twice, beside a NIXL engine).
+        cores = _cores(omp_bind) if nixl_port is not None else None
         with log_path.open("wb") as out:
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=engine_env(omp_bind, extra_env), start_new_session=True,
                 cwd=str(log_dir),
+                preexec_fn=functools.partial(os.sched_setaffinity, 0, cores) if cores else None,
             )
         engine = Engine(name, served_model_name, f"http://127.0.0.1:{p}", p, proc, log_path,
                         argv=argv)
