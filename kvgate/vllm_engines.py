@@ -63,6 +63,10 @@ class EngineStartError(RuntimeError):
     """An engine exited or never became healthy."""
 
 
+class EngineNotHealthy(EngineStartError):
+    """An engine still alive that never answered `/health` in time (a start-up hang)."""
+
+
 # --------------------------------------------------------------------------- paths
 
 
@@ -472,19 +476,21 @@ def wait_healthy(engine: Engine, timeout: float = HEALTH_TIMEOUT_S) -> None:
             if status == 200:
                 return
         time.sleep(0.5)
-    raise EngineStartError(
+    raise EngineNotHealthy(
         f"vLLM engine {engine.name} not healthy after {timeout:.0f}s; "
         f"log {engine.log_path}:\n{engine.log_tail()}"
     )
 
 
+def core_range(part: str) -> range:
+    """The cores of one item of a core list: `3` or `0-3` (ValueError otherwise)."""
+    lo, sep, hi = part.strip().partition("-")
+    return range(int(lo), int(hi if sep else lo) + 1)
+
+
 def _cores(spec: str) -> set[int]:
     """The cores of a `VLLM_CPU_OMP_THREADS_BIND` value such as `1`, `0-1` or `0,2`."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
+    return {c for part in spec.split(",") for c in core_range(part)}
 
 
 def start_engine(

@@ -30,8 +30,10 @@ import yaml
 
 from kvgate.vllm_engines import (
     Engine,
+    EngineNotHealthy,
     EngineStartError,
     VllmSetupError,
+    core_range,
     cpu_capability,
     ensure_nixl,
     ensure_tiny_model,
@@ -80,9 +82,8 @@ def parse_cores(text: str | None) -> list[int]:
     cores: list[int] = []
     for part in text.split(","):
         part = part.strip()
-        lo, sep, hi = part.partition("-")
         try:
-            span = range(int(lo), int(hi) + 1) if sep else range(int(lo), int(lo) + 1)
+            span = core_range(part)
         except ValueError:
             raise PoolError(f"--cores: {part!r} is not a core number or range (e.g. 0,1 or "
                             "0-3)") from None
@@ -204,8 +205,8 @@ class VllmPool:
                         extra_args=["--enable-prompt-tokens-details"],
                     )
                     break
-                except EngineStartError as failed:
-                    if attempt == START_ATTEMPTS or "not healthy after" not in str(failed):
+                except EngineNotHealthy:
+                    if attempt == START_ATTEMPTS:
                         raise
                     # start_engine killed it; same port, side channel and sockets again.
                     self.say(f"engine-{i} not healthy after {opts.health_timeout:.0f} s "

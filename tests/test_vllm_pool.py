@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.vllm_engines import Engine, EngineStartError
+from kvgate.vllm_engines import Engine, EngineNotHealthy, EngineStartError
 from kvgate.vllm_pool import PoolError, parse_cores
 
 
@@ -61,7 +61,8 @@ def test_an_engine_that_never_gets_healthy_is_started_once_more(
                      health_timeout: float, fail: list[str], **kw: Any) -> Engine:
         starts.append((name, port))
         if fail:
-            raise EngineStartError(fail.pop(0).format(name=name, t=health_timeout))
+            error = fail.pop(0).format(name=name, t=health_timeout)
+            raise (EngineNotHealthy if "not healthy" in error else EngineStartError)(error)
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                 start_new_session=True)
         return Engine(name, kw["served_model_name"], f"http://127.0.0.1:{port}", port or 0,
