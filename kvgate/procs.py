@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,13 +16,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+PORTS = range(20000, 32768)
+"""Where `free_port` looks: below Linux's ephemeral range (32768-60999), which every outgoing
+connection draws from, so a port handed out here is not taken by some client's connection
+before the child binds it (seen in CI: a sim's port, picked by `bind(0)`, taken meanwhile)."""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago."""
+    for _ in range(100):
+        port = random.choice(PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
+        found: int = s.getsockname()[1]
+        return found
 
 
 class StartupError(RuntimeError):

@@ -323,12 +323,10 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def free_port() -> int:
-    import socket
+    """A loopback TCP port that was free a moment ago (`kvgate.procs.free_port`)."""
+    from kvgate.procs import free_port as pick
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return pick()
 
 
 def kv_events_config(
