@@ -21,7 +21,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -36,6 +35,12 @@ from gateway.errors import (
 )
 from gateway.state import GatewayState
 from gateway.tracing import NO_CALL, CallTrace, EngineCallTrace, NoCall, usage_of
+from gateway.upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
 from planner.actions import Dispatch, Reject, Transfer, Warm
@@ -47,13 +52,14 @@ from planner.segments import KINDS, static_lead
 
 log = logging.getLogger(__name__)
 
-# Hop-by-hop headers (RFC 9110 7.6.1) and ones aiohttp recomputes are never forwarded.
+# Hop-by-hop headers (RFC 9110 7.6.1), ones the upstream client sets itself, and `Expect` (the
+# body has been read whole by then) are never forwarded.
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
         "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE",
         "Trailer", "Transfer-Encoding", "Upgrade", "Host", "Content-Length", "Accept-Encoding",
-        "Content-Encoding",
+        "Content-Encoding", "Expect",
     )
 )  # fmt: skip
 
@@ -473,41 +479,33 @@ class Proxy:
         engine = d.engine
         metrics = state.metrics
         try:
-            assert state.pool is not None and state.session is not None
+            assert state.pool is not None and state.upstream is not None
             url = state.pool.engines[engine].url
-            timeout = aiohttp.ClientTimeout(
-                total=None, connect=state.config.connect_timeout_s,
-                sock_read=state.config.request_timeout_s,
-            )
             if d.speculative_keys:
                 await state.index.add_speculative(engine, d.speculative_keys, state.now(),
                                                   d.speculative_ttl_s)
             try:
-                upstream = await state.session.post(
-                    f"{url}{route}", data=raw, headers=headers, timeout=timeout
-                )
-            except aiohttp.SocketTimeoutError:
+                upstream = await state.upstream.post(url, route, raw, headers.items(),
+                                                     state.config.request_timeout_s)
+            except UpstreamTimeout:
                 # Slow, not dead (a long generation, a deep queue): no retry, no eviction.
                 metrics.upstream_errors.labels(engine, "timeout").inc()
                 raise EngineTimeout(
                     f"engine {engine} sent no response within request_timeout_s="
                     f"{state.config.request_timeout_s:g}"
                 ) from None
-            except (TimeoutError, aiohttp.ClientConnectionError) as e:
+            except UpstreamConnectError as e:
                 # Refused, reset, disconnected or connect timeout: the engine never answered.
                 metrics.upstream_errors.labels(engine, "connect").inc()
-                state.pool.mark_failed(engine, repr(e))
+                state.pool.mark_failed(engine, str(e))
                 flight.status = RETRYING
-                raise _RetryableFailure(f"{engine}: {e!r}") from None
+                raise _RetryableFailure(f"{engine}: {e}") from None
             try:
                 return await self._relay(request, route, flight, upstream, arrived)
             finally:
-                if upstream.content.at_eof():
-                    upstream.release()  # fully read: the connection goes back to the pool
-                else:
-                    # Closing an unfinished response drops the connection, so the engine sees
-                    # the disconnect and aborts the request.
-                    upstream.close()
+                # Fully read, the connection goes back to the pool; otherwise it is dropped, so
+                # the engine sees the disconnect and aborts the request.
+                upstream.release()
         finally:
             self._finished(flight, None if 200 <= flight.status < 300 else
                            f"the call did not complete (engine status {flight.status or 'none'})")
@@ -518,7 +516,7 @@ class Proxy:
         request: web.Request,
         route: str,
         flight: _Flight,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         arrived: float,
     ) -> web.StreamResponse:
         metrics = self.state.metrics
@@ -538,14 +536,23 @@ class Proxy:
             self._first_token(flight, observed=False)
             try:
                 body = await upstream.read()
-            except (TimeoutError, aiohttp.ClientPayloadError,
-                    aiohttp.ClientConnectionError) as e:
+            except UpstreamError as e:
                 raise self._engine_failure(engine, e) from None
-            metrics.requests.labels(route, str(upstream.status)).inc()
             flight.status = upstream.status
             if flight.recorder is not None or flight.trace is not None:
                 flight.answer = body
-            return web.Response(status=upstream.status, body=body, headers=out_headers)
+            answer = web.Response(status=upstream.status, body=body, headers=out_headers)
+            # Written here, in one write, so the accounting that follows (the planner's finish,
+            # the trace) runs after the client has its answer, not before.
+            try:
+                await answer.prepare(request)
+                await answer.write_eof()
+            except ConnectionResetError:
+                log.info("client went away before the answer from %s was written", engine)
+                metrics.requests.labels(route, "499").inc()
+                return answer
+            metrics.requests.labels(route, str(upstream.status)).inc()
+            return answer
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
         # SSE is forwarded in whole events only, so an error event can follow cleanly if the
         # engine dies mid-event; the incomplete tail waits for the rest of its event.
@@ -555,9 +562,8 @@ class Proxy:
             await resp.prepare(request)
             while True:
                 try:
-                    chunk = await upstream.content.readany()
-                except (TimeoutError, aiohttp.ClientPayloadError,
-                        aiohttp.ClientConnectionError) as e:
+                    chunk = await upstream.readany()
+                except UpstreamError as e:
                     await self._engine_died(resp, engine, e)
                     metrics.requests.labels(route, "502").inc()
                     return resp

@@ -15,6 +15,7 @@ from gateway.metrics import EngineCollector, EngineFigures, GatewayMetrics
 from gateway.moves import KvMover
 from gateway.pool import EnginePool
 from gateway.tracing import Tracing
+from gateway.upstream import Upstream
 from kvindex.index import InMemoryIndex, KVIndexBackend
 from kvindex.ingest import EventIngestor
 from kvindex.keys import PromptKeyer
@@ -80,6 +81,8 @@ class GatewayState:
         """The workflow API (set by `build_app`); the proxy reports hint-mode calls to it."""
         self.listener: KVEventListener | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: Upstream | None = None
+        """Forwarded calls' connections (gateway/upstream.py); `session` serves the rest."""
         self.pool: EnginePool | None = None
         self.started = time.monotonic()
         self.metrics.registry.register(EngineCollector(self.engine_figures))
@@ -97,6 +100,7 @@ class GatewayState:
             connector=connector, auto_decompress=False, skip_auto_headers={"Accept-Encoding"},
             timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s),
         )
+        self.upstream = Upstream(c.connect_timeout_s)
         self.pool = EnginePool(c.engines, self.session, scrape_interval(self.policy,
                                                                         c.scrape_interval_s),
                                c.health_interval_s, self.notify,
@@ -113,6 +117,8 @@ class GatewayState:
             await self.listener.stop()
         if self.session is not None:
             await self.session.close()
+        if self.upstream is not None:
+            await self.upstream.close()
         await self.index.close()
 
     def engine_figures(self) -> list[EngineFigures]:

@@ -616,8 +616,13 @@ class Planner:
         if not placed or not route.block_keys:
             return route
         keys = route.block_keys
+        first, whole = keys[0], len(keys)
         best: dict[str, int] = {}
         for _, engine, sent in placed:
+            # Cheap exits first (most recent prompts differ from the first block on, and an
+            # engine already matched in full can not match more): the same result, faster.
+            if not sent or sent[0] != first or best.get(engine) == whole:
+                continue
             n = common_prefix(keys, sent)
             if n > best.get(engine, 0):
                 best[engine] = n

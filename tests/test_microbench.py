@@ -10,6 +10,7 @@ import pytest
 from kvgate.benchmarks.index import bench_ingest, bench_lookup
 from kvgate.benchmarks.proxy import (
     DIRECT,
+    FLOOR,
     KVGATE,
     NON_STREAMED,
     SGLANG,
@@ -49,7 +50,7 @@ def proxy_report() -> dict[str, Any]:
 def test_proxy_benchmark_measures_every_target_streamed_and_not(
     proxy_report: dict[str, Any],
 ) -> None:
-    expected = [DIRECT, KVGATE] + ([SGLANG] if sglang_router_version() else [])
+    expected = [DIRECT, KVGATE, FLOOR] + ([SGLANG] if sglang_router_version() else [])
     assert report_errors(proxy_report) == []
     assert list(proxy_report["modes"]) == [NON_STREAMED, STREAMED]
     assert proxy_report["load_average_1m"]["after"] >= 0
@@ -73,11 +74,13 @@ def test_proxy_benchmark_reports_added_latency_and_the_ratio_to_sglang_router(
         assert kvgate_added["e2e_p50_ms"] == pytest.approx(
             targets[KVGATE]["e2e"]["p50_ms"] - targets[DIRECT]["e2e"]["p50_ms"])
         assert kvgate_added["e2e_p50_paired_ms"] is not None
+        floor_added = targets[FLOOR]["added"]
         if SGLANG in targets:
             sglang_p50 = targets[SGLANG]["added"]["e2e_p50_ms"]
-            expected = kvgate_added["e2e_p50_ms"] / sglang_p50 if sglang_p50 > 0 else None
-            assert mode["ratio_kvgate_over_sglang"]["e2e_p50_ms"] == (
-                pytest.approx(expected) if expected is not None else None)
+            for name, added in (("kvgate", kvgate_added), ("floor", floor_added)):
+                expected = added["e2e_p50_ms"] / sglang_p50 if sglang_p50 > 0 else None
+                assert mode[f"ratio_{name}_over_sglang"]["e2e_p50_ms"] == (
+                    pytest.approx(expected) if expected is not None else None)
         else:
             assert "ratio_kvgate_over_sglang" not in mode
 

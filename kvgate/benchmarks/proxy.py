@@ -1,5 +1,7 @@
 """Gateway overhead, side by side: one `kvgate sim` engine reached directly, through
-`kvgate serve` and through the real sglang-router, each streamed and non-streamed, in one run.
+`kvgate serve`, through the floor of kvgate's stack (kvgate/benchmarks/passthrough.py: aiohttp
+and the gateway's upstream client, nothing else) and through the real sglang-router, each
+streamed and non-streamed, in one run.
 
 Every target is driven by the same client (one keep-alive aiohttp session per target) against
 the same engine. Targets and modes alternate in rounds, with the order rotated each round, so
@@ -25,6 +27,8 @@ import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -35,10 +39,10 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim
+from kvgate.procs import Child, StartupError, free_port, start_gateway, start_sim, wait_healthy
 
 MODEL = "bench-model"
-DIRECT, KVGATE, SGLANG = "direct", "kvgate", "sglang-router"
+DIRECT, KVGATE, FLOOR, SGLANG = "direct", "kvgate", "aiohttp-floor", "sglang-router"
 STREAMED, NON_STREAMED = "streamed", "non-streamed"
 STREAM_CHOICES = {"both": (NON_STREAMED, STREAMED), "on": (STREAMED,), "off": (NON_STREAMED,)}
 ENGINE_TIME_SCALE = 0.001
@@ -252,9 +256,11 @@ def _mode_report(samples: dict[str, Samples]) -> dict[str, Any]:
                                                                      samples[DIRECT])
     report: dict[str, Any] = {"targets": targets}
     if SGLANG in targets:
-        report["ratio_kvgate_over_sglang"] = {
-            key: _ratio(targets[KVGATE]["added"][key], targets[SGLANG]["added"][key])
-            for key in ("e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "e2e_p50_paired_ms")}
+        for name, target in (("kvgate", KVGATE), ("floor", FLOOR)):
+            if target in targets:
+                report[f"ratio_{name}_over_sglang"] = {
+                    key: _ratio(targets[target]["added"][key], targets[SGLANG]["added"][key])
+                    for key in ("e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "e2e_p50_paired_ms")}
     return report
 
 
@@ -282,6 +288,24 @@ def start_engine_and_gateway(log_dir: Path, profile: str) -> tuple[Child, Child]
     return _engine_and_gateway(log_dir, profile)
 
 
+def start_floor(engine_url: str, log_dir: Path) -> Child:
+    """The pass-through floor (aiohttp + the gateway's upstream client) in front of the engine."""
+    port = free_port()
+    log_path = log_dir / "floor.log"
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvgate.benchmarks.passthrough", "--engine", engine_url,
+             "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    child = Child("floor", f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        wait_healthy(child, timeout=60.0)
+    except StartupError:
+        child.stop()
+        raise
+    return child
+
+
 def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, stream: str = "both",
                 quickack: bool = False, profile: str = "h100-llama3-8b") -> dict[str, Any]:
     """Run the side-by-side comparison; returns a JSON-able report.
@@ -302,8 +326,10 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
     try:
         sim, gw = start_engine_and_gateway(log_dir, profile)
         children += [sim, gw]
-        urls = {DIRECT: sim.url, KVGATE: gw.url}
-        pids = {DIRECT: sim.proc.pid, KVGATE: gw.proc.pid}
+        floor = start_floor(sim.url, log_dir)
+        children.append(floor)
+        urls = {DIRECT: sim.url, KVGATE: gw.url, FLOOR: floor.url}
+        pids = {DIRECT: sim.proc.pid, KVGATE: gw.proc.pid, FLOOR: floor.proc.pid}
         if version is not None:
             from kvgate.bench.live import start_sglang_router
 
@@ -386,12 +412,13 @@ def format_report(report: dict[str, Any]) -> str:
                  "CPU ms/req: the target's own process, for direct the engine's)")
     lines.append("")
     for mode, m in report["modes"].items():
-        ratio = m.get("ratio_kvgate_over_sglang")
-        if ratio is not None:
-            lines.append(f"{mode}: kvgate added / sglang-router added, e2e p50 "
-                         f"{_times(ratio['e2e_p50_ms'])} (paired "
-                         f"{_times(ratio['e2e_p50_paired_ms'])}), p99 "
-                         f"{_times(ratio['e2e_p99_ms'])}")
+        for name, target in (("kvgate", KVGATE), ("floor", FLOOR)):
+            ratio = m.get(f"ratio_{name}_over_sglang")
+            if ratio is not None:
+                lines.append(f"{mode}: {target} added / sglang-router added, e2e p50 "
+                             f"{_times(ratio['e2e_p50_ms'])} (paired "
+                             f"{_times(ratio['e2e_p50_paired_ms'])}), p99 "
+                             f"{_times(ratio['e2e_p99_ms'])}")
     internal = report["kvgate_internal_p50_upper_bound_s"]
     lines.append(f"kvgate internal p50 (histogram bucket upper bound): prefix lookup "
                  f"{internal['prefix_lookup']} s, routing decision "

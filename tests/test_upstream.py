@@ -1,0 +1,278 @@
+"""The proxy's upstream client: HTTP/1.1 framing (sans-IO) and keep-alive connections over real
+sockets to a real aiohttp server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.http1 import END, Head, ProtocolError, ResponseParser
+from gateway.upstream import (
+    Upstream,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamTimeout,
+)
+from kvgate.procs import free_port
+
+
+def frame(data: bytes, cuts: list[int]) -> tuple[Head, bytes, bool]:
+    """Feed `data` split at `cuts`; the head, the body and whether the end was seen."""
+    parser = ResponseParser()
+    events: list[object] = []
+    last = 0
+    for cut in [*sorted(c % (len(data) + 1) for c in cuts), len(data)]:
+        events += parser.feed(data[last:cut])
+        last = max(last, cut)
+    heads = [e for e in events if isinstance(e, Head)]
+    assert len(heads) == 1
+    body = b"".join(e for e in events if isinstance(e, bytes))
+    return heads[0], body, events[-1] is END
+
+
+def chunked(body: bytes, sizes: list[int]) -> bytes:
+    out, i = [], 0
+    for n in [*sizes, len(body)]:
+        piece = body[i:i + max(n, 1)]
+        if not piece:
+            break
+        out.append(b"%x\r\n%s\r\n" % (len(piece), piece))
+        i += len(piece)
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+@given(st.binary(max_size=300), st.lists(st.integers(0, 400), max_size=6))
+def test_a_content_length_body_is_framed_whatever_the_reads(body: bytes, cuts: list[int]) -> None:
+    data = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    head, got, ended = frame(data, cuts)
+    assert (head.status, got, ended, head.keep_alive) == (200, body, True, True)
+
+
+@given(st.binary(min_size=1, max_size=300), st.lists(st.integers(1, 50), max_size=8),
+       st.lists(st.integers(0, 600), max_size=6))
+def test_a_chunked_body_is_framed_whatever_the_reads(body: bytes, sizes: list[int],
+                                                     cuts: list[int]) -> None:
+    data = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + chunked(body, sizes))
+    head, got, ended = frame(data, cuts)
+    assert (got, ended) == (body, True)
+    assert head.headers["content-type"] == "text/event-stream"
+
+
+def test_interim_answers_are_skipped_and_trailers_read() -> None:
+    parser = ResponseParser()
+    events = parser.feed(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n3;ext=1\r\nabc\r\n0\r\nX-T: 1\r\n\r\n")
+    assert [e.status if isinstance(e, Head) else e for e in events] == [200, b"abc", END]
+
+
+def test_a_body_without_length_runs_until_close_and_ends_keep_alive() -> None:
+    parser = ResponseParser()
+    events = parser.feed(b"HTTP/1.1 200 OK\r\n\r\npart")
+    assert isinstance(events[0], Head) and not events[0].keep_alive
+    assert events[1:] == [b"part"]
+    assert parser.eof() == [END]
+
+
+def test_connection_close_and_http_1_0_are_not_kept_alive() -> None:
+    for head in (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+                 b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"):
+        events = ResponseParser().feed(head)
+        assert isinstance(events[0], Head) and not events[0].keep_alive and events[1] is END
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"SMTP ready\r\n\r\n", "bad status line"),
+    (b"HTTP/1.1 abc OK\r\n\r\n", "bad status code"),
+    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "bad header line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\n", "bad Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\naXX", "not followed by CRLF"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nab", "after the end"),
+])
+def test_malformed_responses_raise_an_error_naming_the_problem(data: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        ResponseParser().feed(data)
+
+
+def test_a_connection_closed_mid_body_is_an_error() -> None:
+    parser = ResponseParser()
+    parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+    with pytest.raises(ProtocolError, match="middle of the response"):
+        parser.eof()
+
+
+# -- the client, against a real server ------------------------------------------------------------
+
+
+class Engine:
+    """A real aiohttp server with the answers the tests need; counts its connections."""
+
+    def __init__(self) -> None:
+        self.peers: set[object] = set()
+        self.disconnected = asyncio.Event()
+
+    async def echo(self, request: web.Request) -> web.Response:
+        self.peers.add(request.transport)
+        return web.Response(body=await request.read(), headers={"X-Got": request.path})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i in range(3):
+                await resp.write(b"data: %d\n\n" % i)
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(float(request.query.get("hang", "0")))
+            await resp.write_eof()
+        except asyncio.CancelledError:
+            self.disconnected.set()
+            raise
+        return resp
+
+    async def silent(self, request: web.Request) -> web.Response:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.disconnected.set()
+            raise
+        return web.Response()
+
+    async def cut(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Length": "100"})
+        await resp.prepare(request)
+        await resp.write(b"x" * 10)
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[Engine, str]]:
+    e = Engine()
+    app = web.Application()
+    app.router.add_post("/echo", e.echo)
+    app.router.add_post("/stream", e.stream)
+    app.router.add_post("/silent", e.silent)
+    app.router.add_post("/cut", e.cut)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield e, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_answers_come_back_whole_over_one_kept_alive_connection(
+        engine: tuple[Engine, str]) -> None:
+    e, url = engine
+    up = Upstream(connect_timeout_s=5)
+    for i in range(3):
+        resp = await up.post(url, "/echo", b"hello %d" % i, [("X-Request-Id", "r")], 5)
+        assert (resp.status, resp.headers["X-Got"]) == (200, "/echo")
+        assert await resp.read() == b"hello %d" % i
+        resp.release()
+    assert len(e.peers) == 1
+    await up.close()
+
+
+async def test_a_stream_arrives_piece_by_piece(engine: tuple[Engine, str]) -> None:
+    _, url = engine
+    up = Upstream(connect_timeout_s=5)
+    resp = await up.post(url, "/stream", b"{}", [], 5)
+    assert resp.content_type == "text/event-stream"
+    pieces = []
+    while chunk := await resp.readany():
+        pieces.append(chunk)
+    assert b"".join(pieces) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n" and len(pieces) >= 2
+    assert resp.at_eof()
+    resp.release()
+    await up.close()
+
+
+async def test_closing_an_unfinished_answer_disconnects_the_engine(
+        engine: tuple[Engine, str]) -> None:
+    e, url = engine
+    up = Upstream(connect_timeout_s=5)
+    resp = await up.post(url, "/stream?hang=30", b"{}", [], 5)
+    await resp.readany()
+    resp.close()
+    await asyncio.wait_for(e.disconnected.wait(), 5)
+    await up.close()
+
+
+async def test_a_caller_cancelled_while_waiting_disconnects_the_engine(
+        engine: tuple[Engine, str]) -> None:
+    e, url = engine
+    up = Upstream(connect_timeout_s=5)
+    call = asyncio.ensure_future(up.post(url, "/silent", b"{}", [], 60))
+    await asyncio.sleep(0.2)
+    call.cancel()
+    await asyncio.wait_for(e.disconnected.wait(), 5)
+    await up.close()
+
+
+async def test_a_silent_engine_times_out(engine: tuple[Engine, str]) -> None:
+    _, url = engine
+    up = Upstream(connect_timeout_s=5)
+    with pytest.raises(UpstreamTimeout, match=r"within 0\.2 s"):
+        await up.post(url, "/silent", b"{}", [], 0.2)
+    resp = await up.post(url, "/stream?hang=30", b"{}", [], 0.3)
+    with pytest.raises(UpstreamTimeout, match=r"for 0\.3 s"):
+        while await resp.readany():
+            pass
+    resp.close()
+    await up.close()
+
+
+async def test_an_answer_cut_short_is_broken_not_a_connect_error(
+        engine: tuple[Engine, str]) -> None:
+    _, url = engine
+    up = Upstream(connect_timeout_s=5)
+    resp = await up.post(url, "/cut", b"{}", [], 5)
+    with pytest.raises(UpstreamBroken, match="middle of the response"):
+        await resp.read()
+    resp.release()
+    await up.close()
+
+
+async def test_a_refused_connection_is_a_connect_error() -> None:
+    up = Upstream(connect_timeout_s=5)
+    with pytest.raises(UpstreamConnectError, match="cannot connect"):
+        await up.post(f"http://127.0.0.1:{free_port()}", "/echo", b"{}", [], 5)
+    with pytest.raises(UpstreamConnectError, match="not an http"):
+        await up.post("ftp://127.0.0.1:1", "/echo", b"{}", [], 5)
+
+
+async def test_a_kept_alive_connection_the_engine_closed_is_replaced() -> None:
+    """An engine that closes an idle connection just as a request goes out on it (uvicorn
+    closes idle ones after 5 s) costs no failed call: the request is sent on a fresh one."""
+    served = 0
+
+    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        for n in range(2):
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            if n == 1:
+                break  # the second request on this connection: close without an answer
+            served += 1
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    up = Upstream(connect_timeout_s=5)
+    for _ in range(3):
+        resp = await up.post(f"http://127.0.0.1:{port}", "/x", b"{}", [], 5)
+        assert await resp.read() == b"ok"
+        resp.release()
+    assert served == 3
+    server.close()
+    await up.close()
