@@ -317,6 +317,8 @@ class Planner:
         self._step_gap: dict[str, float] = {}
         self._placed: deque[tuple[float, str, tuple[BlockKey, ...]]] = deque()
         """Under batch release, the prompts placed lately: (when, engine, block keys)."""
+        self._placed_engines: dict[str, int] = {}
+        """How many of `_placed` went to each engine."""
         self._last_first_token: dict[str, float] = {}
         self.speculative_ttl_s = speculative_ttl_s if policy.speculative_entries else 0.0
         """Index entries for dispatched prompts live this long; only for policies whose peer
@@ -610,22 +612,33 @@ class Planner:
         the planner sent since (`RECENT_PLACEMENT_S`) count as held where they went, as the
         index's speculative entries would."""
         placed = self._placed
+        counts = self._placed_engines
         while placed and (placed[0][0] < now - RECENT_PLACEMENT_S
                           or len(placed) > RECENT_PLACEMENTS):
-            placed.popleft()
+            gone = placed.popleft()[1]
+            counts[gone] -= 1
+            if not counts[gone]:
+                del counts[gone]
         if not placed or not route.block_keys:
             return route
         keys = route.block_keys
         first, whole = keys[0], len(keys)
         best: dict[str, int] = {}
+        full = 0
+        engines = len(counts)
         for _, engine, sent in placed:
-            # Cheap exits first (most recent prompts differ from the first block on, and an
-            # engine already matched in full can not match more): the same result, faster.
+            # Cheap exits (most recent prompts differ from the first block on; an engine
+            # matched in full can not match more; once every engine placed to is, nothing
+            # can change): the same result as comparing every placement, faster.
             if not sent or sent[0] != first or best.get(engine) == whole:
                 continue
             n = common_prefix(keys, sent)
             if n > best.get(engine, 0):
                 best[engine] = n
+                if n == whole:
+                    full += 1
+                    if full == engines:
+                        break
         matches = dict(route.matches)
         changed = False
         for engine, n in best.items():
@@ -749,6 +762,7 @@ class Planner:
         ttl = self.speculative_ttl_s
         if self.release_mode == "batch" and route.block_keys:
             self._placed.append((now, engine, route.block_keys))
+            self._placed_engines[engine] = self._placed_engines.get(engine, 0) + 1
         priority = (self.priorities.engine_priority(req.call.hints)
                     if self.priorities is not None else None)
         dispatch = Dispatch(
