@@ -137,6 +137,7 @@ class UpstreamResponse:
         "_read_timeout",
         "_released",
         "_waiter",
+        "_whole",
         "headers",
         "reason",
         "status",
@@ -159,6 +160,8 @@ class UpstreamResponse:
         self._read_timeout = read_timeout
         self._loop = asyncio.get_running_loop()
         self._released = False
+        self._whole = False
+        """`read` takes the body whole: reading never pauses for it."""
 
     @property
     def content_type(self) -> str:
@@ -185,6 +188,8 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
+        self._whole = True
+        self._conn.resume()
         while not self._eof:
             if self._error is not None:
                 raise self._error
@@ -238,7 +243,7 @@ class UpstreamResponse:
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
-        if self._buffered > HIGH_WATER:
+        if self._buffered > HIGH_WATER and not self._whole:
             self._conn.pause()
         self._wake()
 

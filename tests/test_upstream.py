@@ -143,6 +143,9 @@ class Engine:
             raise
         return web.Response()
 
+    async def big(self, request: web.Request) -> web.Response:
+        return web.Response(body=b"y" * (3 << 20))
+
     async def cut(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Length": "100"})
         await resp.prepare(request)
@@ -160,6 +163,7 @@ async def engine() -> AsyncIterator[tuple[Engine, str]]:
     app.router.add_post("/stream", e.stream)
     app.router.add_post("/silent", e.silent)
     app.router.add_post("/cut", e.cut)
+    app.router.add_post("/big", e.big)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     port = free_port()
@@ -178,6 +182,24 @@ async def test_answers_come_back_whole_over_one_kept_alive_connection(
         assert await resp.read() == b"hello %d" % i
         resp.release()
     assert len(e.peers) == 1
+    await up.close()
+
+
+async def test_a_body_larger_than_the_read_buffer_is_read_whole(
+        engine: tuple[Engine, str]) -> None:
+    """Reading pauses while a streamed body's reader lags, never for a body read whole."""
+    _, url = engine
+    up = Upstream(connect_timeout_s=5)
+    resp = await up.post(url, "/big", b"{}", [], 5)
+    await asyncio.sleep(0.2)  # the whole body arrives (and pauses reading) before it is read
+    assert await resp.read() == b"y" * (3 << 20)
+    resp.release()
+    resp = await up.post(url, "/big", b"{}", [], 5)
+    got = b""
+    while chunk := await resp.readany():
+        got += chunk
+    assert got == b"y" * (3 << 20)
+    resp.release()
     await up.close()
 
 
