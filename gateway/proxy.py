@@ -500,6 +500,10 @@ class Proxy:
                 state.pool.mark_failed(engine, str(e))
                 flight.status = RETRYING
                 raise _RetryableFailure(f"{engine}: {e}") from None
+            except UpstreamError as e:
+                # The answer's head began and broke off: the engine had the request, so it is
+                # not sent again.
+                raise self._engine_failure(engine, e) from None
             try:
                 return await self._relay(request, route, flight, upstream, arrived)
             finally:

@@ -338,6 +338,37 @@ class CutJsonEngine:
         return resp
 
 
+class CutHeadEngine(CutJsonEngine):
+    """An upstream that dies halfway through its answer's head."""
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        assert request.transport is not None
+        request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Ty")
+        await asyncio.sleep(0.05)
+        request.transport.abort()
+        return web.StreamResponse()
+
+
+def test_engine_dying_mid_head_is_a_502_naming_the_engine_not_a_retry(
+    threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    """The engine had the request (it began answering), so the gateway does not send it again."""
+    server = threaded_server(CutHeadEngine().app)
+    gw = spawn_gateway({"engines": [{"url": server.url, "name": "cutter"}], "retries": 2})
+    wait_healthy(gw)
+    body = json.dumps({"model": "cut", "prompt": "hello", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{gw.url}/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(req, timeout=30)
+    assert caught.value.code == 502
+    error = json.loads(caught.value.read())["error"]
+    assert "cutter" in error["message"] and error["code"] == "engine_failed"
+    assert "Traceback" not in gw.log_tail(200)
+
+
 def test_engine_dying_mid_json_body_is_a_502_naming_the_engine(
     threaded_server: Callable[[web.Application], ThreadedServer],
     spawn_gateway: Callable[[dict[str, Any]], Child],
