@@ -56,6 +56,8 @@ class _Connection(asyncio.Protocol):
         """The pool, key and read timeout of the request under way."""
         self.closed = False
         self.paused = False
+        self.idle_in: list[_Connection] | None = None
+        """The pool's list of idle connections this one waits in, if it does."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
@@ -75,8 +77,11 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.idle_in is not None:
+            self.idle_in.remove(self)  # closed while idle (uvicorn closes them after 5 s)
+            self.idle_in = None
         if self.head is None and self.response is None:
-            return  # idle in the pool: it is dropped when next taken
+            return
         try:
             events = self.parser.eof()
         except ProtocolError as e:
@@ -296,11 +301,12 @@ class Upstream:
 
     async def close(self) -> None:
         """Close every idle connection."""
-        for conns in self._idle.values():
-            for c in conns:
-                if c.transport is not None:
-                    c.transport.close()
+        idle = [c for conns in self._idle.values() for c in conns]
         self._idle.clear()
+        for c in idle:
+            c.idle_in = None
+            if c.transport is not None:
+                c.transport.close()
 
     def _base(self, base_url: str) -> tuple[str, str, int, bytes]:
         base = self._bases.get(base_url)
@@ -317,12 +323,19 @@ class Upstream:
         conns = self._idle.get(key)
         while conns:
             conn = conns.pop()
+            conn.idle_in = None
             if not conn.closed:
                 return conn
         return None
 
     def _put(self, key: tuple[str, str, int], conn: _Connection) -> None:
-        self._idle.setdefault(key, []).append(conn)
+        conns = self._idle.setdefault(key, [])
+        conns.append(conn)
+        conn.idle_in = conns
+
+    def idle_connections(self) -> int:
+        """Connections open and waiting for a request."""
+        return sum(len(conns) for conns in self._idle.values())
 
     async def _connect(self, scheme: str, host: str, port: int) -> _Connection:
         loop = asyncio.get_running_loop()

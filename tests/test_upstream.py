@@ -263,6 +263,30 @@ async def test_an_answer_cut_short_is_broken_not_a_connect_error(
     await up.close()
 
 
+async def test_idle_connections_the_engine_closes_leave_the_pool() -> None:
+    e = Engine()
+    app = web.Application()
+    app.router.add_post("/echo", e.echo)
+    runner = web.AppRunner(app, keepalive_timeout=0.2)  # uvicorn's is 5 s
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    url = f"http://127.0.0.1:{port}"
+    up = Upstream(connect_timeout_s=5)
+    answers = await asyncio.gather(*(up.post(url, "/echo", b"x", [], 5) for _ in range(3)))
+    for resp in answers:
+        await resp.read()
+        resp.release()
+    assert up.idle_connections() == 3
+    await asyncio.sleep(1.0)
+    assert up.idle_connections() == 0
+    resp = await up.post(url, "/echo", b"again", [], 5)
+    assert await resp.read() == b"again"
+    resp.release()
+    await up.close()
+    await runner.cleanup()
+
+
 async def test_a_refused_connection_is_a_connect_error() -> None:
     up = Upstream(connect_timeout_s=5)
     with pytest.raises(UpstreamConnectError, match="cannot connect"):
