@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -306,6 +307,30 @@ def test_a_sibling_that_would_finish_last_elsewhere_stays_with_the_cached_contex
     # decoding on the holder, the join waits for the slowest, so the request stays.
     assert model.best(alone, [holder, idle]).engine == "b"
     assert model.best(with_siblings, [holder, idle]).engine == "a"
+
+
+def test_with_siblings_a_calls_own_finish_counts_more_the_idler_the_pool() -> None:
+    """The later of its own and its group's finish alone is indifferent to where a call goes
+    while the group's finish dominates; its own completion also counts, weighted by
+    `own_weight` over one plus the pool's mean load (low load: fan-outs spread)."""
+    from planner.cost import CostModel, CostSettings
+
+    model = CostModel({}, get_profile("h100-llama3-8b"), CostSettings())
+    siblings = RouteRequest("r", "m", prompt_tokens=2000, max_tokens=128, group_finish_s=30.0,
+                            group_at={"a": 1})
+    alone = replace(siblings, group_finish_s=0.0, group_at={})
+
+    def views(load: int) -> list[EngineView]:
+        return [EngineView(n, True, frozenset({"m"}), in_flight=load) for n in ("a", "b")]
+
+    idle = {c.engine: c for c in model.estimate(siblings, views(1))}
+    busy = {c.engine: c for c in model.estimate(siblings, views(7))}
+    assert all(c.own_s == 0.0 for c in model.estimate(alone, views(1)))
+    for costs, load in ((idle, 1), (busy, 7)):
+        c = costs["b"]
+        assert c.own_s == pytest.approx(2.0 / (1 + load) * c.total_s)
+        assert c.score == pytest.approx(max(c.total_s, c.group_s) + c.external_s + c.own_s)
+    assert idle["b"].own_s / idle["b"].total_s > busy["b"].own_s / busy["b"].total_s
 
 
 def test_every_policy_module_is_registered_explicitly() -> None:
