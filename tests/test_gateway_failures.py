@@ -350,21 +350,31 @@ class CutHeadEngine(CutJsonEngine):
         return web.StreamResponse()
 
 
-def test_engine_dying_mid_head_is_a_502_naming_the_engine_not_a_retry(
-    threaded_server: Callable[[web.Application], ThreadedServer],
-    spawn_gateway: Callable[[dict[str, Any]], Child],
-) -> None:
-    """The engine had the request (it began answering), so the gateway does not send it again."""
-    server = threaded_server(CutHeadEngine().app)
-    gw = spawn_gateway({"engines": [{"url": server.url, "name": "cutter"}], "retries": 2})
+def _completion_through(engine: web.Application, retries: int,
+                        threaded_server: Callable[[web.Application], ThreadedServer],
+                        spawn_gateway: Callable[[dict[str, Any]], Child],
+                        ) -> tuple[int, dict[str, Any], Child]:
+    """One completion through a gateway whose only engine is `engine` (named `cutter`): the
+    status the client got, the error object and the gateway."""
+    server = threaded_server(engine)
+    gw = spawn_gateway({"engines": [{"url": server.url, "name": "cutter"}], "retries": retries})
     wait_healthy(gw)
     body = json.dumps({"model": "cut", "prompt": "hello", "max_tokens": 2}).encode()
     req = urllib.request.Request(f"{gw.url}/v1/completions", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(req, timeout=30)
-    assert caught.value.code == 502
-    error = json.loads(caught.value.read())["error"]
+    return caught.value.code, json.loads(caught.value.read())["error"], gw
+
+
+def test_engine_dying_mid_head_is_a_502_naming_the_engine_not_a_retry(
+    threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    """The engine had the request (it began answering), so the gateway does not send it again."""
+    status, error, gw = _completion_through(CutHeadEngine().app, 2, threaded_server,
+                                            spawn_gateway)
+    assert status == 502
     assert "cutter" in error["message"] and error["code"] == "engine_failed"
     assert "Traceback" not in gw.log_tail(200)
 
@@ -373,14 +383,7 @@ def test_engine_dying_mid_json_body_is_a_502_naming_the_engine(
     threaded_server: Callable[[web.Application], ThreadedServer],
     spawn_gateway: Callable[[dict[str, Any]], Child],
 ) -> None:
-    server = threaded_server(CutJsonEngine().app)
-    gw = spawn_gateway({"engines": [{"url": server.url, "name": "cutter"}], "retries": 0})
-    wait_healthy(gw)
-    body = json.dumps({"model": "cut", "prompt": "hello", "max_tokens": 2}).encode()
-    req = urllib.request.Request(f"{gw.url}/v1/completions", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as caught:
-        urllib.request.urlopen(req, timeout=30)
-    assert caught.value.code == 502
-    error = json.loads(caught.value.read())["error"]
+    status, error, _ = _completion_through(CutJsonEngine().app, 0, threaded_server,
+                                           spawn_gateway)
+    assert status == 502
     assert "cutter" in error["message"] and error["code"] == "engine_failed"

@@ -4,7 +4,9 @@ sockets to a real aiohttp server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -155,6 +157,19 @@ class Engine:
         return resp
 
 
+@contextlib.asynccontextmanager
+async def serving(app: web.Application, **runner_options: Any) -> AsyncIterator[str]:
+    """`app` on a real 127.0.0.1 socket for the block; yields its base URL."""
+    runner = web.AppRunner(app, **runner_options)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[Engine, str]]:
     e = Engine()
@@ -164,12 +179,8 @@ async def engine() -> AsyncIterator[tuple[Engine, str]]:
     app.router.add_post("/silent", e.silent)
     app.router.add_post("/cut", e.cut)
     app.router.add_post("/big", e.big)
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield e, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app, handler_cancellation=True) as url:
+        yield e, url
 
 
 async def test_answers_come_back_whole_over_one_kept_alive_connection(
@@ -264,27 +275,21 @@ async def test_an_answer_cut_short_is_broken_not_a_connect_error(
 
 
 async def test_idle_connections_the_engine_closes_leave_the_pool() -> None:
-    e = Engine()
     app = web.Application()
-    app.router.add_post("/echo", e.echo)
-    runner = web.AppRunner(app, keepalive_timeout=0.2)  # uvicorn's is 5 s
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    url = f"http://127.0.0.1:{port}"
-    up = Upstream(connect_timeout_s=5)
-    answers = await asyncio.gather(*(up.post(url, "/echo", b"x", [], 5) for _ in range(3)))
-    for resp in answers:
-        await resp.read()
+    app.router.add_post("/echo", Engine().echo)
+    async with serving(app, keepalive_timeout=0.2) as url:  # uvicorn's is 5 s
+        up = Upstream(connect_timeout_s=5)
+        answers = await asyncio.gather(*(up.post(url, "/echo", b"x", [], 5) for _ in range(3)))
+        for resp in answers:
+            await resp.read()
+            resp.release()
+        assert up.idle_connections() == 3
+        await asyncio.sleep(1.0)
+        assert up.idle_connections() == 0
+        resp = await up.post(url, "/echo", b"again", [], 5)
+        assert await resp.read() == b"again"
         resp.release()
-    assert up.idle_connections() == 3
-    await asyncio.sleep(1.0)
-    assert up.idle_connections() == 0
-    resp = await up.post(url, "/echo", b"again", [], 5)
-    assert await resp.read() == b"again"
-    resp.release()
-    await up.close()
-    await runner.cleanup()
+        await up.close()
 
 
 async def test_a_refused_connection_is_a_connect_error() -> None:
