@@ -120,12 +120,18 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
         await state.start()
         await workflows.start()
 
+    async def on_shutdown(_: web.Application) -> None:
+        # Before the server waits for the requests in flight: a workflow's task calls are
+        # among them, and they end only when the workflow stops (or is handed over).
+        await workflows.stop_runs()
+
     async def on_cleanup(_: web.Application) -> None:
         await workflows.stop()
         await state.stop()
         await asyncio.to_thread(state.tracing.shutdown)  # sends the spans still buffered
 
     app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
 

@@ -144,6 +144,10 @@ class WorkflowSettings(BaseModel):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     replica: str | None = None
     """This gateway's name in workflow snapshots (default: HOSTNAME:PORT)."""
+    lease_s: float = Field(default=10.0, gt=0)
+    """With a shared store (`redis`): a replica renews its lease on each workflow it drives
+    every third of this; a workflow whose lease lapses (its replica died) or is given up (its
+    replica stopped) is taken over by another replica, which goes on from the tasks done."""
 
     @model_validator(mode="after")
     def _redis_needs_url(self) -> WorkflowSettings:

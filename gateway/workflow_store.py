@@ -80,6 +80,42 @@ class WorkflowStore(Protocol):
         """Release connections."""
         ...
 
+    # -- taking over a workflow whose replica is gone (API workflows only) --------------------
+
+    shared: bool
+    """Other gateway processes read and write the same workflows (so they can take one over)."""
+
+    async def save_resume(self, workflow_id: str, document: Mapping[str, Any]) -> None:
+        """Keep what another replica needs to go on with a running workflow (its spec and the
+        headers its calls carry), and list the workflow as running; both end with it."""
+        ...
+
+    async def resume_document(self, workflow_id: str) -> Json | None:
+        """What `save_resume` kept, or None."""
+        ...
+
+    async def claim(self, workflow_id: str, owner: str, lease_s: float) -> bool:
+        """Become the workflow's driver unless a live replica is: True if `owner` holds its
+        lease (for `lease_s`) now."""
+        ...
+
+    async def renew(self, owner: str, workflow_ids: Sequence[str], lease_s: float
+                    ) -> list[str]:
+        """Extend `owner`'s leases on `workflow_ids`; the ids whose lease it no longer holds."""
+        ...
+
+    async def release(self, owner: str, workflow_ids: Sequence[str]) -> None:
+        """Give up `owner`'s leases on `workflow_ids` (another replica may take them over)."""
+        ...
+
+    async def orphans(self) -> list[str]:
+        """Running API workflows whose lease nobody holds (their replica stopped or died)."""
+        ...
+
+    def handoffs(self) -> AsyncIterator[str]:
+        """Ids of workflows a stopping replica gave up (`release`), as it gives them up."""
+        ...
+
 
 # -- in memory ------------------------------------------------------------------------------------
 
@@ -97,9 +133,15 @@ class _Entry:
 class MemoryWorkflowStore:
     """Workflows of one gateway process; event ids are positions in the log ("1", "2", ...)."""
 
+    shared = False
+
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self._cancels: asyncio.Queue[str] = asyncio.Queue()
+        self._resume: dict[str, Json] = {}
+        self._leases: dict[str, tuple[str, float]] = {}
+        """Per workflow: owner and time.monotonic() expiry."""
+        self._handoffs: asyncio.Queue[str] = asyncio.Queue()
 
     def _entry(self, workflow_id: str) -> _Entry | None:
         e = self._entries.get(workflow_id)
@@ -139,6 +181,8 @@ class MemoryWorkflowStore:
         e.events.extend(_copy(ev) for ev in events)
         if ttl_s is not None:
             e.expires_at = time.monotonic() + ttl_s
+            self._resume.pop(workflow_id, None)
+            self._leases.pop(workflow_id, None)
         if events:
             async with e.grew:
                 e.grew.notify_all()
@@ -183,6 +227,56 @@ class MemoryWorkflowStore:
     async def close(self) -> None:
         """Nothing to release."""
 
+    async def save_resume(self, workflow_id: str, document: Mapping[str, Any]) -> None:
+        """See `WorkflowStore.save_resume`."""
+        self._resume[workflow_id] = _copy(document)
+
+    async def resume_document(self, workflow_id: str) -> Json | None:
+        """See `WorkflowStore.resume_document`."""
+        doc = self._resume.get(workflow_id)
+        return _copy(doc) if doc is not None and self._entry(workflow_id) is not None else None
+
+    def _holder(self, workflow_id: str) -> str | None:
+        lease = self._leases.get(workflow_id)
+        if lease is None or time.monotonic() >= lease[1]:
+            return None
+        return lease[0]
+
+    async def claim(self, workflow_id: str, owner: str, lease_s: float) -> bool:
+        """See `WorkflowStore.claim`."""
+        if self._holder(workflow_id) not in (None, owner):
+            return False
+        self._leases[workflow_id] = (owner, time.monotonic() + lease_s)
+        return True
+
+    async def renew(self, owner: str, workflow_ids: Sequence[str], lease_s: float
+                    ) -> list[str]:
+        """See `WorkflowStore.renew`."""
+        lost = []
+        for wf in workflow_ids:
+            if self._holder(wf) == owner:
+                self._leases[wf] = (owner, time.monotonic() + lease_s)
+            else:
+                lost.append(wf)
+        return lost
+
+    async def release(self, owner: str, workflow_ids: Sequence[str]) -> None:
+        """See `WorkflowStore.release`."""
+        for wf in workflow_ids:
+            if self._holder(wf) == owner:
+                del self._leases[wf]
+                self._handoffs.put_nowait(wf)
+
+    async def handoffs(self) -> AsyncIterator[str]:
+        """See `WorkflowStore.handoffs`."""
+        while True:
+            yield await self._handoffs.get()
+
+    async def orphans(self) -> list[str]:
+        """See `WorkflowStore.orphans`."""
+        return [wf for wf in self._resume
+                if self._entry(wf) is not None and self._holder(wf) is None]
+
 
 def _listed(workflow: Mapping[str, Any], tasks: Mapping[str, Mapping[str, Any]]) -> Json:
     """A workflow as `recent` lists it: the snapshot without task outputs."""
@@ -210,6 +304,25 @@ redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[3]) - 1)
 return 1
 """
 
+# KEYS: lease keys; ARGV: the owner, the lease in ms. Extends the leases the owner holds and
+# returns the positions (1-based) of those it does not.
+_RENEW = """
+local lost = {}
+for i, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then redis.call('PEXPIRE', key, ARGV[2])
+  else table.insert(lost, i) end
+end
+return lost
+"""
+
+# KEYS: lease keys; ARGV: the owner. Deletes the leases the owner holds.
+_RELEASE = """
+for _, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then redis.call('DEL', key) end
+end
+return 0
+"""
+
 INDEX_LIMIT = 10_000
 """Workflow ids the Redis index keeps (the newest); older ones drop out of listings, and their
 snapshots stay readable by id until they expire."""
@@ -223,12 +336,20 @@ class RedisWorkflowStore:
       {ns}:wf:cancel    pub/sub channel of workflow ids to cancel
       {ns}:wf:index     SORTED SET  workflow ids by created_s (the newest INDEX_LIMIT); ids whose
                         hash has expired are removed when a listing meets them
+      {ns}:wf:running   SET     API workflows not over yet (their hash also holds "r": the
+                        resume document)
+      {ns}:wf:{id}:lease STRING the driving replica's instance id, expiring unless renewed
+      {ns}:wf:handoff   pub/sub channel of workflow ids a stopping replica gave up
     """
+
+    shared = True
 
     def __init__(self, client: aioredis.Redis, namespace: str = "kvgate") -> None:
         self.r = client
         self.ns = namespace
         self._create = client.register_script(_CREATE)
+        self._renew = client.register_script(_RENEW)
+        self._release = client.register_script(_RELEASE)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "kvgate") -> RedisWorkflowStore:
@@ -248,6 +369,17 @@ class RedisWorkflowStore:
     @property
     def _index_key(self) -> str:
         return f"{self.ns}:wf:index"
+
+    @property
+    def _running_key(self) -> str:
+        return f"{self.ns}:wf:running"
+
+    def _lease_key(self, workflow_id: str) -> str:
+        return f"{self.ns}:wf:{workflow_id}:lease"
+
+    @property
+    def _handoff_channel(self) -> str:
+        return f"{self.ns}:wf:handoff"
 
     async def create(self, workflow: Mapping[str, Any],
                      tasks: Mapping[str, Mapping[str, Any]]) -> bool:
@@ -280,6 +412,9 @@ class RedisWorkflowStore:
                 ms = max(1, int(ttl_s * 1000))
                 pipe.pexpire(key, ms)
                 pipe.pexpire(ev_key, ms)
+                pipe.hdel(key, "r")
+                pipe.srem(self._running_key, workflow_id)
+                pipe.delete(self._lease_key(workflow_id))
             await pipe.execute()
 
     async def get(self, workflow_id: str) -> Json | None:
@@ -337,8 +472,17 @@ class RedisWorkflowStore:
 
     async def cancel_requests(self) -> AsyncIterator[str]:
         """See `WorkflowStore.cancel_requests`."""
+        async for wf in self._listen(self._cancel_channel):
+            yield wf
+
+    async def handoffs(self) -> AsyncIterator[str]:
+        """See `WorkflowStore.handoffs`."""
+        async for wf in self._listen(self._handoff_channel):
+            yield wf
+
+    async def _listen(self, channel: str) -> AsyncIterator[str]:
         pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(self._cancel_channel)
+        await pubsub.subscribe(channel)
         try:
             async for msg in pubsub.listen():
                 if msg.get("type") == "message":
@@ -349,6 +493,65 @@ class RedisWorkflowStore:
     async def close(self) -> None:
         """Close the connection pool."""
         await self.r.aclose()
+
+    async def save_resume(self, workflow_id: str, document: Mapping[str, Any]) -> None:
+        """See `WorkflowStore.save_resume`."""
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self._key(workflow_id), "r", _dumps(document))
+            pipe.sadd(self._running_key, workflow_id)
+            await pipe.execute()
+
+    async def resume_document(self, workflow_id: str) -> Json | None:
+        """See `WorkflowStore.resume_document`."""
+        raw = await self.r.hget(self._key(workflow_id), "r")
+        return json.loads(raw) if raw is not None else None
+
+    async def claim(self, workflow_id: str, owner: str, lease_s: float) -> bool:
+        """See `WorkflowStore.claim`."""
+        key, ms = self._lease_key(workflow_id), max(1, int(lease_s * 1000))
+        if await self.r.set(key, owner, nx=True, px=ms):
+            return True
+        return not await self.renew(owner, [workflow_id], lease_s)
+
+    async def renew(self, owner: str, workflow_ids: Sequence[str], lease_s: float
+                    ) -> list[str]:
+        """See `WorkflowStore.renew`."""
+        if not workflow_ids:
+            return []
+        lost: list[int] = await self._renew(
+            keys=[self._lease_key(wf) for wf in workflow_ids],
+            args=[owner, max(1, int(lease_s * 1000))])
+        return [workflow_ids[i - 1] for i in lost]
+
+    async def release(self, owner: str, workflow_ids: Sequence[str]) -> None:
+        """See `WorkflowStore.release`."""
+        if workflow_ids:
+            await self._release(keys=[self._lease_key(wf) for wf in workflow_ids],
+                                args=[owner])
+            for wf in workflow_ids:
+                await self.r.publish(self._handoff_channel, wf)
+
+    async def orphans(self) -> list[str]:
+        """See `WorkflowStore.orphans`. Ids whose workflow has expired leave the set."""
+        members: set[bytes] = await self.r.smembers(self._running_key)  # type: ignore[assignment]
+        ids = sorted(m.decode() for m in members)
+        if not ids:
+            return []
+        async with self.r.pipeline(transaction=False) as pipe:
+            for wf in ids:
+                pipe.exists(self._lease_key(wf))
+                pipe.hexists(self._key(wf), "r")
+            found: list[Any] = await pipe.execute()
+        out, gone = [], []
+        for i, wf in enumerate(ids):
+            leased, kept = found[2 * i], found[2 * i + 1]
+            if not kept:
+                gone.append(wf)
+            elif not leased:
+                out.append(wf)
+        if gone:
+            await self.r.srem(self._running_key, *gone)
+        return out
 
 
 def _parse(raw: Mapping[bytes, bytes]) -> tuple[Json, dict[str, Json]]:

@@ -53,6 +53,10 @@ SSE_KEEPALIVE_S = 15.0
 CANCEL_WAIT_S = 10.0
 """How long DELETE waits for the cancel to land (here or on the replica running it)."""
 
+MAX_RESUMES = 5
+"""A workflow taken over more often than this fails instead (whatever stops its replicas would
+stop the next one too)."""
+
 _HINT_CACHE = 10_000
 """Hint-mode workflow ids remembered per replica (whether the store holds them as hints)."""
 
@@ -303,6 +307,11 @@ class _Cancel:
 
 
 @dataclass(frozen=True)
+class _Abandon:
+    """Stop driving the workflow without ending it (another replica goes on with it)."""
+
+
+@dataclass(frozen=True)
 class _MoveNote:
     """A KV move the task's prompt was the origin of ended (listed in its record)."""
 
@@ -310,7 +319,7 @@ class _MoveNote:
     move: Json
 
 
-_Message = _Wake | _Done | _Note | _MoveNote | _Cancel
+_Message = _Wake | _Done | _Note | _MoveNote | _Cancel | _Abandon
 
 
 @dataclass
@@ -326,6 +335,9 @@ class _Run:
     timers: dict[str, asyncio.TimerHandle] = field(default_factory=dict)
     over: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: bool = False
+    abandoned: bool = False
+    resumed: bool = False
+    """Taken over from another replica: every task record is written at its first step."""
 
     @property
     def id(self) -> str:
@@ -418,6 +430,11 @@ class WorkflowService:
         """Hint-mode workflow ids seen here: (the store holds it as hints, when checked)."""
         self._hint_tasks: dict[tuple[str, str], Json] = {}
         self._listener: asyncio.Task[None] | None = None
+        self.instance = f"{replica}/{uuid.uuid4().hex[:12]}"
+        """This process among the replicas: what its workflow leases name."""
+        self._leaser: asyncio.Task[None] | None = None
+        self._handoff_listener: asyncio.Task[None] | None = None
+        self._scan_now = asyncio.Event()
 
     def routes(self, app: web.Application) -> None:
         """Register the workflow API."""
@@ -428,15 +445,36 @@ class WorkflowService:
         app.router.add_delete("/v1/workflows/{id}", self.handle_delete)
 
     async def start(self) -> None:
-        """Listen for cancels other replicas ask for."""
+        """Listen for cancels other replicas ask for; with a shared store, keep the leases of
+        the workflows driven here and take over those no replica drives."""
         self._listener = asyncio.create_task(self._listen_for_cancels())
+        if self.store.shared:
+            self._leaser = asyncio.create_task(self._keep_leases())
+            self._handoff_listener = asyncio.create_task(self._listen_for_handoffs())
 
-    async def stop(self) -> None:
-        """Cancel the workflows running here, then release the store and the executor."""
-        for run in list(self._runs.values()):
-            run.inbox.put_nowait(_Cancel())
+    async def stop_runs(self) -> None:
+        """Stop the workflows running here (the server calls this before it waits for the
+        requests in flight, of which their task calls are some). With a shared store they are
+        handed over: their calls in flight aborted, their leases given up, and another
+        replica goes on from the tasks done. Otherwise they are cancelled."""
+        for task in (self._leaser, self._handoff_listener):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._leaser = self._handoff_listener = None
+        runs = list(self._runs.values())
+        for run in runs:
+            run.inbox.put_nowait(_Abandon() if self.store.shared else _Cancel())
         if self._drivers:
             await asyncio.wait(self._drivers, timeout=CANCEL_WAIT_S)
+        if self.store.shared and runs:
+            with contextlib.suppress(Exception):
+                await self.store.release(self.instance, [run.id for run in runs])
+
+    async def stop(self) -> None:
+        """`stop_runs`, then release the store and the executor."""
+        await self.stop_runs()
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -465,15 +503,122 @@ class WorkflowService:
         tasks = {t.id: task_record(dependencies(t)) for t in spec.tasks}
         nodes = [DagNode(t.id, dependencies(t), t.think_time_s) for t in spec.tasks]
         run = _Run(spec, DagRun(wf_id, nodes), workflow, tasks, dict(headers or {}))
+        if self.store.shared:
+            await self.store.claim(wf_id, self.instance, self.settings.lease_s)
         if not await self.store.create(workflow, tasks):
             raise RuntimeError(f"workflow id {wf_id} collided")  # 64 random bits: never
+        if self.store.shared:
+            await self.store.save_resume(wf_id, {"spec": document, "headers": run.headers,
+                                                 "trace": dict(trace_headers or {})})
         self._runs[wf_id] = run
         self.notify(WorkflowSubmitted(wf_id, task_specs(spec, spec.tenant or "")))
         snapshot = {**workflow, "tasks": json.loads(json.dumps(tasks))}
-        driver = asyncio.create_task(self._drive(run))
+        self._launch(run, None)
+        return snapshot
+
+    def _launch(self, run: _Run, first: list[Wakeup] | None) -> None:
+        driver = asyncio.create_task(self._drive(run, first))
         self._drivers.add(driver)
         driver.add_done_callback(self._drivers.discard)
-        return snapshot
+
+    async def resume(self, workflow_id: str) -> bool:
+        """Go on with a workflow another replica was driving (this one holds its lease now):
+        the tasks its snapshot records done keep their outputs, failed ones stay failed, and
+        every other task starts over. False if there was nothing to go on with."""
+        snap = await self.store.get(workflow_id)
+        doc = await self.store.resume_document(workflow_id)
+        if (snap is None or doc is None or snap.get("state") != "running"
+                or workflow_id in self._runs):
+            return False
+        now = self.clock()
+        workflow = {k: v for k, v in snap.items() if k != "tasks"}
+        resumed = int(workflow.get("resumed") or 0) + 1
+        workflow.update(replica=self.replica, resumed=resumed)
+        recorded: dict[str, Json] = snap.get("tasks") or {}
+        try:
+            if resumed > MAX_RESUMES:
+                raise InvalidRequest(f"taken over {resumed - 1} times; the limit is "
+                                     f"{MAX_RESUMES}")
+            spec = self.validate(doc.get("spec"))
+            done = {t: str(r.get("output") or "") for t, r in recorded.items()
+                    if r.get("state") == TaskState.DONE.value}
+            failed = {t: str(r.get("error") or "failed") for t, r in recorded.items()
+                      if r.get("state") == TaskState.FAILED.value}
+            nodes = [DagNode(t.id, dependencies(t), t.think_time_s) for t in spec.tasks]
+            dag = DagRun(workflow_id, nodes)
+            first = dag.restore(done, failed, now)
+        except (GatewayError, ValueError, KeyError) as e:
+            await self._fail_unresumable(workflow, recorded, f"cannot go on with it: {e}", now)
+            return False
+        tasks = {t.id: (recorded[t.id] if dag.state(t.id) in TERMINAL and t.id in recorded
+                        else task_record(dependencies(t))) for t in spec.tasks}
+        run = _Run(spec, dag, workflow, tasks, dict(doc.get("headers") or {}), resumed=True)
+        run.outputs = dict(done)
+        self.tracing.workflow_started(
+            workflow_id, dict(doc.get("trace") or {}),
+            {"gen_ai.request.model": spec.model, "kvgate.workflow.tasks": len(spec.tasks),
+             "kvgate.workflow.resumed": resumed}, float(workflow.get("created_s") or now))
+        self._runs[workflow_id] = run
+        self.notify(WorkflowSubmitted(workflow_id, task_specs(spec, spec.tenant or "")))
+        log.info("workflow %s: taken over (%d of %d tasks done)", workflow_id, len(done),
+                 len(spec.tasks))
+        self._launch(run, first)
+        return True
+
+    async def _fail_unresumable(self, workflow: Json, tasks: Mapping[str, Json], error: str,
+                                now: float) -> None:
+        """End a workflow nobody can go on with as failed, naming why."""
+        terminal = {s.value for s in TERMINAL}
+        changed = {}
+        for t, rec in tasks.items():
+            if rec.get("state") not in terminal:
+                changed[t] = {**rec, "state": TaskState.FAILED.value, "finished_s": now,
+                              "error": error}
+        workflow = {**workflow, "state": "failed", "finished_s": now, "error": error}
+        events = [task_event(str(workflow["id"]), t, r) for t, r in changed.items()]
+        await self.store.update(str(workflow["id"]), workflow=workflow, tasks=changed,
+                                events=[*events, workflow_event(workflow)],
+                                ttl_s=self.settings.ttl_s)
+        log.warning("workflow %s: %s", workflow["id"], error)
+
+    async def _keep_leases(self) -> None:
+        """Every third of the lease (and at once when a stopping replica hands workflows
+        over): renew the leases of the workflows driven here (one lost to another replica
+        stops here), then take over the workflows nobody drives."""
+        lease = self.settings.lease_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._scan_now.wait(), lease / 3)
+            self._scan_now.clear()
+            try:
+                mine = [wf for wf, run in self._runs.items() if not run.abandoned]
+                for wf in await self.store.renew(self.instance, mine, lease):
+                    run = self._runs.get(wf)
+                    if run is not None:
+                        log.warning("workflow %s: its lease passed to another replica; "
+                                    "stopping here", wf)
+                        run.inbox.put_nowait(_Abandon())
+                for wf in await self.store.orphans():
+                    if wf in self._runs or not await self.store.claim(wf, self.instance, lease):
+                        continue
+                    if not await self.resume(wf):
+                        await self.store.release(self.instance, [wf])
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("workflow leases: %r; retrying", e)
+
+    async def _listen_for_handoffs(self) -> None:
+        while True:
+            try:
+                async for _ in self.store.handoffs():
+                    self._scan_now.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("workflow hand-off listener lost its subscription (%r); "
+                            "retrying", e)
+                await asyncio.sleep(1.0)
 
     def validate(self, document: Any) -> Workflow:
         """The spec, or InvalidRequest naming every problem (size, DAG, live-run limits)."""
@@ -525,6 +670,10 @@ class WorkflowService:
                                          "(hint mode); there is nothing to cancel here")
         if snap["state"] != "running":
             raise WorkflowNotCancellable(f"workflow {workflow_id!r} is already {snap['state']}")
+        if (self.store.shared and workflow_id not in self._runs
+                and await self.store.claim(workflow_id, self.instance, self.settings.lease_s)):
+            # Nobody drives it (its replica is gone): cancel it here.
+            return await self._cancel_orphan(snap), True
         await self.store.request_cancel(workflow_id)
         deadline = time.monotonic() + CANCEL_WAIT_S
         while time.monotonic() < deadline:
@@ -533,6 +682,19 @@ class WorkflowService:
             if snap["state"] != "running":
                 return snap, True
         return snap, False
+
+    async def _cancel_orphan(self, snap: Json) -> Json:
+        now = self.clock()
+        workflow = {k: v for k, v in snap.items() if k != "tasks"}
+        workflow.update(state="cancelled", finished_s=now)
+        terminal = {s.value for s in TERMINAL}
+        tasks = {t: {**r, "state": TaskState.CANCELLED.value, "finished_s": now}
+                 for t, r in (snap.get("tasks") or {}).items() if r.get("state") not in terminal}
+        events = [task_event(str(workflow["id"]), t, r) for t, r in tasks.items()]
+        await self.store.update(str(workflow["id"]), workflow=workflow, tasks=tasks,
+                                events=[*events, workflow_event(workflow)],
+                                ttl_s=self.settings.ttl_s)
+        return await self.snapshot(str(workflow["id"]))
 
     async def handle_create(self, request: web.Request) -> web.Response:
         """POST /v1/workflows: 201 with the new workflow's snapshot and its Location."""
@@ -592,22 +754,26 @@ class WorkflowService:
 
     # -- running ------------------------------------------------------------------------------
 
-    async def _drive(self, run: _Run) -> None:
-        """Carry the workflow from start to end: one message at a time, each step persisted
-        (snapshot and events together) before the next."""
+    async def _drive(self, run: _Run, first: list[Wakeup] | None = None) -> None:
+        """Carry the workflow from start (or, taken over, from `first`) to end: one message at
+        a time, each step persisted (snapshot and events together) before the next."""
         try:
             changes = _Changes()
-            self._think(run, run.dag.start(self.clock()), changes)
+            if run.resumed:
+                changes.tasks.update(run.tasks)
+            self._think(run, run.dag.start(self.clock()) if first is None else first, changes)
             await self._persist(run, changes)
-            while not run.dag.over:
+            while not run.dag.over and not run.abandoned:
                 msg = await run.inbox.get()
                 changes = _Changes()
                 self._step(run, msg, changes)
                 if changes.tasks or changes.events:
                     await self._persist(run, changes)
-                if isinstance(msg, _Cancel) and run.inflight:
+                if isinstance(msg, _Cancel | _Abandon) and run.inflight:
                     # Their connections close now, so the engines abort the requests.
                     await asyncio.gather(*run.inflight.values(), return_exceptions=True)
+            if run.abandoned:
+                return
             wf = run.workflow
             if run.cancelled:
                 wf["state"] = "cancelled"
@@ -622,7 +788,8 @@ class WorkflowService:
             for handle in run.timers.values():
                 handle.cancel()
             self._runs.pop(run.id, None)
-            self.tracing.workflow_ended(run.id, run.workflow)
+            self.tracing.workflow_ended(run.id, {**run.workflow, "state": "handed over"}
+                                        if run.abandoned else run.workflow)
             self.notify(WorkflowOver(run.id))
             run.over.set()
 
@@ -670,6 +837,12 @@ class WorkflowService:
                 if task in run.tasks:
                     run.tasks[task].setdefault("kv_moves", []).append(move)
                     changes.tasks.add(task)
+            case _Abandon():
+                run.abandoned = True
+                for t in list(run.timers):
+                    run.timers.pop(t).cancel()
+                for job in run.inflight.values():
+                    job.cancel()
             case _Cancel():
                 if dag.over:
                     return

@@ -11,7 +11,7 @@ else raises `IllegalTransition`, so a driver bug shows up where it happens.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -169,6 +169,36 @@ class DagRun:
             if not n.after:
                 wakeups.append(self._unblock(n.id, now))
         return wakeups
+
+    def restore(self, done: Mapping[str, object], failed: Mapping[str, str],
+                now: float) -> list[Wakeup]:
+        """Start a fresh run where an earlier one left off (another gateway replica took the
+        workflow over): the tasks in `done` finished with these outputs and those in `failed`
+        failed, as recorded; every other task starts over. Returns the wakeups of the tasks
+        that may run now (their think time counted from `now`).
+
+        Raises ValueError when the record is not one a run could have left (a task recorded
+        over while a task it runs after is not done)."""
+        if any(t not in self.tasks for t in (*done, *failed)):
+            unknown = sorted(t for t in (*done, *failed) if t not in self.tasks)
+            raise UnknownTask(f"workflow {self.workflow}: no task {unknown[0]!r}")
+        pending = {w.task: w for w in self.start(now)}
+        for node in topological_order(self.nodes):
+            if node.id not in done and node.id not in failed:
+                continue
+            if self.tasks[node.id].state is TaskState.SKIPPED and node.id in failed:
+                continue  # recorded as failed by the skip itself
+            if pending.pop(node.id, None) is None:
+                raise ValueError(f"workflow {self.workflow}: task {node.id!r} is recorded over "
+                                 "but a task it runs after is not done")
+            self.wake(node.id, now)
+            self.dispatched(node.id, now)
+            if node.id in done:
+                for w in self.finished(node.id, now, done[node.id]):
+                    pending[w.task] = w
+            else:
+                self.fail(node.id, now, failed[node.id])
+        return [w for w in pending.values() if self.tasks[w.task].state is TaskState.THINKING]
 
     def wake(self, task: str, now: float) -> None:
         """The task's think time has passed: it is ready to be sent."""

@@ -155,3 +155,39 @@ def test_any_run_respects_dependencies_and_ends(nodes: list[DagNode], seed: int,
     assert run.over
     assert not run.in_state(TaskState.BLOCKED, TaskState.THINKING, TaskState.READY,
                             TaskState.RUNNING)
+
+
+# -- going on where another run left off (a replica's takeover) ---------------------------
+
+
+def test_a_restored_run_starts_the_tasks_whose_dependencies_were_done() -> None:
+    run = DagRun("wf", fanout(3, think=2.0))
+    wakeups = run.restore({"plan": "p", "w0": "a", "w2": "c"}, {}, 10.0)
+    # w1 starts over (its think time from now); reduce still waits for it.
+    assert wakeups == [Wakeup("w1", 12.0)]
+    assert {t: run.state(t) for t in run.tasks} == {
+        "plan": TaskState.DONE, "w0": TaskState.DONE, "w1": TaskState.THINKING,
+        "w2": TaskState.DONE, "reduce": TaskState.BLOCKED}
+    assert run.outputs_of(["plan", "w0", "w1"]) == {"plan": "p", "w0": "a"}
+    run_to_ready(run, wakeups)
+    run.dispatched("w1", 12.0)
+    assert [w.task for w in run.finished("w1", 13.0, "b")] == ["reduce"]
+
+
+def test_a_restored_failure_skips_its_dependents_as_the_first_run_did() -> None:
+    run = DagRun("wf", fanout(2))
+    assert run.restore({"plan": "p"}, {"w0": "boom"}, 1.0) == [Wakeup("w1", 1.0)]
+    assert run.state("w0") is TaskState.FAILED and run.state("reduce") is TaskState.SKIPPED
+    assert run.tasks["w0"].error == "boom"
+
+
+def test_a_restored_run_with_everything_done_is_over() -> None:
+    run = DagRun("wf", fanout(1))
+    assert run.restore({"plan": "p", "w0": "a", "reduce": "r"}, {}, 1.0) == []
+    assert run.over and not run.failed
+
+
+@pytest.mark.parametrize("done", [{"w0": "a"}, {"nope": "x"}])
+def test_a_record_no_run_could_leave_is_refused(done: dict[str, object]) -> None:
+    with pytest.raises((ValueError, UnknownTask), match="w0|nope"):
+        DagRun("wf", fanout(2)).restore(done, {}, 1.0)

@@ -298,3 +298,55 @@ async def test_a_listing_summarises_each_workflow_and_derives_hint_mode_state(
     (done,) = await service.recent(10)
     assert done["state"] == "done" and done["finished_s"] is not None
     assert done["task_states"] == {"done": 2} and done["prompt_tokens"] == 150
+
+
+# -- leases: which replica drives a workflow --------------------------------------------------
+
+
+async def test_a_lease_is_held_by_one_replica_until_it_lapses_or_is_given_up(
+    store: WorkflowStore,
+) -> None:
+    await store.create(meta(), {"a": task_record([])})
+    await store.save_resume("wf-1", {"spec": {"tasks": []}, "headers": {}})
+    assert await store.resume_document("wf-1") == {"spec": {"tasks": []}, "headers": {}}
+    assert await store.orphans() == ["wf-1"]
+    assert await store.claim("wf-1", "r1/x", 0.3)
+    assert await store.claim("wf-1", "r1/x", 0.3)  # its own: renewed
+    assert not await store.claim("wf-1", "r2/y", 0.3)
+    assert await store.orphans() == []
+    assert await store.renew("r1/x", ["wf-1"], 0.3) == []
+    assert await store.renew("r2/y", ["wf-1"], 0.3) == ["wf-1"]
+    await asyncio.sleep(0.45)  # lapsed
+    assert await store.orphans() == ["wf-1"]
+    assert await store.claim("wf-1", "r2/y", 5.0)
+    assert await store.renew("r1/x", ["wf-1"], 5.0) == ["wf-1"]
+    await store.release("r1/x", ["wf-1"])  # not its lease: nothing happens
+    assert await store.orphans() == []
+    await store.release("r2/y", ["wf-1"])
+    assert await store.orphans() == ["wf-1"]
+
+
+async def test_a_workflow_over_is_no_longer_listed_as_running(store: WorkflowStore) -> None:
+    await store.create(meta(), {"a": task_record([])})
+    await store.save_resume("wf-1", {"spec": {}})
+    await store.update("wf-1", workflow=meta(state="done"), ttl_s=60)
+    assert await store.orphans() == []
+    assert await store.resume_document("wf-1") is None
+
+
+async def test_a_release_is_announced_to_the_other_replicas(store: WorkflowStore) -> None:
+    await store.create(meta(), {"a": task_record([])})
+    await store.save_resume("wf-1", {"spec": {}})
+    assert await store.claim("wf-1", "r1/x", 5.0)
+    heard: list[str] = []
+
+    async def listen() -> None:
+        async for wf in store.handoffs():
+            heard.append(wf)
+            return
+
+    listener = asyncio.create_task(listen())
+    await asyncio.sleep(0.1)  # subscribed
+    await store.release("r1/x", ["wf-1"])
+    await asyncio.wait_for(listener, 5.0)
+    assert heard == ["wf-1"]

@@ -1,0 +1,266 @@
+"""A workflow outlives the replica that runs it: real gateway processes sharing one real
+redis-server, in front of real simulated engines. A replica that dies (SIGKILL) or stops
+(SIGTERM, as in a rolling deploy) leaves its workflows to another replica, which goes on from
+the tasks already done; nothing a finished task produced is computed again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.config import WorkflowSettings
+from gateway.workflow_store import MemoryWorkflowStore
+from gateway.workflows import MAX_RESUMES, TaskOutcome, WorkflowService, task_record
+from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
+from planner.hints import TASK_HEADER
+from tests.conftest import MODEL
+from tests.redis_server import RedisServer, redis_server_available
+from tests.test_workflow_api import call, engine_figures, read, sse, submit, wait_for
+
+LEASE_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("workflow-takeover")
+
+
+@pytest.fixture(scope="module")
+def engines(logs: Path) -> Iterator[list[Child]]:
+    children = [start_sim(f"takeover-sim-{i}", logs, ["--model", MODEL, "--seed", str(i)])
+                for i in range(2)]
+    yield children
+    for c in children:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    if not redis_server_available():
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+    with RedisServer() as url:
+        yield url
+
+
+def start_replica(name: str, engines: list[Child], redis_url: str, logs: Path,
+                  lease_s: float = LEASE_S) -> Child:
+    port = free_port()
+    config = {"host": "127.0.0.1", "port": port, "policy": "least-loaded",
+              "engines": [{"url": e.url} for e in engines],
+              "workflows": {"store": "redis", "redis_url": redis_url, "replica": name,
+                            "lease_s": lease_s}}
+    path = logs / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    child = spawn(name, ["serve", "--config", str(path)], f"http://127.0.0.1:{port}", logs)
+    wait_healthy(child)
+    return child
+
+
+def chain() -> dict[str, Any]:
+    """first (quick) -> slow (long enough to be cut off) -> last, which reads both."""
+    return {"id": "chain", "model": MODEL, "tasks": [
+        {"id": "first", "output_tokens": 8,
+         "messages": [{"role": "user", "content": "Name a topic."}]},
+        {"id": "slow", "after": ["first"], "output_tokens": 600,
+         "messages": [{"role": "user", "content": "Write about it at length."},
+                      {"output_of": "first", "role": "user"}]},
+        {"id": "last", "after": ["slow"], "output_tokens": 8,
+         "messages": [{"output_of": "first", "role": "user"},
+                      {"output_of": "slow", "role": "user"}]},
+    ]}
+
+
+def running_on_engines(engines: list[Child]) -> float:
+    return sum(engine_figures(e)["running"] for e in engines)
+
+
+def cut_off_mid_workflow(a: Child, b: Child, engines: list[Child], crash: bool
+                         ) -> tuple[str, dict[str, Any]]:
+    """Submit the chain to A, let `first` finish and `slow` start, then kill or stop A;
+    the snapshot B reads at that moment."""
+    wf = submit(a, chain())["id"]
+    wait_for(lambda: read(b, wf)["tasks"]["slow"]["state"] == "running")
+    before = read(b, wf)
+    assert before["tasks"]["first"]["state"] == "done"
+    if crash:
+        a.kill()
+    else:
+        a.stop()
+    return wf, before
+
+
+def assert_finished_by(b: Child, wf: str, before: dict[str, Any]) -> dict[str, Any]:
+    wait_for(lambda: read(b, wf)["state"] != "running", timeout_s=90)
+    snap = read(b, wf)
+    assert snap["state"] == "done", snap
+    assert snap["replica"] == "replica-b" and snap["resumed"] == 1
+    tasks = snap["tasks"]
+    assert {t: r["state"] for t, r in tasks.items()} == {t: "done" for t in tasks}
+    # The task done before the cut was not run again: same output, same timings.
+    assert tasks["first"] == before["tasks"]["first"]
+    # The cut-off task ran again from the start, on B's watch, after the cut.
+    assert tasks["slow"]["dispatched_s"] > before["tasks"]["slow"]["dispatched_s"]
+    assert tasks["slow"]["output_tokens"] == 600
+    # Its event stream, read from B, ends with the workflow's final event.
+    events = sse(f"{b.url}/v1/workflows/{wf}/events")
+    assert events[-1]["type"] == "workflow" and events[-1]["state"] == "done"
+    return snap
+
+
+def test_a_crashed_replicas_workflow_is_finished_by_another_from_the_tasks_done(
+    engines: list[Child], redis_url: str, logs: Path,
+) -> None:
+    a = start_replica("replica-a", engines, redis_url, logs)
+    b = start_replica("replica-b", engines, redis_url, logs)
+    try:
+        wf, before = cut_off_mid_workflow(a, b, engines, crash=True)
+        # B goes on once A's lease has lapsed; the engine aborted A's request meanwhile.
+        assert_finished_by(b, wf, before)
+        wait_for(lambda: running_on_engines(engines) == 0)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_stopping_replica_hands_its_workflow_over_at_once(
+    engines: list[Child], redis_url: str, logs: Path,
+) -> None:
+    # A lease far longer than the test: B can only have gone on because A handed it over.
+    a = start_replica("replica-a", engines, redis_url, logs, lease_s=120.0)
+    b = start_replica("replica-b", engines, redis_url, logs, lease_s=120.0)
+    try:
+        wf, before = cut_off_mid_workflow(a, b, engines, crash=False)
+        assert a.proc.returncode == 0, a.log_tail()
+        wait_for(lambda: read(b, wf)["replica"] == "replica-b", timeout_s=30)
+        assert_finished_by(b, wf, before)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_workflow_with_no_replica_left_waits_for_the_next_one(
+    engines: list[Child], redis_url: str, logs: Path,
+) -> None:
+    a = start_replica("replica-a", engines, redis_url, logs)
+    try:
+        wf = submit(a, chain())["id"]
+        wait_for(lambda: read(a, wf)["tasks"]["slow"]["state"] == "running")
+    finally:
+        a.kill()
+    time.sleep(2 * LEASE_S)
+    b = start_replica("replica-b", engines, redis_url, logs)
+    try:
+        wait_for(lambda: read(b, wf)["state"] == "done", timeout_s=90)
+        assert read(b, wf)["tasks"]["first"]["state"] == "done"
+    finally:
+        b.stop()
+
+
+def test_deleting_a_workflow_whose_replica_died_cancels_it_at_once(
+    engines: list[Child], redis_url: str, logs: Path,
+) -> None:
+    a = start_replica("replica-a", engines, redis_url, logs)
+    try:
+        wf = submit(a, chain())["id"]
+        wait_for(lambda: read(a, wf)["tasks"]["slow"]["state"] == "running")
+    finally:
+        a.kill()
+    time.sleep(1.5 * LEASE_S)
+    # No replica runs it now; one that starts would take it over, unless it is cancelled.
+    # Its first look for such workflows comes a third of its (long) lease after it starts.
+    c = start_replica("replica-c", engines, redis_url, logs, lease_s=120.0)
+    try:
+        status, _, snap = call("DELETE", f"{c.url}/v1/workflows/{wf}")
+        assert status == 200, snap
+        assert snap["state"] == "cancelled"
+        assert {t: r["state"] for t, r in snap["tasks"].items()} == {
+            "first": "done", "slow": "cancelled", "last": "cancelled"}
+        status, _, again = call("DELETE", f"{c.url}/v1/workflows/{wf}")
+        assert status == 409, again
+    finally:
+        c.stop()
+
+
+# -- going on from a snapshot (in process, the memory store) --------------------------------
+
+
+class Recorder:
+    """An executor that answers every task at once and keeps the bodies it was sent."""
+
+    def __init__(self) -> None:
+        self.bodies: dict[str, dict[str, Any]] = {}
+
+    async def execute(self, body: dict[str, Any], headers: Mapping[str, str]) -> TaskOutcome:
+        task = headers[TASK_HEADER]
+        self.bodies[task] = body
+        return TaskOutcome(200, {"choices": [{"message": {"content": f"<{task} answer>"}}],
+                                 "usage": {"prompt_tokens": 5, "completion_tokens": 3}})
+
+
+async def left_behind(store: MemoryWorkflowStore, tasks: dict[str, dict[str, Any]],
+                      **workflow: Any) -> str:
+    """A workflow as a replica that died left it in the store."""
+    spec = chain()
+    wf = "chain-left"
+    doc = {"id": wf, "source": "api", "model": MODEL, "tenant": None, "state": "running",
+           "created_s": 1.0, "finished_s": None, "replica": "gone", **workflow}
+    records = {t["id"]: task_record(t.get("after", [])) for t in spec["tasks"]}
+    for t, fields in tasks.items():
+        records[t].update(fields)
+    await store.create(doc, records)
+    await store.save_resume(wf, {"spec": spec, "headers": {"authorization": "Bearer k"}})
+    return wf
+
+
+async def resumed(store: MemoryWorkflowStore, executor: Recorder, wf: str) -> dict[str, Any]:
+    service = WorkflowService(WorkflowSettings(), store, executor, replica="here")
+    try:
+        assert await store.claim(wf, service.instance, 10.0)
+        await service.resume(wf)
+        for _ in range(200):
+            snap = await service.snapshot(wf)
+            if snap["state"] != "running":
+                return snap
+            await asyncio.sleep(0.01)
+        raise AssertionError("the workflow did not end")
+    finally:
+        await service.stop()
+
+
+async def test_going_on_runs_only_what_was_not_done_with_the_outputs_recorded() -> None:
+    store, executor = MemoryWorkflowStore(), Recorder()
+    first = {"state": "done", "output": "QUANTUM CATS", "finished_s": 2.0, "engine": "e1"}
+    wf = await left_behind(store, {"first": first,
+                                   "slow": {"state": "running", "engine": "e2"}})
+    snap = await resumed(store, executor, wf)
+    assert snap["state"] == "done" and snap["replica"] == "here" and snap["resumed"] == 1
+    assert sorted(executor.bodies) == ["last", "slow"]  # `first` is not run again
+    assert snap["tasks"]["first"] == {**task_record([]), **first}
+    # The outputs recorded before the takeover reach the tasks that read them.
+    assert "QUANTUM CATS" in json.dumps(executor.bodies["slow"]["messages"])
+    assert "<slow answer>" in json.dumps(executor.bodies["last"]["messages"])
+    assert snap["tasks"]["slow"]["engine"] is None  # the dead replica's attempt is gone
+
+
+async def test_a_workflow_taken_over_too_often_fails_naming_why() -> None:
+    store, executor = MemoryWorkflowStore(), Recorder()
+    wf = await left_behind(store, {}, resumed=MAX_RESUMES)
+    snap = await resumed(store, executor, wf)
+    assert snap["state"] == "failed" and executor.bodies == {}
+    assert f"taken over {MAX_RESUMES} times" in snap["error"]
+    assert {r["state"] for r in snap["tasks"].values()} == {"failed"}
+
+
+async def test_a_record_no_run_could_leave_fails_the_workflow_naming_the_task() -> None:
+    store, executor = MemoryWorkflowStore(), Recorder()
+    wf = await left_behind(store, {"slow": {"state": "done", "output": "x"}})
+    snap = await resumed(store, executor, wf)
+    assert snap["state"] == "failed" and executor.bodies == {}
+    assert "'slow' is recorded over but a task it runs after is not done" in snap["error"]
