@@ -548,7 +548,9 @@ class WorkflowService:
             dag = DagRun(workflow_id, nodes)
             first = dag.restore(done, failed, now)
         except (GatewayError, ValueError, KeyError) as e:
-            await self._fail_unresumable(workflow, recorded, f"cannot go on with it: {e}", now)
+            error = f"cannot go on with it: {e}"
+            log.warning("workflow %s: %s", workflow_id, error)
+            await self._end_undriven(workflow, recorded, TaskState.FAILED, now, error=error)
             return False
         tasks = {t.id: (recorded[t.id] if dag.state(t.id) in TERMINAL and t.id in recorded
                         else task_record(dependencies(t))) for t in spec.tasks}
@@ -565,21 +567,19 @@ class WorkflowService:
         self._launch(run, first)
         return True
 
-    async def _fail_unresumable(self, workflow: Json, tasks: Mapping[str, Json], error: str,
-                                now: float) -> None:
-        """End a workflow nobody can go on with as failed, naming why."""
+    async def _end_undriven(self, workflow: Json, tasks: Mapping[str, Json], end: TaskState,
+                            now: float, **fields: Any) -> None:
+        """End a workflow that no replica drives (this one holds its lease): its tasks not
+        over end `end` (failed or cancelled), and so does the workflow, with `fields`."""
         terminal = {s.value for s in TERMINAL}
-        changed = {}
-        for t, rec in tasks.items():
-            if rec.get("state") not in terminal:
-                changed[t] = {**rec, "state": TaskState.FAILED.value, "finished_s": now,
-                              "error": error}
-        workflow = {**workflow, "state": "failed", "finished_s": now, "error": error}
-        events = [task_event(str(workflow["id"]), t, r) for t, r in changed.items()]
-        await self.store.update(str(workflow["id"]), workflow=workflow, tasks=changed,
+        changed = {t: {**r, "state": end.value, "finished_s": now, **fields}
+                   for t, r in tasks.items() if r.get("state") not in terminal}
+        wf_id = str(workflow["id"])
+        workflow = {**workflow, "state": end.value, "finished_s": now, **fields}
+        events = [task_event(wf_id, t, r) for t, r in changed.items()]
+        await self.store.update(wf_id, workflow=workflow, tasks=changed,
                                 events=[*events, workflow_event(workflow)],
                                 ttl_s=self.settings.ttl_s)
-        log.warning("workflow %s: %s", workflow["id"], error)
 
     async def _keep_leases(self) -> None:
         """Every third of the lease (and at once when a stopping replica hands workflows
@@ -673,7 +673,10 @@ class WorkflowService:
         if (self.store.shared and workflow_id not in self._runs
                 and await self.store.claim(workflow_id, self.instance, self.settings.lease_s)):
             # Nobody drives it (its replica is gone): cancel it here.
-            return await self._cancel_orphan(snap), True
+            await self._end_undriven({k: v for k, v in snap.items() if k != "tasks"},
+                                     snap.get("tasks") or {}, TaskState.CANCELLED,
+                                     self.clock())
+            return await self.snapshot(workflow_id), True
         await self.store.request_cancel(workflow_id)
         deadline = time.monotonic() + CANCEL_WAIT_S
         while time.monotonic() < deadline:
@@ -682,19 +685,6 @@ class WorkflowService:
             if snap["state"] != "running":
                 return snap, True
         return snap, False
-
-    async def _cancel_orphan(self, snap: Json) -> Json:
-        now = self.clock()
-        workflow = {k: v for k, v in snap.items() if k != "tasks"}
-        workflow.update(state="cancelled", finished_s=now)
-        terminal = {s.value for s in TERMINAL}
-        tasks = {t: {**r, "state": TaskState.CANCELLED.value, "finished_s": now}
-                 for t, r in (snap.get("tasks") or {}).items() if r.get("state") not in terminal}
-        events = [task_event(str(workflow["id"]), t, r) for t, r in tasks.items()]
-        await self.store.update(str(workflow["id"]), workflow=workflow, tasks=tasks,
-                                events=[*events, workflow_event(workflow)],
-                                ttl_s=self.settings.ttl_s)
-        return await self.snapshot(str(workflow["id"]))
 
     async def handle_create(self, request: web.Request) -> web.Response:
         """POST /v1/workflows: 201 with the new workflow's snapshot and its Location."""

@@ -189,5 +189,5 @@ def test_a_restored_run_with_everything_done_is_over() -> None:
 
 @pytest.mark.parametrize("done", [{"w0": "a"}, {"nope": "x"}])
 def test_a_record_no_run_could_leave_is_refused(done: dict[str, object]) -> None:
-    with pytest.raises((ValueError, UnknownTask), match="w0|nope"):
+    with pytest.raises((ValueError, UnknownTask), match=r"w0|nope"):
         DagRun("wf", fanout(2)).restore(done, {}, 1.0)
