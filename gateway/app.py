@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -137,7 +138,21 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
 
 
 def run(config: GatewayConfig) -> None:
-    """Serve the gateway until interrupted (uvloop when available)."""
+    """Serve the gateway until interrupted."""
+
+    def make() -> web.Application:
+        log.info("kvgate gateway on http://%s:%d, policy %s, %d engines", config.host,
+                 config.port, config.policy, len(config.engines))
+        return build_app(config)
+
+    serve(make, config.host, config.port)
+
+
+def serve(make: Callable[[], web.Application], host: str, port: int) -> None:
+    """Build an app on a fresh event loop (uvloop when available) and serve it until
+    interrupted, as the gateway serves: a client that hangs up cancels its handler, which
+    closes the upstream connection, so the engine aborts the request instead of generating
+    for nobody."""
     try:
         import uvloop
     except ImportError:
@@ -145,10 +160,5 @@ def run(config: GatewayConfig) -> None:
     else:
         loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
-    app = build_app(config)
-    log.info("kvgate gateway on http://%s:%d, policy %s, %d engines", config.host, config.port,
-             config.policy, len(config.engines))
-    # handler_cancellation: a client that hangs up cancels its handler, which closes the upstream
-    # connection, so the engine aborts the request instead of generating for nobody.
-    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
-                loop=loop, handler_cancellation=True)
+    web.run_app(make(), host=host, port=port, print=None, access_log=None, loop=loop,
+                handler_cancellation=True)

@@ -552,8 +552,7 @@ class Proxy:
                 await answer.prepare(request)
                 await answer.write_eof()
             except ConnectionResetError:
-                log.info("client went away before the answer from %s was written", engine)
-                metrics.requests.labels(route, "499").inc()
+                self._client_gone(route, engine, "before the answer was written")
                 return answer
             metrics.requests.labels(route, str(upstream.status)).inc()
             return answer
@@ -599,12 +598,16 @@ class Proxy:
                 await resp.write(tail)
             await resp.write_eof()
         except ConnectionResetError:
-            log.info("client went away during a response from %s", engine)
-            metrics.requests.labels(route, "499").inc()
+            self._client_gone(route, engine, "during the response")
             return resp
         metrics.requests.labels(route, str(upstream.status)).inc()
         flight.status = upstream.status
         return resp
+
+    def _client_gone(self, route: str, engine: str, when: str) -> None:
+        """The client hung up while its answer was being written: counted as a 499."""
+        log.info("client went away %s from %s", when, engine)
+        self.state.metrics.requests.labels(route, "499").inc()
 
     def _engine_failure(self, engine: str, error: BaseException) -> GatewayError:
         """The engine failed mid-response: count it, take it out of rotation unless it was only

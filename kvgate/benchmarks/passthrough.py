@@ -12,10 +12,9 @@ import argparse
 
 from aiohttp import web
 
+from gateway.app import serve
+from gateway.proxy import forward_headers
 from gateway.upstream import Upstream
-
-_SKIP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding",
-                   "expect"})
 
 
 def build_app(engine: str) -> web.Application:
@@ -24,10 +23,10 @@ def build_app(engine: str) -> web.Application:
 
     async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _SKIP]
-        answer = await upstream.post(engine, request.path, body, headers, 600.0)
+        answer = await upstream.post(engine, request.path, body,
+                                     forward_headers(request.headers).items(), 600.0)
         try:
-            out = {k: v for k, v in answer.headers.items() if k.lower() not in _SKIP}
+            out = forward_headers(answer.headers)
             if answer.content_type != "text/event-stream":
                 resp = web.Response(status=answer.status, body=await answer.read(), headers=out)
                 await resp.prepare(request)
@@ -61,14 +60,7 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     args = ap.parse_args()
-    import asyncio
-
-    import uvloop
-
-    loop = uvloop.new_event_loop()
-    asyncio.set_event_loop(loop)
-    web.run_app(build_app(args.engine), host=args.host, port=args.port, print=None,
-                access_log=None, loop=loop, handler_cancellation=True)
+    serve(lambda: build_app(args.engine), args.host, args.port)
 
 
 if __name__ == "__main__":
