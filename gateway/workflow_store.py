@@ -48,9 +48,11 @@ class WorkflowStore(Protocol):
     async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
                      tasks: Mapping[str, Mapping[str, Any]] | None = None,
                      events: Sequence[Mapping[str, Any]] = (),
-                     ttl_s: float | None = None) -> None:
+                     ttl_s: float | None = None, owner: str | None = None) -> bool:
         """Replace the workflow-level fields (if given) and the given tasks' records, append
-        `events`, all at once; with `ttl_s`, everything of the workflow expires that long after."""
+        `events`, all at once; with `ttl_s`, everything of the workflow expires that long after.
+        With `owner`, only while `owner` holds the workflow's lease: False (nothing written)
+        once another replica has taken it over."""
         ...
 
     async def get(self, workflow_id: str) -> Json | None:
@@ -169,8 +171,10 @@ class MemoryWorkflowStore:
     async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
                      tasks: Mapping[str, Mapping[str, Any]] | None = None,
                      events: Sequence[Mapping[str, Any]] = (),
-                     ttl_s: float | None = None) -> None:
+                     ttl_s: float | None = None, owner: str | None = None) -> bool:
         """See `WorkflowStore.update`."""
+        if owner is not None and self._holder(workflow_id) != owner:
+            return False
         e = self._entry(workflow_id)
         if e is None:
             e = self._entries[workflow_id] = _Entry({"id": workflow_id}, {})
@@ -186,6 +190,7 @@ class MemoryWorkflowStore:
         if events:
             async with e.grew:
                 e.grew.notify_all()
+        return True
 
     async def get(self, workflow_id: str) -> Json | None:
         """See `WorkflowStore.get`."""
@@ -304,6 +309,31 @@ redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[3]) - 1)
 return 1
 """
 
+# KEYS: the workflow's hash, its event stream, the running set, its lease; ARGV: the owner, the
+# ttl in ms (0: none), the workflow id, the number of hash fields, field/value pairs, then the
+# events. Writes only while the owner holds the lease; 1 if written.
+_UPDATE_FENCED = """
+if redis.call('GET', KEYS[4]) ~= ARGV[1] then return 0 end
+local i = 5
+for _ = 1, tonumber(ARGV[4]) do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+while i <= #ARGV do
+  redis.call('XADD', KEYS[2], '*', 'e', ARGV[i])
+  i = i + 1
+end
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('HDEL', KEYS[1], 'r')
+  redis.call('SREM', KEYS[3], ARGV[3])
+  redis.call('DEL', KEYS[4])
+end
+return 1
+"""
+
 # KEYS: lease keys; ARGV: the owner, the lease in ms. Extends the leases the owner holds and
 # returns the positions (1-based) of those it does not.
 _RENEW = """
@@ -349,6 +379,7 @@ class RedisWorkflowStore:
         self.ns = namespace
         self._create = client.register_script(_CREATE)
         self._renew = client.register_script(_RENEW)
+        self._update_fenced = client.register_script(_UPDATE_FENCED)
         self._release = client.register_script(_RELEASE)
 
     @classmethod
@@ -395,7 +426,7 @@ class RedisWorkflowStore:
     async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
                      tasks: Mapping[str, Mapping[str, Any]] | None = None,
                      events: Sequence[Mapping[str, Any]] = (),
-                     ttl_s: float | None = None) -> None:
+                     ttl_s: float | None = None, owner: str | None = None) -> bool:
         """See `WorkflowStore.update`."""
         key, ev_key = self._key(workflow_id), self._events_key(workflow_id)
         fields: dict[str, str] = {}
@@ -403,6 +434,15 @@ class RedisWorkflowStore:
             fields["w"] = _dumps(workflow)
         for t, rec in (tasks or {}).items():
             fields[f"t:{t}"] = _dumps(rec)
+        if owner is not None:
+            ttl_ms = max(1, int(ttl_s * 1000)) if ttl_s is not None else 0
+            args: list[str] = [owner, str(ttl_ms), workflow_id, str(len(fields))]
+            for k, v in fields.items():
+                args += [k, v]
+            args += [_dumps(ev) for ev in events]
+            written = await self._update_fenced(
+                keys=[key, ev_key, self._running_key, self._lease_key(workflow_id)], args=args)
+            return bool(written)
         async with self.r.pipeline(transaction=True) as pipe:
             if fields:
                 pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
@@ -416,6 +456,7 @@ class RedisWorkflowStore:
                 pipe.srem(self._running_key, workflow_id)
                 pipe.delete(self._lease_key(workflow_id))
             await pipe.execute()
+        return True
 
     async def get(self, workflow_id: str) -> Json | None:
         """See `WorkflowStore.get`."""

@@ -579,7 +579,7 @@ class WorkflowService:
         events = [task_event(wf_id, t, r) for t, r in changed.items()]
         await self.store.update(wf_id, workflow=workflow, tasks=changed,
                                 events=[*events, workflow_event(workflow)],
-                                ttl_s=self.settings.ttl_s)
+                                ttl_s=self.settings.ttl_s, owner=self._owner)
 
     async def _keep_leases(self) -> None:
         """Every third of the lease (and at once when a stopping replica hands workflows
@@ -759,7 +759,7 @@ class WorkflowService:
                 self._step(run, msg, changes)
                 if changes.tasks or changes.events:
                     await self._persist(run, changes)
-                if isinstance(msg, _Cancel | _Abandon) and run.inflight:
+                if (isinstance(msg, _Cancel) or run.abandoned) and run.inflight:
                     # Their connections close now, so the engines abort the requests.
                     await asyncio.gather(*run.inflight.values(), return_exceptions=True)
             if run.abandoned:
@@ -770,8 +770,9 @@ class WorkflowService:
             else:
                 wf["state"] = "failed" if run.dag.failed else "done"
             wf["finished_s"] = self.clock()
-            await self.store.update(run.id, workflow=wf, events=[workflow_event(wf)],
-                                    ttl_s=self.settings.ttl_s)
+            if not await self.store.update(run.id, workflow=wf, events=[workflow_event(wf)],
+                                           ttl_s=self.settings.ttl_s, owner=self._owner):
+                self._lost(run)
         except Exception:
             log.exception("workflow %s: its driver failed", run.id)
         finally:
@@ -828,11 +829,7 @@ class WorkflowService:
                     run.tasks[task].setdefault("kv_moves", []).append(move)
                     changes.tasks.add(task)
             case _Abandon():
-                run.abandoned = True
-                for t in list(run.timers):
-                    run.timers.pop(t).cancel()
-                for job in run.inflight.values():
-                    job.cancel()
+                self._abandon(run)
             case _Cancel():
                 if dag.over:
                     return
@@ -865,9 +862,30 @@ class WorkflowService:
         changes.events.append(task_event(run.id, task, rec))
 
     async def _persist(self, run: _Run, changes: _Changes) -> None:
-        await self.store.update(run.id, workflow=run.workflow,
-                                tasks={t: run.tasks[t] for t in changes.tasks},
-                                events=changes.events)
+        if not await self.store.update(run.id, workflow=run.workflow,
+                                       tasks={t: run.tasks[t] for t in changes.tasks},
+                                       events=changes.events, owner=self._owner):
+            self._lost(run)
+
+    @property
+    def _owner(self) -> str | None:
+        """What fences this replica's writes to the workflows it drives (shared store)."""
+        return self.instance if self.store.shared else None
+
+    def _abandon(self, run: _Run) -> None:
+        """Stop driving the run: its timers stop and its calls in flight are aborted."""
+        run.abandoned = True
+        for t in list(run.timers):
+            run.timers.pop(t).cancel()
+        for job in run.inflight.values():
+            job.cancel()
+
+    def _lost(self, run: _Run) -> None:
+        """A write was refused: another replica took the workflow over (this one's lease
+        lapsed, e.g. while it stalled). It goes on there; here it stops."""
+        if not run.abandoned:
+            log.warning("workflow %s: another replica has taken it over; stopping here", run.id)
+            self._abandon(run)
 
     async def _execute(self, run: _Run, task: str) -> None:
         spec = run.spec

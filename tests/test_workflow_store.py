@@ -350,3 +350,23 @@ async def test_a_release_is_announced_to_the_other_replicas(store: WorkflowStore
     await store.release("r1/x", ["wf-1"])
     await asyncio.wait_for(listener, 5.0)
     assert heard == ["wf-1"]
+
+
+async def test_a_write_fenced_by_a_lease_lands_only_while_the_lease_is_held(
+    store: WorkflowStore,
+) -> None:
+    await store.create(meta(), {"a": task_record([])})
+    await store.save_resume("wf-1", {"spec": {}})
+    assert await store.claim("wf-1", "r1/x", 5.0)
+    ran = {**task_record([]), "state": "running"}
+    assert await store.update("wf-1", tasks={"a": ran}, events=[{"n": 1}], owner="r1/x")
+    assert not await store.update("wf-1", tasks={"a": {**ran, "state": "done"}},
+                                  events=[{"n": 2}], owner="r2/y")
+    snap = await store.get("wf-1")
+    assert snap is not None and snap["tasks"]["a"]["state"] == "running"
+    assert [e for _, e in await store.events("wf-1")] == [{"n": 1}]
+    # The holder's last write ends the workflow: lease, running entry and resume document go.
+    assert await store.update("wf-1", workflow=meta(state="done"), events=[{"n": 3}],
+                              ttl_s=60, owner="r1/x")
+    assert await store.orphans() == [] and await store.resume_document("wf-1") is None
+    assert await store.claim("wf-1", "r2/y", 5.0)  # nobody holds it any more

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from gateway.config import WorkflowSettings
-from gateway.workflow_store import MemoryWorkflowStore
+from gateway.workflow_store import MemoryWorkflowStore, RedisWorkflowStore
 from gateway.workflows import MAX_RESUMES, TaskOutcome, WorkflowService, task_record
 from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
 from planner.hints import TASK_HEADER
@@ -264,3 +265,44 @@ async def test_a_record_no_run_could_leave_fails_the_workflow_naming_the_task() 
     snap = await resumed(store, executor, wf)
     assert snap["state"] == "failed" and executor.bodies == {}
     assert "'slow' is recorded over but a task it runs after is not done" in snap["error"]
+
+
+class Gate(Recorder):
+    """A Recorder that holds the answer of one task until told to let it through."""
+
+    def __init__(self, task: str) -> None:
+        super().__init__()
+        self.task, self.reached, self.release = task, asyncio.Event(), asyncio.Event()
+
+    async def execute(self, body: dict[str, Any], headers: Mapping[str, str]) -> TaskOutcome:
+        if headers[TASK_HEADER] == self.task:
+            self.reached.set()
+            await self.release.wait()
+        return await super().execute(body, headers)
+
+
+async def test_a_replica_whose_lease_was_taken_over_writes_nothing_more(
+    redis_url: str,
+) -> None:
+    """A replica that stalled past its lease (another one took the workflow over) finds its
+    next write refused and stops driving the workflow, instead of overwriting the new owner's."""
+    store = RedisWorkflowStore.from_url(redis_url, f"t{uuid.uuid4().hex[:12]}")
+    gate = Gate("slow")
+    stalled = WorkflowService(WorkflowSettings(store="redis", redis_url=redis_url,
+                                               lease_s=0.2), store, gate, replica="a")
+    try:
+        wf = (await stalled.submit(chain()))["id"]
+        await asyncio.wait_for(gate.reached.wait(), 10)
+        await asyncio.sleep(0.3)  # its lease lapses: nothing renews it (the service is not
+        assert await store.claim(wf, "b/new-owner", 60.0)  # started), and b takes it over
+        gate.release.set()
+        for _ in range(200):
+            if wf not in stalled._runs:
+                break
+            await asyncio.sleep(0.01)
+        snap = await store.get(wf)
+        assert snap is not None and snap["state"] == "running"
+        assert snap["tasks"]["slow"]["state"] == "running"  # its answer was not written
+        assert "slow" in gate.bodies and "last" not in gate.bodies
+    finally:
+        await stalled.stop()
