@@ -177,8 +177,9 @@ class DagRun:
         failed, as recorded; every other task starts over. Returns the wakeups of the tasks
         that may run now (their think time counted from `now`).
 
-        Raises ValueError when the record is not one a run could have left (a task recorded
-        over while a task it runs after is not done)."""
+        Raises UnknownTask for a task the workflow does not have, and ValueError when the
+        record is not one a run could have left (a task recorded over while a task it runs
+        after is not done)."""
         if any(t not in self.tasks for t in (*done, *failed)):
             unknown = sorted(t for t in (*done, *failed) if t not in self.tasks)
             raise UnknownTask(f"workflow {self.workflow}: no task {unknown[0]!r}")
@@ -186,8 +187,6 @@ class DagRun:
         for node in topological_order(self.nodes):
             if node.id not in done and node.id not in failed:
                 continue
-            if self.tasks[node.id].state is TaskState.SKIPPED and node.id in failed:
-                continue  # recorded as failed by the skip itself
             if pending.pop(node.id, None) is None:
                 raise ValueError(f"workflow {self.workflow}: task {node.id!r} is recorded over "
                                  "but a task it runs after is not done")
