@@ -307,6 +307,8 @@ class Planner:
         self._groups: dict[str, dict[str, tuple[str, float]]] = {}
         """Calls in flight per workflow (a sibling group): engine and predicted finish."""
         self._group_of: dict[str, str] = {}
+        self._groups_at: dict[str, dict[str, int]] = {}
+        """Per engine, its calls in flight per sibling group."""
         self._lineage: OrderedDict[str, dict[str, _Lineage]] = OrderedDict()
         """Per workflow (most recent last), each task's prompt keys and children: what segment
         tagging needs of a call's parents."""
@@ -365,8 +367,10 @@ class Planner:
                 prefilling=e.load.prefilling,
                 queued_prefill_tokens=e.load.queued_prefill_tokens,
                 active_blocks=e.load.active_blocks, block_size=self._block_size_of(e.name),
-                foreign=e.foreign, homed_workflows=self._homed.get(e.name, 0))
+                foreign=e.foreign, homed_workflows=self._homed.get(e.name, 0),
+                grouped=sum(groups.values()), groups=len(groups))
             for e in self.engines.values() if e.name not in exclude
+            for groups in (self._groups_at.get(e.name, {}),)
         ]
 
     def models(self) -> list[str]:
@@ -446,9 +450,14 @@ class Planner:
                 group = self._group_of.pop(rid, None)
                 if group is not None:
                     members = self._groups[group]
-                    del members[rid]
+                    engine_name, _ = members.pop(rid)
                     if not members:
                         del self._groups[group]
+                    at_engine = self._groups_at[engine_name]
+                    if at_engine[group] == 1:
+                        del at_engine[group]
+                    else:
+                        at_engine[group] -= 1
                 if self.priorities is not None:
                     hints = req.call.hints
                     self.priorities.task_done(hints.workflow, hints.task, tokens)
@@ -759,6 +768,8 @@ class Planner:
             finish = now + (placement.cost.total_s if placement.cost is not None else 0.0)
             self._groups.setdefault(group, {})[rid] = (engine, finish)
             self._group_of[rid] = group
+            at_engine = self._groups_at.setdefault(engine, {})
+            at_engine[group] = at_engine.get(group, 0) + 1
         ttl = self.speculative_ttl_s
         if self.release_mode == "batch" and route.block_keys:
             self._placed.append((now, engine, route.block_keys))

@@ -144,6 +144,20 @@ class CostSettings:
     """Weight of the prefill a placement spends, times the pool's mean load per engine: the
     requests still to come that wait through it (an idle engine's compute is free only while
     the pool is idle)."""
+    opportunity_per_workflow: bool = True
+    """Count the work still to come that waits through a recompute as the pool's mean
+    *workflows* per engine (`EngineView.workflows`: a workflow's calls in flight at an engine
+    count once, since a delay there lengthens the workflow once however many of them run in
+    parallel) rather than its mean requests. With a wide fan-out in flight, counting its calls
+    one by one priced a child's recompute elsewhere so high that every leaf of a tree of
+    thought went to the engine holding the tree (26 of 27, at 2.6 workflows/s). Measured
+    (2026-11-26, 8 x h100-llama3-8b, 100 workflows, seed 0): at low load tree (0.25/s)
+    6.859 -> 6.785 s mean JCT (least-loaded 6.842, round-robin 6.832), fanout (0.5/s) 5.514
+    -> 5.499 s, debate (0.5/s) 8.728 -> 8.725 s; goodput (precision 0.01) tree 2.456 -> 2.418,
+    fanout and debate unchanged; 70B long contexts on 48 workflows with an RDMA link: tree-long
+    0.387 -> 0.3902, fanout-long 0.7157 -> 0.7119, debate-long unchanged (0.7154). Counting
+    the externality per workflow as well was tried and dropped: long-context goodput fell
+    1-5%."""
     measured_contexts: bool = True
     """Price the decode batch by the contexts the gateway has in flight at the engine (its
     ledger's prompt blocks) rather than as copies of this request's context."""
@@ -208,6 +222,8 @@ class CostModel:
         if not engines:
             return []
         mean_load = sum(self._load(e) for e in engines) / len(engines)
+        mean_waiting = (sum(e.workflows for e in engines) / len(engines)
+                        if s.opportunity_per_workflow else mean_load)
         hot_limit = float("inf")
         if s.hot_spot_factor is not None:
             hot_limit = mean_load * s.hot_spot_factor + s.hot_spot_slack
@@ -285,7 +301,7 @@ class CostModel:
                     group = request.group_finish_s + delay
             # Compute spent recomputing is compute the requests still to come do not get: as
             # many of them as the pool holds per engine now wait through it.
-            external += s.opportunity * mean_load * prefill
+            external += s.opportunity * mean_waiting * prefill
             if request.group_finish_s > group:
                 group = request.group_finish_s
             own_s = (s.own_weight / (1.0 + mean_load) * (queue + transfer + prefill + decode)

@@ -50,6 +50,19 @@ class EngineView:
     next calls most likely come back here), whether a call of theirs runs now or not. Only
     the planner knows it (from the workflow hints)."""
 
+    grouped: int = 0
+    """Of `in_flight`, the calls that belong to a workflow the planner tracks as a sibling
+    group (only the planner knows, from the workflow hints)."""
+    groups: int = 0
+    """Distinct such workflows among them."""
+
+    @property
+    def workflows(self) -> int:
+        """Workflows with a call in flight here: each tracked workflow once, every other call
+        (no workflow known, foreign) as its own. A delay at the engine lengthens a workflow
+        once however many of its calls run here in parallel."""
+        return self.groups + max(0, self.in_flight - self.grouped) + self.foreign
+
     @property
     def load(self) -> int:
         """Requests at the engine: the larger of the gateway's own count and the engine's last

@@ -333,6 +333,41 @@ def test_with_siblings_a_calls_own_finish_counts_more_the_idler_the_pool() -> No
     assert idle["b"].own_s / idle["b"].total_s > busy["b"].own_s / busy["b"].total_s
 
 
+def test_views_count_a_workflows_calls_at_an_engine_once() -> None:
+    p = batch_planner(engines=("a",))
+    for rid, wf in (("x1", "w"), ("x2", "w"), ("y", "v"), ("z", None)):
+        hints = RequestHints(workflow=wf, task=rid) if wf else RequestHints()
+        p.admit(Call(RouteRequest(rid, "m", prompt_tokens=16, max_tokens=8), hints=hints),
+                0.0)
+        p.release(0.0)
+    (view,) = p.views()
+    assert (view.in_flight, view.grouped, view.groups, view.workflows) == (4, 3, 2, 3)
+    p.on_event(Finished("x1"), 1.0)
+    (view,) = p.views()
+    assert (view.in_flight, view.workflows) == (3, 3)
+    p.on_event(Finished("x2"), 1.0)
+    p.on_event(Finished("z"), 1.0)
+    (view,) = p.views()
+    assert (view.in_flight, view.grouped, view.groups, view.workflows) == (1, 1, 1, 1)
+
+
+def test_a_recompute_is_priced_by_the_workflows_waiting_not_their_calls() -> None:
+    """The compute a recompute takes waits once per workflow in flight: a fan-out's eight
+    children at one engine count as one workflow, not eight."""
+    from planner.cost import CostModel, CostSettings
+
+    profile = get_profile("h100-llama3-8b")
+    request = RouteRequest("r", "m", prompt_tokens=2000, max_tokens=64)
+    fanout = [EngineView(n, True, frozenset({"m"}), in_flight=8, grouped=8, groups=1)
+              for n in ("a", "b")]
+    per_workflow = CostModel({}, profile, CostSettings(externality=0.0))
+    per_request = CostModel({}, profile, CostSettings(externality=0.0,
+                                                      opportunity_per_workflow=False))
+    one, eight = (m.estimate(request, fanout)[0] for m in (per_workflow, per_request))
+    assert one.external_s == pytest.approx(1 * one.prefill_s)
+    assert eight.external_s == pytest.approx(8 * eight.prefill_s)
+
+
 def test_every_policy_module_is_registered_explicitly() -> None:
     import pkgutil
 
