@@ -13,6 +13,7 @@ import yaml
 from aiohttp import web
 
 from kvgate.procs import Child, free_port, spawn, start_gateway, start_sim, wait_healthy
+from tests.redis_server import RedisServer, redis_server_available
 
 MODEL = "tiny-test"
 VLLM_TIER = Path(__file__).parent / "vllm_tier"
@@ -135,3 +136,13 @@ def threaded_server() -> Iterator[Callable[[web.Application], ThreadedServer]]:
 
 
 __all__ = ["MODEL", "ThreadedServer", "wait_healthy"]
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """A real redis-server of the test module's own, on a free port."""
+    if not redis_server_available():
+        # The Redis backends must be tested for real; .ci/run installs the Debian package.
+        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
+    with RedisServer() as url:
+        yield url

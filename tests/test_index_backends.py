@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -29,7 +29,7 @@ from hypothesis.stateful import (
 
 from kvindex.index import EngineMatch, IndexStats, InMemoryIndex, KVIndexBackend
 from kvindex.redis_index import CHUNK, RedisIndex
-from tests.redis_server import RedisServer, redis_server_available
+from tests.redis_server import redis_server_available
 
 needs_redis = pytest.mark.skipif(not redis_server_available(), reason="redis-server not installed")
 
@@ -43,14 +43,6 @@ def now() -> float:
 def fresh_namespace() -> str:
     return f"t{uuid.uuid4().hex[:12]}"
 
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    if not redis_server_available():
-        # The Redis backend must be tested for real; .ci/run installs the Debian package.
-        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
-    with RedisServer() as url:
-        yield url
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])

@@ -21,7 +21,6 @@ import yaml
 
 from kvgate.procs import Child, free_port, spawn, wait_healthy
 from tests.conftest import MODEL
-from tests.redis_server import RedisServer
 
 ADMIN = "test-admin-key"
 SYSTEM = ("You are the research agent number {n}. Use the tools to find evidence, cite every "
@@ -150,11 +149,6 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     yield c
     c.stop()
 
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    with RedisServer() as url:
-        yield url
 
 
 def start(cluster: Cluster, names: list[str], redis_url: str | None = None) -> Child:

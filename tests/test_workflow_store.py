@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -24,15 +24,6 @@ from gateway.workflows import (
     WorkflowService,
     task_record,
 )
-from tests.redis_server import RedisServer, redis_server_available
-
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    if not redis_server_available():
-        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
-    with RedisServer() as url:
-        yield url
 
 
 def fresh_namespace() -> str:

@@ -22,7 +22,6 @@ from gateway.workflows import MAX_RESUMES, TaskOutcome, WorkflowService, task_re
 from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
 from planner.hints import TASK_HEADER
 from tests.conftest import MODEL
-from tests.redis_server import RedisServer, redis_server_available
 from tests.test_workflow_api import call, engine_figures, read, sse, submit, wait_for
 
 LEASE_S = 1.5
@@ -41,13 +40,6 @@ def engines(logs: Path) -> Iterator[list[Child]]:
     for c in children:
         c.stop()
 
-
-@pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    if not redis_server_available():
-        pytest.fail("redis-server is not installed (apt-get install -y redis-server)")
-    with RedisServer() as url:
-        yield url
 
 
 def start_replica(name: str, engines: list[Child], redis_url: str, logs: Path,
@@ -95,6 +87,17 @@ def cut_off_mid_workflow(a: Child, b: Child, engines: list[Child], crash: bool
     else:
         a.stop()
     return wf, before
+
+
+def orphaned(engines: list[Child], redis_url: str, logs: Path) -> str:
+    """A workflow whose replica died (SIGKILL) while its `slow` task ran, and no other replica."""
+    a = start_replica("replica-a", engines, redis_url, logs)
+    try:
+        wf = str(submit(a, chain())["id"])
+        wait_for(lambda: read(a, wf)["tasks"]["slow"]["state"] == "running")
+    finally:
+        a.kill()
+    return wf
 
 
 def assert_finished_by(b: Child, wf: str, before: dict[str, Any]) -> dict[str, Any]:
@@ -149,12 +152,7 @@ def test_a_stopping_replica_hands_its_workflow_over_at_once(
 def test_a_workflow_with_no_replica_left_waits_for_the_next_one(
     engines: list[Child], redis_url: str, logs: Path,
 ) -> None:
-    a = start_replica("replica-a", engines, redis_url, logs)
-    try:
-        wf = submit(a, chain())["id"]
-        wait_for(lambda: read(a, wf)["tasks"]["slow"]["state"] == "running")
-    finally:
-        a.kill()
+    wf = orphaned(engines, redis_url, logs)
     time.sleep(2 * LEASE_S)
     b = start_replica("replica-b", engines, redis_url, logs)
     try:
@@ -167,12 +165,7 @@ def test_a_workflow_with_no_replica_left_waits_for_the_next_one(
 def test_deleting_a_workflow_whose_replica_died_cancels_it_at_once(
     engines: list[Child], redis_url: str, logs: Path,
 ) -> None:
-    a = start_replica("replica-a", engines, redis_url, logs)
-    try:
-        wf = submit(a, chain())["id"]
-        wait_for(lambda: read(a, wf)["tasks"]["slow"]["state"] == "running")
-    finally:
-        a.kill()
+    wf = orphaned(engines, redis_url, logs)
     time.sleep(1.5 * LEASE_S)
     # No replica runs it now; one that starts would take it over, unless it is cancelled.
     # Its first look for such workflows comes a third of its (long) lease after it starts.
