@@ -191,6 +191,8 @@ class Proxy:
         self._background: set[asyncio.Task[None]] = set()
         """Workflow-record writes of hint-mode calls, kept until done."""
         """The planner's next batch interval, when requests wait in its buffer."""
+        self._answered: dict[str, int] = {}
+        """Streams whose client hung up after the last event, with the engine's status."""
         self._released_ns: dict[str, tuple[int, int]] = {}
         """Wall-clock span of the planner release that placed each request (tracing on)."""
         state.pump = self._pump
@@ -264,7 +266,8 @@ class Proxy:
             status, error = e.status, e.message
             raise
         except asyncio.CancelledError:
-            status, error = 499, "the client went away"
+            status = self._answered.get(route_req.request_id, 499)
+            error = None if status != 499 else "the client went away"
             raise
         except Exception as e:
             status, error = 500, f"internal gateway error: {e!r}"
@@ -272,6 +275,7 @@ class Proxy:
         finally:
             state.mover.forget(route_req.request_id)
             self._released_ns.pop(route_req.request_id, None)
+            self._answered.pop(route_req.request_id, None)
             trace.end(status, error)
 
     async def _handle(self, request: web.Request, route: str, raw: bytes, body: dict[str, Any],
@@ -598,11 +602,27 @@ class Proxy:
                 await resp.write(tail)
             await resp.write_eof()
         except ConnectionResetError:
-            self._client_gone(route, engine, "during the response")
+            self._hung_up(route, engine, flight, done)
             return resp
+        except asyncio.CancelledError:
+            # The client's connection closed (the server cancels its handler): counted before
+            # the cancellation goes on.
+            self._hung_up(route, engine, flight, done)
+            raise
         metrics.requests.labels(route, str(upstream.status)).inc()
         flight.status = upstream.status
         return resp
+
+    def _hung_up(self, route: str, engine: str, flight: _Flight, done: bool) -> None:
+        """The client hung up mid-stream. After `data: [DONE]` it had the whole answer and only
+        skipped the chunked body's last frame (httpx-based clients such as guidellm do): that
+        counts with the engine's status, not as a 499."""
+        if done:
+            log.debug("client hung up after the last event from %s", engine)
+            self.state.metrics.requests.labels(route, str(flight.status)).inc()
+            self._answered[flight.route.request_id] = flight.status
+        else:
+            self._client_gone(route, engine, "during the response")
 
     def _client_gone(self, route: str, engine: str, when: str) -> None:
         """The client hung up while its answer was being written: counted as a 499."""

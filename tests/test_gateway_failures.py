@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -194,6 +196,9 @@ class RecordingEngine:
         released = await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
         await resp.write(b'data: {"n": 2, "released": %s}\n\n' % str(released).lower().encode())
         await resp.write(b"data: [DONE]\n\n")
+        if "linger_s" in body:
+            # The last event is out; the stream's end comes later (a slow engine, a busy loop).
+            await asyncio.sleep(body["linger_s"])
         return resp
 
 
@@ -261,6 +266,39 @@ def test_stream_chunks_are_forwarded_before_the_stream_ends(
         engine.release.set()
         rest = r.read()
     assert b'"released": true' in rest
+
+
+def _request_counts(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["status"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "kvgate_requests_total"}
+
+
+def test_client_hanging_up_after_the_last_event_is_no_499(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    """A client that reads up to `data: [DONE]` and hangs up before the chunked body's last
+    frame (httpx-based clients such as guidellm do) had the whole answer: a 200, not a 499."""
+    engine, gw = recorded
+    engine.release.set()
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = b'{"model": "rec", "stream": true, "linger_s": 1.0}'
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        got = b""
+        while b"data: [DONE]" not in got:
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream ended before its last event: {got!r}"
+            got += chunk
+        # Hang up at once, with a reset, while the gateway still waits for the engine's end.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not _request_counts(gw.url):
+        time.sleep(0.1)
+    assert _request_counts(gw.url) == {"200": 1.0}
 
 
 def test_invalid_config_names_the_bad_key(tmp_path: Path) -> None:
