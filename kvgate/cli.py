@@ -205,7 +205,7 @@ def _bench(args: argparse.Namespace) -> int:
         mode=args.mode, json_out=args.json, plot_out=args.plot,
         progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
         workflow_trace=args.workflow_trace, goodput=args.goodput, slo_jct=args.slo_jct,
-        goodput_precision=args.goodput_precision, link=args.link,
+        goodput_precision=args.goodput_precision, link=args.link, tasks=args.tasks,
         engine_urls=([u.strip() for u in args.engine_urls.split(",") if u.strip()]
                      if args.engine_urls is not None else None),
         engine_config=args.engine_config,
@@ -436,6 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "0.1 for GPU profiles)")
     bench.add_argument("--fidelity", action="store_true",
                        help="with --mode live: also run virtual and report how far apart they are")
+    bench.add_argument("--tasks", action="store_true",
+                       help="also break each policy's run down by task kind (ids with their "
+                            "numbers folded: research0..7 -> research#): mean gateway wait, "
+                            "TTFT after dispatch, inter-token latency, prompt/cached/output "
+                            "tokens (JSON: results.<policy>.tasks)")
     bench.add_argument("--goodput", action="store_true",
                        help="also search each policy's goodput: the highest Poisson workflow "
                             "rate whose mean JCT stays within --slo-jct x the lower bound")

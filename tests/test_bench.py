@@ -15,7 +15,7 @@ from adapters.sim.model import StepOutput
 from kvgate.bench.bound import TaskShape, decode_time_lb, lower_bound
 from kvgate.bench.options import BenchOptions, progress_bar
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Vocabulary
-from kvgate.bench.report import percentile
+from kvgate.bench.report import percentile, task_kind
 from kvgate.bench.runner import run_bench
 from kvgate.bench.virtual import VirtualRun
 from kvgate.bench.workloads import TRACES, WorkloadError, build_workload
@@ -321,6 +321,32 @@ def test_report_json_and_table(tmp_path: Path) -> None:
     assert on_disk["mode"] == "virtual" and on_disk["engines"] == 2
     table = out.getvalue()
     assert "kvgate" in table and "least-loaded" in table and "lower bound" in table
+
+
+def test_tasks_breaks_each_run_down_by_task_kind() -> None:
+    out = io.StringIO()
+    args = {**SMALL, "width": "3", "plan_tokens": "5", "research_tokens": "9",
+            "reduce_tokens": "4"}
+    report = bench(out, workload="fanout", workload_args=args, workflows=4, rate=2.0,
+                   policies=["kvgate", "round-robin"], engines=2, tasks=True)
+    for name in ("kvgate", "round-robin"):
+        r = report["results"][name]
+        tasks = r["tasks"]
+        # research0..2 fold into one kind; every finished request is counted once.
+        assert sorted(tasks) == ["plan", "reduce", "research#"]
+        assert [tasks[k]["requests"] for k in ("plan", "research#", "reduce")] == [4, 12, 4]
+        assert sum(t["requests"] for t in tasks.values()) == r["requests"] - r["failed"]
+        assert [tasks[k]["output_tokens_mean"] for k in ("plan", "research#", "reduce")] == [
+            5, 9, 4]
+        for t in tasks.values():
+            assert 0 < t["itl_mean_s"] < 1 and t["ttft_after_dispatch_mean_s"] > 0
+            assert 0 <= t["cached_tokens_mean"] <= t["prompt_tokens_mean"]
+    assert "research#" in out.getvalue()
+    # Off by default: seeded reports keep their shape.
+    plain = bench(workload="fanout", workload_args=args, workflows=4, rate=2.0,
+                  policies=["kvgate"], engines=2)
+    assert "tasks" not in plain["results"]["kvgate"]
+    assert task_kind("n.0.12") == "n.#.#" and task_kind("r1a2") == "r#a#"
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

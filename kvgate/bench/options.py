@@ -49,6 +49,8 @@ class BenchOptions:
     """JSON Lines of workflow specs with their `arrival_s`, replayed at those times."""
     goodput: bool = False
     """Also search each policy's goodput (BENCHMARKS.md)."""
+    tasks: bool = False
+    """Add each policy's per-task-kind breakdown (`results.<policy>.tasks`) and its table."""
     slo_jct: float | None = None
     """The goodput SLO: mean JCT at most this many times the bound (default 1.5)."""
     goodput_precision: float = DEFAULT_PRECISION

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -59,6 +60,51 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "engine_busy_ratio": busy / (engines * makespan) if engines and makespan > 0 else None,
         "requests_per_engine": _per_engine(ok, sorted(run.busy_s)),
     }
+
+
+def task_kind(task: str) -> str:
+    """A task id with its numbers folded, so siblings read as one kind: `research3` and
+    `research7` are `research#`, `n.0.2` is `n.#.#`, `r1a2` is `r#a#`."""
+    return re.sub(r"\d+", "#", task)
+
+
+def task_breakdown(run: RunResult) -> dict[str, dict[str, float]]:
+    """Per task kind (`task_kind`), over its requests that finished: how many, and the mean
+    gateway wait, time to first token after dispatch, inter-token latency, prompt, cached and
+    output tokens. Where a workflow's time goes, against the bound's unloaded engine."""
+    kinds: dict[str, list[Any]] = {}
+    for r in run.requests:
+        if r.failed is None and r.finished_s is not None and r.first_token_s is not None:
+            kinds.setdefault(task_kind(r.task), []).append(r)
+    out: dict[str, dict[str, float]] = {}
+    for kind, rs in sorted(kinds.items()):
+        n = len(rs)
+        gaps = [(r.finished_s - r.first_token_s) / (r.output_tokens - 1)
+                for r in rs if r.output_tokens > 1]
+        out[kind] = {
+            "requests": n,
+            "gateway_wait_mean_s": sum(r.dispatched_s - r.ready_s for r in rs) / n,
+            "ttft_after_dispatch_mean_s": sum(r.first_token_s - r.dispatched_s for r in rs) / n,
+            "itl_mean_s": sum(gaps) / len(gaps) if gaps else 0.0,
+            "prompt_tokens_mean": sum(r.prompt_tokens for r in rs) / n,
+            "cached_tokens_mean": sum(r.cached_tokens for r in rs) / n,
+            "output_tokens_mean": sum(r.output_tokens for r in rs) / n,
+        }
+    return out
+
+
+def format_tasks(report: dict[str, Any]) -> str:
+    """The `--tasks` table: each policy's per-task-kind breakdown."""
+    lines = [f"{'policy':<16}{'task':<14}{'n':>6}{'wait s':>9}{'TTFT s':>9}{'ITL ms':>8}"
+             f"{'prompt':>8}{'cached':>8}{'output':>8}"]
+    for name, r in report["results"].items():
+        for kind, t in r.get("tasks", {}).items():
+            lines.append(
+                f"{name:<16}{kind:<14}{t['requests']:>6}{t['gateway_wait_mean_s']:>9.3f}"
+                f"{t['ttft_after_dispatch_mean_s']:>9.3f}{1000 * t['itl_mean_s']:>8.1f}"
+                f"{t['prompt_tokens_mean']:>8.0f}{t['cached_tokens_mean']:>8.0f}"
+                f"{t['output_tokens_mean']:>8.0f}")
+    return "\n".join(lines)
 
 
 def _recomputed_static(records: Sequence[Any]) -> int | None:

@@ -22,10 +22,12 @@ from kvgate.bench.report import (
     build_report,
     format_goodput,
     format_table,
+    format_tasks,
     goodput_plot_path,
     plot,
     plot_goodput,
     summarise,
+    task_breakdown,
 )
 from kvgate.bench.virtual import (
     MODEL,
@@ -246,6 +248,9 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
                          "setup_s": link.setup_s}
     elapsed = time.monotonic() - started
     results = {name: summarise(run) for name, run in runs.items()}
+    if o.tasks:
+        for name, run in runs.items():
+            results[name]["tasks"] = task_breakdown(run)
     report = build_report(
         workload=o.name, profile=o.engine_profile().name, engines=o.engines, seed=o.seed,
         mode=o.mode,
@@ -253,6 +258,8 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
         workflows=len(prepared.workflows), bound=prepared.bound, results=results, extra=extra,
     )
     print(format_table(report), file=out)
+    if o.tasks:
+        print(format_tasks(report), file=out)
     if "goodput" in report:
         print(format_goodput(report), file=out)
     for name, f in extra.get("fidelity", {}).items():
