@@ -200,6 +200,13 @@ def placement_of(choice: str | Placement) -> Placement:
     return choice if isinstance(choice, Placement) else Placement(choice)
 
 
+def reads_index(policy: RoutingPolicy) -> bool:
+    """Whether `policy` reads the KV index (its requests' `matches`): a policy that declares
+    `reads_index = False` (it routes by load or session alone) never does, so a driver may skip
+    matching its prompts and ingesting the engines' KV events for it. Undeclared: it does."""
+    return bool(getattr(policy, "reads_index", True))
+
+
 def scrape_interval(policy: RoutingPolicy, default_s: float) -> float:
     """How often drivers refresh engine metrics for `policy`: its peer's own refresh interval
     (a `metrics_interval_s` attribute) when it declares a fresher one, else `default_s`."""

@@ -20,7 +20,7 @@ from kvgate.bench.runner import run_bench
 from kvgate.bench.virtual import VirtualRun
 from kvgate.bench.workloads import TRACES, WorkloadError, build_workload
 from kvindex.tokenizer import Tokenizer
-from planner.policy import policy_names
+from planner.policy import PolicyContext, make_policy, policy_names, reads_index
 
 REPORT_KEYS = {"workflows", "requests", "failed", "jct_mean_s", "jct_p50_s", "jct_p99_s",
                "makespan_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "output_tokens_per_s",
@@ -216,6 +216,40 @@ def test_running_inert_steps_ahead_of_the_agenda_changes_nothing(
     assert sum(ahead) > 10
     monkeypatch.setattr(VirtualRun, "_run_ahead", lambda self, end, e, out: [(end, e, out)])
     assert bench(**kw) == report
+
+
+@pytest.mark.parametrize("workload,args", [
+    ("fanout", {**SMALL, "width": "4"}),
+    ("react", {**SMALL, "turns": "4"}),
+])
+def test_policies_that_read_no_index_skip_it_and_get_the_same_report(
+        monkeypatch: pytest.MonkeyPatch, workload: str, args: dict[str, str]) -> None:
+    """The driver skips matching and ingesting for policies that declare `reads_index = False`;
+    forcing both on must give the same reports, or a declaration is wrong."""
+    policies = [p for p in policy_names() if not reads_index(make_policy(p, PolicyContext()))]
+    assert {"round-robin", "least-loaded", "session", "sglang-like",
+            "llmd-approx-like"} <= set(policies)
+    assert "kvgate" not in policies and "llmd-like" not in policies
+    kw = dict(workload=workload, workload_args=args, workflows=8, policies=policies, engines=3,
+              rate=3.0, seed=1)
+    indexed: list[int] = []
+    init = VirtualRun.__init__
+
+    def skipping(self: VirtualRun, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        indexed.append(id(self))
+        assert not self._reads_index and not self.fleet.ingest
+
+    monkeypatch.setattr(VirtualRun, "__init__", skipping)
+    skipped = bench(**kw)
+    assert len(indexed) == len(policies)
+
+    def forcing(self: VirtualRun, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        self._reads_index = self.fleet.ingest = True
+
+    monkeypatch.setattr(VirtualRun, "__init__", forcing)
+    assert bench(**kw) == skipped
 
 
 def test_a_different_seed_changes_poisson_arrivals() -> None:

@@ -55,7 +55,7 @@ from planner.events import (
     WorkflowSubmitted,
 )
 from planner.hints import RequestHints
-from planner.policy import PolicyContext, RouteRequest, scrape_interval
+from planner.policy import PolicyContext, RouteRequest, reads_index, scrape_interval
 from planner.profiles import EngineProfile
 from planner.segments import SYSTEM_ROLES, SegmentKind, Segments, message_kind, tag_parts
 from planner.transfer import NO_LINK, TransferLink
@@ -280,6 +280,8 @@ class Fleet:
                                                   _engine_hasher)) for n in names}
         self.index = InMemoryIndex()
         self.ingestor = EventIngestor(index_block_size)
+        self.ingest = True
+        """Ingest the engines' KV events into the index (off when no one reads it)."""
         self.index_block_size = index_block_size
         self.bucket_s = bucket_s
         self.utilisation: dict[str, dict[int, float]] = {n: {} for n in names}
@@ -356,7 +358,7 @@ class Fleet:
         """A step ended: the engine may start another; its KV events reach the index."""
         e.busy = False
         self._dirty.append(e)
-        if out.kv_events:
+        if out.kv_events and self.ingest:
             batch = wire_batch(_merged_removals(out.kv_events), now)
             result = self.ingestor.on_batch(e.name, e.seq, batch)
             e.seq += 1
@@ -498,6 +500,10 @@ class VirtualRun:
         self.scrape_s = scrape_interval(routing, self.scrape_s)
         # Only character-level policies read the prompt text; building it costs a join.
         self._needs_text = bool(getattr(routing, "reads_prompt_text", False))
+        # A policy that never reads the index needs no matches and no ingested events (the
+        # engines' own caches, which the report reads, are the same either way).
+        self._reads_index = reads_index(routing)
+        self.fleet.ingest = self._reads_index
         self._wakeup_at: float | None = None
         for n in names:
             self.planner.on_event(EngineJoined(n, healthy=True, models=frozenset((MODEL,))), 0.0)
@@ -672,7 +678,8 @@ class VirtualRun:
         route = RouteRequest(
             request_id=rid, model=MODEL, session_id=wf.id, prompt_tokens=keys.num_tokens,
             block_keys=keys.keys, block_size=self.block_size,
-            matches=self.index.match_sync(keys.keys, self.now), prompt_text=text,
+            matches=self.index.match_sync(keys.keys, self.now) if self._reads_index else {},
+            prompt_text=text,
             max_tokens=task.output_tokens)
         self._waiting[rid] = _Waiting(record, wf, task, route, keys.token_ids)
         hints = RequestHints(workflow=wf.id, task=task.id, after=tuple(task.after))

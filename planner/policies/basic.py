@@ -19,6 +19,7 @@ class RoundRobin(StatelessPolicy):
     """Cycle through the eligible engines."""
 
     name = "round-robin"
+    reads_index = False
 
     def __init__(self, context: PolicyContext | None = None) -> None:
         self._next = 0
@@ -36,6 +37,7 @@ class LeastLoaded(StatelessPolicy):
     """Fewest requests at the engine (scraped running + waiting, or the gateway's in-flight)."""
 
     name = "least-loaded"
+    reads_index = False
 
     def __init__(self, context: PolicyContext | None = None) -> None:
         self._turn = 0

@@ -59,6 +59,7 @@ class LlmdApproximateScheduler:
     """Weighted sum of approximate-prefix, queue, KV-utilisation and no-hit-LRU scores."""
 
     name = "llmd-approx-like"
+    reads_index = False
     speculative_entries = False
     moves_kv = False
     metrics_interval_s = 0.05

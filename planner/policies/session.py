@@ -50,6 +50,7 @@ class SessionAffinity:
     """Session id -> engine by consistent hashing; session-less requests go to the lowest QPS."""
 
     name = "session"
+    reads_index = False
     speculative_entries = False
     moves_kv = False
 

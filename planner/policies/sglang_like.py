@@ -128,6 +128,7 @@ class SglangCacheAware:
     """Cache affinity from per-worker approximate prefix trees unless load is imbalanced."""
 
     name = "sglang-like"
+    reads_index = False
     speculative_entries = False
     moves_kv = False
     reads_prompt_text = True
