@@ -602,22 +602,23 @@ class Proxy:
                 await resp.write(tail)
             await resp.write_eof()
         except ConnectionResetError:
-            self._hung_up(route, engine, flight, done)
+            self._hung_up(route, engine, flight)
             return resp
         except asyncio.CancelledError:
             # The client's connection closed (the server cancels its handler): counted before
             # the cancellation goes on.
-            self._hung_up(route, engine, flight, done)
+            self._hung_up(route, engine, flight)
             raise
         metrics.requests.labels(route, str(upstream.status)).inc()
         flight.status = upstream.status
         return resp
 
-    def _hung_up(self, route: str, engine: str, flight: _Flight, done: bool) -> None:
-        """The client hung up mid-stream. After `data: [DONE]` it had the whole answer and only
-        skipped the chunked body's last frame (httpx-based clients such as guidellm do): that
-        counts with the engine's status, not as a 499."""
-        if done:
+    def _hung_up(self, route: str, engine: str, flight: _Flight) -> None:
+        """The client hung up mid-stream. Once `data: [DONE]` was written (the flight has the
+        engine's status then) it had the whole answer and only skipped the chunked body's last
+        frame (httpx-based clients such as guidellm do): that counts with the engine's status,
+        not as a 499."""
+        if flight.status:
             log.debug("client hung up after the last event from %s", engine)
             self.state.metrics.requests.labels(route, str(flight.status)).inc()
             self._answered[flight.route.request_id] = flight.status

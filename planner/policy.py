@@ -202,8 +202,9 @@ def placement_of(choice: str | Placement) -> Placement:
 
 def reads_index(policy: RoutingPolicy) -> bool:
     """Whether `policy` reads the KV index (its requests' `matches`): a policy that declares
-    `reads_index = False` (it routes by load or session alone) never does, so a driver may skip
-    matching its prompts and ingesting the engines' KV events for it. Undeclared: it does."""
+    `reads_index = False` (it routes by load, by session or by a prefix record of its own)
+    never does, so a driver may skip matching its prompts and ingesting the engines' KV events
+    for it. Undeclared: it does."""
     return bool(getattr(policy, "reads_index", True))
 
 
