@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import or_
+from itertools import compress, repeat
+from operator import is_not, or_
 from typing import Protocol
 
 BlockKey = int
@@ -106,6 +106,9 @@ def _bits(mask: int) -> Iterable[int]:
 _HAS_BIT = tuple(bytes((v >> bit) & 1 for v in range(256)) for bit in range(8))
 _BYTE_ENGINES = 0xFF
 """Engines whose bits fit in a byte: the masks of a walk restricted to them are bytes."""
+_IS_ZERO = bytes(int(v == 0) for v in range(256))
+"""Byte table: 1 where a mask byte is 0 (for `compress` over the keys an engine lacks)."""
+_MISSING = object()
 
 
 def _first_lacking(
@@ -146,9 +149,10 @@ class InMemoryIndex:
         """Forget the engine's speculative entries for `keys`."""
         spec = self._spec.get(bit)
         if spec:
-            for k in keys:
-                if spec.pop(k, None) is not None:
-                    self._spec_drop(bit, k)
+            # Pop every key at C speed; only the ones that had an entry need more.
+            popped = list(map(spec.pop, keys, repeat(_MISSING)))
+            for k in compress(keys, map(is_not, popped, repeat(_MISSING))):
+                self._spec_drop(bit, k)
 
     def _spec_drop(self, bit: int, key: BlockKey) -> None:
         mask = self._spec_mask.get(key, 0) & ~(1 << bit)
@@ -257,9 +261,13 @@ class InMemoryIndex:
         if expires < self._spec_latest.get(bit, expires):
             self._spec_unordered.add(bit)
         self._spec_latest[bit] = max(expires, self._spec_latest.get(bit, expires))
-        for k in keys:
-            if gpu.get(k, 0) & mask:
-                continue
+        if mask <= _BYTE_ENGINES:
+            # The keys the engine lacks, picked at C speed (most of a routed prompt is held).
+            held = bytes(map(mask.__and__, map(gpu.get, keys, repeat(0))))
+            lacking: Iterable[BlockKey] = compress(keys, held.translate(_IS_ZERO))
+        else:
+            lacking = [k for k in keys if not gpu.get(k, 0) & mask]
+        for k in lacking:
             spec.pop(k, None)
             spec[k] = expires
             spec_mask[k] = spec_mask.get(k, 0) | mask
@@ -303,8 +311,12 @@ class InMemoryIndex:
         penalty: dict[int, float] = {}
         # After `_expire`, entries of an engine whose entries are in expiry order are all live.
         spec_live = not any((alive >> bit) & 1 for bit in self._spec_unordered)
-        if not lower and not specs:
-            # Hot path: one dict lookup and two int operations per block.
+        if not lower and not specs and alive <= _BYTE_ENGINES:
+            # Hot path: the held masks as bytes, searched per engine at C speed.
+            self._match_bytes(keys, alive, gpu, None, length, length)
+            confirmed_len = length
+        elif not lower and not specs:
+            # One dict lookup and two int operations per block.
             get = gpu.get
             n = len(keys)
             i = 0
@@ -339,21 +351,27 @@ class InMemoryIndex:
     @staticmethod
     def _match_bytes(
         keys: Sequence[BlockKey], alive: int, gpu: dict[BlockKey, int],
-        spec_mask: dict[BlockKey, int], length: dict[int, int], confirmed_len: dict[int, int],
+        spec_mask: dict[BlockKey, int] | None, length: dict[int, int],
+        confirmed_len: dict[int, int],
     ) -> None:
         """`_match_general` without lower tiers, when every speculative entry is live and the
         engines' bits fit in a byte: masks of growing chunks of keys as bytes, searched per
-        engine at C speed (a long prompt's unconfirmed tail made the per-block walk slow)."""
+        engine at C speed (a long prompt's unconfirmed tail made the per-block walk slow).
+        Without `spec_mask` (no speculative entries) `length` and `confirmed_len` may be the
+        same dict."""
         n = len(keys)
         start, chunk = 0, 64
         confirmed = alive
         while alive and start < n:
             part = keys[start : start + chunk]
             held = bytes(map(alive.__and__, map(gpu.get, part, repeat(0))))
-            spec = bytes(map(alive.__and__, map(spec_mask.get, part, repeat(0))))
-            present = bytes(map(or_, held, spec))
-            confirmed = _first_lacking(held, confirmed, start, confirmed_len)
-            alive = _first_lacking(present, alive, start, length)
+            if spec_mask is None:
+                alive = confirmed = _first_lacking(held, alive, start, length)
+            else:
+                spec = bytes(map(alive.__and__, map(spec_mask.get, part, repeat(0))))
+                present = bytes(map(or_, held, spec))
+                confirmed = _first_lacking(held, confirmed, start, confirmed_len)
+                alive = _first_lacking(present, alive, start, length)
             start += len(part)
             chunk = min(2 * chunk, 8192)
         for bit in _bits(alive):

@@ -350,11 +350,14 @@ _Whole = tuple[tuple[int, ...], tuple[BlockKey, ...]]
 
 
 class _Prefix(NamedTuple):
-    """The leading `num_ids` ids and `num_keys` keys of a whole prompt's."""
+    """The leading `num_ids` ids and `num_keys` keys of a whole prompt's, and the nodes and
+    segments from the root to the node that keeps it."""
 
     whole: _Whole
     num_ids: int
     num_keys: int
+    path: tuple[_Node, ...]
+    segments: list[str]
 
 
 def _ids_after(head: tuple[int, ...], tail: list[int], start: int) -> Sequence[int]:
@@ -462,7 +465,8 @@ class PromptKeyer:
                                encode)
         if post:
             ids += post
-            keys += tuple(self._continue(ids[len(keys) * self.block_size :], keys, extras))
+            keys += tuple(self._continue(ids[len(keys) * self.block_size :],
+                                         keys[-1] if keys else None, len(keys), extras))
         return PromptKeys(ids, keys, text)
 
     def pieces(
@@ -491,12 +495,26 @@ class PromptKeyer:
         """Ids and keys after `segments`, from the cached state of their longest known prefix;
         `encode` tokenises the segments not yet cached."""
         extras = root_key[3]
+        bs = self.block_size
         with self._lock:
             node = root = self._root(root_key, pre)
             path: list[_Node] = []
-            start = _Prefix((root.ids, root.keys), len(root.ids), len(root.keys))
+            start = _Prefix((root.ids, root.keys), len(root.ids), len(root.keys), (), [])
             known = 0
-            for segment in segments:
+            # Jump to the deepest recent prompt that `segments` extend (a conversation's next
+            # turn): its path is known, so only the segments after it are walked node by node.
+            for kept in self._wholes:
+                prefix = kept.whole
+                assert prefix is not None
+                depth = len(prefix.path)
+                if (known < depth <= len(segments) and prefix.path[0].parent is root
+                        and segments[depth - 1] == kept.segment
+                        and segments[:depth] == prefix.segments):
+                    start, known = prefix, depth
+            if known:
+                path = list(start.path)
+                node = path[-1]
+            for segment in segments[known:] if known else segments:
                 child = node.children.get(segment)
                 if child is None:
                     break
@@ -505,22 +523,25 @@ class PromptKeyer:
                 if child.whole is not None:
                     start, known = child.whole, len(path)
             # Long prompts walk thousands of nodes: concatenate their state in C-level passes,
-            # from the longest recent prompt on the path. Its ids are copied once, into the
-            # result (a prompt's ids are its largest part: tens of thousands per turn).
+            # from the longest recent prompt on the path. Its ids and keys are copied once,
+            # into the result (a prompt's ids are its largest part: tens of thousands per turn).
             head = start.whole[0]
             if start.num_ids < len(head):
                 head = head[: start.num_ids]
             tail = list(chain.from_iterable(map(_NODE_IDS, path[known:])))
-            keys = list(start.whole[1])
-            del keys[start.num_keys :]
-            keys.extend(chain.from_iterable(map(_NODE_KEYS, path[known:])))
+            base = start.whole[1]
+            if start.num_keys < len(base):
+                base = base[: start.num_keys]
+            more = list(chain.from_iterable(map(_NODE_KEYS, path[known:])))
             rest = segments[len(path) :]
             for segment, segment_ids in zip(rest, encode(rest) if rest else [], strict=True):
                 tail.extend(segment_ids)
-                pending = _ids_after(head, tail, len(keys) * self.block_size)
-                new_keys = self._continue(pending, keys, extras)
+                num_keys = len(base) + len(more)
+                pending = _ids_after(head, tail, num_keys * bs)
+                parent = more[-1] if more else base[-1] if base else None
+                new_keys = self._continue(pending, parent, num_keys, extras)
                 child = _Node(node, segment, tuple(segment_ids), tuple(new_keys))
-                keys.extend(new_keys)
+                more.extend(new_keys)
                 node.children[segment] = child
                 self._lru[child] = None
                 self._used += child.cost
@@ -530,13 +551,16 @@ class PromptKeyer:
             # recently used node is a leaf.
             deque(map(self._lru.move_to_end, reversed(path)), maxlen=0)
             ids = head + tuple(tail) if tail else head
-            whole = (ids, tuple(keys))
+            whole = (ids, base + tuple(more) if more else base)
             if path:
                 last = path[-1]
-                self._keep_whole(last, _Prefix(whole, len(ids), len(keys)))
+                nodes = tuple(path)
+                names = list(segments[: len(path)])
+                self._keep_whole(last, _Prefix(whole, len(ids), len(whole[1]), nodes, names))
                 if len(path) > 1:
-                    self._keep_whole(path[-2], _Prefix(whole, len(ids) - len(last.ids),
-                                                       len(keys) - len(last.keys)))
+                    self._keep_whole(path[-2], _Prefix(
+                        whole, len(ids) - len(last.ids), len(whole[1]) - len(last.keys),
+                        nodes[:-1], names[:-1]))
             self._evict()
             if not root.children:
                 self._drop_root(root)
@@ -552,18 +576,14 @@ class PromptKeyer:
             oldest.whole = None
 
     def _continue(
-        self, pending: Sequence[int], keys: Sequence[BlockKey], extras: KeyExtras
+        self, pending: Sequence[int], parent: BlockKey | None, num_keys: int, extras: KeyExtras
     ) -> list[BlockKey]:
-        """Keys of the blocks `pending` completes, the ids after the blocks of the `keys`
-        already known."""
+        """Keys of the blocks `pending` completes, the ids after the `num_keys` blocks already
+        keyed (the last of which is `parent`)."""
         if len(pending) < self.block_size:
             return []
         return chain_keys(
-            pending,
-            self.block_size,
-            extras,
-            parent=keys[-1] if keys else None,
-            first_block_index=len(keys),
+            pending, self.block_size, extras, parent=parent, first_block_index=num_keys
         )
 
     def _root(self, key: _RootKey, pre: tuple[int, ...]) -> _Node:

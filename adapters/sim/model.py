@@ -34,7 +34,7 @@ import enum
 import hashlib
 import struct
 from bisect import bisect_right
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, takewhile
@@ -96,6 +96,9 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    queued: int = 0
+    """Entries of this block in the pool's free queue (the latest is live while `ref_cnt` is
+    0; older ones are stale, skipped when they reach the front)."""
 
 
 _REF_CNT = attrgetter("ref_cnt")
@@ -139,11 +142,6 @@ class _PrefixMemo:
         return pool.removed_since(self.mark, self.hashes)
 
 
-def _consume(it: Iterable[object]) -> None:
-    """Run an iterator of side effects to its end at C speed."""
-    deque(it, maxlen=0)
-
-
 @dataclass(frozen=True)
 class BlockStored:
     """Consecutive blocks of one request entered the prefix cache."""
@@ -176,9 +174,13 @@ class BlockPool:
     """Paged KV pool with ref counts, a prefix cache keyed by block hash and an LRU free queue."""
 
     def __init__(self, num_blocks: int, removal_per_event: bool = True) -> None:
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Unreferenced blocks, least recently freed first: the front is evicted first.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks = [KVBlock(i, queued=1) for i in range(num_blocks)]
+        # Unreferenced blocks, least recently freed first: the front is evicted first. vLLM's
+        # FreeKVCacheBlockQueue unlinks a block reused from the cache; here it stays queued and
+        # is skipped as stale when it reaches the front (a block's latest entry is its place),
+        # so a request's long cached prefix costs no queue operation to take or give back.
+        self._free: deque[KVBlock] = deque(self.blocks)
+        self._num_free = num_blocks
         self.removal_per_event = removal_per_event
         """One BlockRemoved per evicted block, as vLLM announces them; False announces an
         allocation's evictions in one event (the same index operations, far fewer objects)."""
@@ -204,7 +206,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks no request references (cached ones included: they are evictable)."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def usage(self) -> float:
@@ -250,25 +252,30 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on cached blocks a request reuses (they leave the free queue)."""
         self.ref_changes += 1
-        free = self._free
+        taken = 0
         for b in blocks:
-            if b.ref_cnt == 0:
-                del free[b.block_id]
+            if not b.ref_cnt:
+                taken += 1
             b.ref_cnt += 1
+        self._num_free -= taken
 
     def allocate(self, n: int) -> list[KVBlock]:
         """Take `n` blocks from the front of the free queue, evicting their cached contents."""
-        free = self._free
-        if n > len(free):
-            raise ValueError(f"cannot allocate {n} blocks, {len(free)} free")
+        if n > self._num_free:
+            raise ValueError(f"cannot allocate {n} blocks, {self._num_free} free")
         if n == 0:
             return []
-        ids = list(islice(free, n))
-        _consume(map(free.__delitem__, ids))
-        out = list(map(self.blocks.__getitem__, ids))
+        self._num_free -= n
+        popleft = self._free.popleft
         cached, copies = self._cached, self._copies
         evicted: list[BlockHash] = []
-        for b in out:
+        out: list[KVBlock] = []
+        while len(out) < n:
+            b = popleft()
+            b.queued -= 1
+            if b.queued or b.ref_cnt:
+                continue  # stale: queued again later, or taken back from the cache
+            out.append(b)
             block_hash = b.block_hash
             if block_hash is not None:
                 if block_hash in copies:
@@ -290,11 +297,31 @@ class BlockPool:
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop a request's references; tail blocks are queued first so they are evicted first."""
         self.ref_changes += 1
-        free = self._free
+        append = self._free.append
+        freed = 0
         for b in reversed(blocks):
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                free[b.block_id] = None
+            r = b.ref_cnt - 1
+            b.ref_cnt = r
+            if not r:
+                b.queued += 1
+                append(b)
+                freed += 1
+        self._num_free += freed
+        if len(self._free) > 2 * len(self.blocks) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the free queue's stale entries (each block's latest entry is its place)."""
+        live: list[KVBlock] = []
+        for b in reversed(self._free):
+            if b.queued:
+                if not b.ref_cnt:
+                    live.append(b)
+                b.queued = 0
+        for b in live:
+            b.queued = 1
+        live.reverse()
+        self._free = deque(live)
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (another copy may already be cached)."""
