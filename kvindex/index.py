@@ -144,6 +144,11 @@ class InMemoryIndex:
         # expiry order (a shorter TTL after a longer one): only those need per-entry checks.
         self._spec_latest: dict[int, float] = {}
         self._spec_unordered: set[int] = set()
+        # Confirmed entries change only through add/remove/clear, each bumping `_version`; the
+        # last match's confirmed runs per engine bit stay true while it is unchanged, so a
+        # speculative add of the same keys right after (a dispatch) skips what it knows is held.
+        self._version = 0
+        self._held_runs: tuple[Sequence[BlockKey], int, dict[int, int]] | None = None
 
     def _drop_speculative(self, bit: int, keys: Sequence[BlockKey]) -> None:
         """Forget the engine's speculative entries for `keys`."""
@@ -179,6 +184,7 @@ class InMemoryIndex:
 
     def add_sync(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
         """See KVIndexBackend.add."""
+        self._version += 1
         bit = self._bit(engine)
         mask = 1 << bit
         tier = tier.upper()
@@ -196,6 +202,7 @@ class InMemoryIndex:
 
     def remove_sync(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
         """See KVIndexBackend.remove; removing an unknown key is a no-op."""
+        self._version += 1
         bit = self._engine_bit.get(engine)
         if bit is None:
             return
@@ -226,6 +233,7 @@ class InMemoryIndex:
 
     def clear_engine_sync(self, engine: str) -> None:
         """See KVIndexBackend.clear_engine; the engine's bit is recycled."""
+        self._version += 1
         bit = self._engine_bit.pop(engine, None)
         if bit is None:
             return
@@ -261,6 +269,9 @@ class InMemoryIndex:
         if expires < self._spec_latest.get(bit, expires):
             self._spec_unordered.add(bit)
         self._spec_latest[bit] = max(expires, self._spec_latest.get(bit, expires))
+        runs = self._held_runs
+        if runs is not None and runs[0] is keys and runs[1] == self._version:
+            keys = keys[runs[2].get(bit, 0):]
         if mask <= _BYTE_ENGINES:
             # The keys the engine lacks, picked at C speed (most of a routed prompt is held).
             held = bytes(map(mask.__and__, map(gpu.get, keys, repeat(0))))
@@ -336,6 +347,8 @@ class InMemoryIndex:
             self._match_bytes(keys, alive, gpu, self._spec_mask, length, confirmed_len)
         else:
             self._match_general(keys, now, alive, gpu, lower, length, confirmed_len, penalty)
+        if not lower:
+            self._held_runs = (keys, self._version, confirmed_len)
         out: dict[str, EngineMatch] = {}
         for engine, bit in wanted.items():
             blocks = length.get(bit, 0)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import random
 from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adapters.sim import model
 from adapters.sim.model import (
     BlockPool,
     BlockRemoved,
@@ -417,3 +419,65 @@ def test_step_time_of_equals_the_expressions_it_caches() -> None:
                 profile.mem_bandwidth * profile.mbu)
             expected = profile.step_overhead_s + max(compute, memory)
             assert profile.step_time_of(new, attended, kv) == expected
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(min_value=1, max_value=12))
+def test_free_order_is_vllms_lru_queue_through_reuse_and_compaction(
+    seed: int, num_blocks: int
+) -> None:
+    """The pool's free order (stale entries skipped, compacted now and then) evicts exactly
+    the block an LRU queue that unlinks reused blocks (vLLM's FreeKVCacheBlockQueue) would:
+    allocations take from the front, a cached block taken back leaves the queue, a freed one
+    joins its end."""
+    slack, model._ORDER_SLACK = model._ORDER_SLACK, 4  # compact often
+    try:
+        _check_free_order(random.Random(seed), BlockPool(num_blocks), num_blocks)
+    finally:
+        model._ORDER_SLACK = slack
+
+
+def _check_free_order(rng: random.Random, pool: BlockPool, num_blocks: int) -> None:
+    lru: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order = free order
+    held: list[list[int]] = []  # per holder, its block ids
+    refs = [0] * num_blocks
+
+    def free(ids: list[int]) -> None:
+        pool.free([pool.blocks[i] for i in ids])
+        for i in reversed(ids):
+            refs[i] -= 1
+            if refs[i] == 0:
+                lru[i] = None
+
+    compactions = 0
+    for _ in range(1000):
+        op = rng.choice(["alloc", "touch", "free"])
+        if len(held) > 3:
+            op = "free"  # keep blocks coming back, so the order churns
+        length = len(pool._order)
+        if op == "alloc" and lru:
+            n = rng.randint(1, len(lru))
+            want = list(lru)[:n]
+            assert [b.block_id for b in pool.allocate(n)] == want
+            for i in want:
+                del lru[i]
+                refs[i] = 1
+            held.append(want)
+        elif op == "touch":
+            # Any blocks, free ones included: a prefix hit on cached blocks nobody holds.
+            ids = rng.sample(range(num_blocks), rng.randint(1, num_blocks))
+            pool.touch([pool.blocks[i] for i in ids])
+            for i in ids:
+                if refs[i] == 0:
+                    del lru[i]
+                refs[i] += 1
+            held.append(ids)
+        elif op == "free" and held:
+            free(held.pop(rng.randrange(len(held))))
+        assert pool.num_free == len(lru)
+        assert [b.ref_cnt for b in pool.blocks] == refs
+        compactions += len(pool._order) < length
+    assert compactions > 0  # the run exercised the compaction
+    while held:
+        free(held.pop())
+    assert [b.block_id for b in pool.allocate(num_blocks)] == list(lru)

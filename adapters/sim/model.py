@@ -37,8 +37,8 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice, takewhile
-from operator import attrgetter
+from itertools import compress, count, filterfalse, islice, takewhile
+from operator import attrgetter, eq
 from typing import NamedTuple, cast
 
 from planner.profiles import EngineProfile
@@ -96,12 +96,13 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
-    queued: int = 0
-    """Entries of this block in the pool's free queue (the latest is live while `ref_cnt` is
-    0; older ones are stale, skipped when they reach the front)."""
+    freed_at: int = -1
+    """Position of the block's latest entry in the pool's free order (the live one while
+    `ref_cnt` is 0; an entry elsewhere is stale)."""
 
 
 _REF_CNT = attrgetter("ref_cnt")
+_FREED_AT = attrgetter("freed_at")
 _PRIORITY_KEY = attrgetter("priority_key")
 
 
@@ -109,6 +110,9 @@ def _victim_rank(req: SimRequest) -> tuple[int, float]:
     """The key vLLM's priority policy picks its preemption victim by (the worst is the max)."""
     return req.priority, req.arrival_time
 
+
+_ORDER_SLACK = 1024
+"""Entries a free order holds beyond eight per block before `_compact` drops the stale ones."""
 
 _REMOVAL_LOG = 1 << 16
 """Removals a pool remembers before it starts a new epoch (older marks then count as stale)."""
@@ -174,12 +178,14 @@ class BlockPool:
     """Paged KV pool with ref counts, a prefix cache keyed by block hash and an LRU free queue."""
 
     def __init__(self, num_blocks: int, removal_per_event: bool = True) -> None:
-        self.blocks = [KVBlock(i, queued=1) for i in range(num_blocks)]
-        # Unreferenced blocks, least recently freed first: the front is evicted first. vLLM's
-        # FreeKVCacheBlockQueue unlinks a block reused from the cache; here it stays queued and
-        # is skipped as stale when it reaches the front (a block's latest entry is its place),
-        # so a request's long cached prefix costs no queue operation to take or give back.
-        self._free: deque[KVBlock] = deque(self.blocks)
+        self.blocks = [KVBlock(i, freed_at=i) for i in range(num_blocks)]
+        # Unreferenced blocks, least recently freed first from `_head` on: the front is evicted
+        # first. vLLM's FreeKVCacheBlockQueue unlinks a block reused from the cache; here its
+        # entry stays and is skipped as stale when it reaches the front (a block's latest entry
+        # is its place), so a request's long cached prefix costs no queue operation to take or
+        # give back. `_compact` drops the stale entries now and then.
+        self._order: list[KVBlock] = list(self.blocks)
+        self._head = 0
         self._num_free = num_blocks
         self.removal_per_event = removal_per_event
         """One BlockRemoved per evicted block, as vLLM announces them; False announces an
@@ -266,15 +272,15 @@ class BlockPool:
         if n == 0:
             return []
         self._num_free -= n
-        popleft = self._free.popleft
+        order, at = self._order, self._head
         cached, copies = self._cached, self._copies
         evicted: list[BlockHash] = []
         out: list[KVBlock] = []
         while len(out) < n:
-            b = popleft()
-            b.queued -= 1
-            if b.queued or b.ref_cnt:
-                continue  # stale: queued again later, or taken back from the cache
+            b = order[at]
+            at += 1
+            if b.freed_at != at - 1 or b.ref_cnt:
+                continue  # stale: freed again later, or taken back from the cache
             out.append(b)
             block_hash = b.block_hash
             if block_hash is not None:
@@ -285,6 +291,7 @@ class BlockPool:
                 evicted.append(block_hash)
                 b.block_hash = None
             b.ref_cnt = 1
+        self._head = at
         if evicted:
             # In eviction order; one event per block as vLLM announces them, unless merged.
             self._log_removals(evicted)
@@ -297,31 +304,30 @@ class BlockPool:
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop a request's references; tail blocks are queued first so they are evicted first."""
         self.ref_changes += 1
-        append = self._free.append
-        freed = 0
+        order = self._order
+        append = order.append
+        at = start = len(order)
         for b in reversed(blocks):
             r = b.ref_cnt - 1
             b.ref_cnt = r
             if not r:
-                b.queued += 1
+                b.freed_at = at
+                at += 1
                 append(b)
-                freed += 1
-        self._num_free += freed
-        if len(self._free) > 2 * len(self.blocks) + 1024:
+        self._num_free += at - start
+        if at > 8 * len(self.blocks) + _ORDER_SLACK:
             self._compact()
 
     def _compact(self) -> None:
-        """Drop the free queue's stale entries (each block's latest entry is its place)."""
-        live: list[KVBlock] = []
-        for b in reversed(self._free):
-            if b.queued:
-                if not b.ref_cnt:
-                    live.append(b)
-                b.queued = 0
-        for b in live:
-            b.queued = 1
-        live.reverse()
-        self._free = deque(live)
+        """Drop the free order's consumed and stale entries, renumbering the live ones."""
+        order, head = self._order, self._head
+        rest = order[head:]
+        fresh = compress(rest, map(eq, map(_FREED_AT, rest), count(head)))
+        live = list(filterfalse(_REF_CNT, fresh))
+        for i, b in enumerate(live):
+            b.freed_at = i
+        self._order = live
+        self._head = 0
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (another copy may already be cached)."""
