@@ -106,8 +106,8 @@ def _bits(mask: int) -> Iterable[int]:
 _HAS_BIT = tuple(bytes((v >> bit) & 1 for v in range(256)) for bit in range(8))
 _BYTE_ENGINES = 0xFF
 """Engines whose bits fit in a byte: the masks of a walk restricted to them are bytes."""
-_IS_ZERO = bytes(int(v == 0) for v in range(256))
-"""Byte table: 1 where a mask byte is 0 (for `compress` over the keys an engine lacks)."""
+_LACKS_BIT = tuple(bytes(1 - ((v >> bit) & 1) for v in range(256)) for bit in range(8))
+"""Per engine bit below 8: 1 where a mask byte lacks it (to `compress` the keys it lacks)."""
 _MISSING = object()
 
 
@@ -174,6 +174,10 @@ class InMemoryIndex:
             bit = self._free_bits.pop() if self._free_bits else len(self._engine_bit)
             self._engine_bit[engine] = bit
         return bit
+
+    def _narrow(self) -> bool:
+        """Whether every bit ever given out is below 8, so every mask fits in a byte."""
+        return len(self._engine_bit) + len(self._free_bits) <= 8
 
     @property
     def engines(self) -> list[str]:
@@ -272,10 +276,10 @@ class InMemoryIndex:
         runs = self._held_runs
         if runs is not None and runs[0] is keys and runs[1] == self._version:
             keys = keys[runs[2].get(bit, 0):]
-        if mask <= _BYTE_ENGINES:
+        if self._narrow():
             # The keys the engine lacks, picked at C speed (most of a routed prompt is held).
-            held = bytes(map(mask.__and__, map(gpu.get, keys, repeat(0))))
-            lacking: Iterable[BlockKey] = compress(keys, held.translate(_IS_ZERO))
+            held = bytes(map(gpu.get, keys, repeat(0)))
+            lacking: Iterable[BlockKey] = compress(keys, held.translate(_LACKS_BIT[bit]))
         else:
             lacking = [k for k in keys if not gpu.get(k, 0) & mask]
         for k in lacking:
@@ -324,7 +328,7 @@ class InMemoryIndex:
         spec_live = not any((alive >> bit) & 1 for bit in self._spec_unordered)
         if not lower and not specs and alive <= _BYTE_ENGINES:
             # Hot path: the held masks as bytes, searched per engine at C speed.
-            self._match_bytes(keys, alive, gpu, None, length, length)
+            self._match_bytes(keys, alive, self._narrow(), gpu, None, length, length)
             confirmed_len = length
         elif not lower and not specs:
             # One dict lookup and two int operations per block.
@@ -344,7 +348,8 @@ class InMemoryIndex:
                 length[bit] = n
             confirmed_len = length
         elif not lower and alive <= _BYTE_ENGINES and spec_live:
-            self._match_bytes(keys, alive, gpu, self._spec_mask, length, confirmed_len)
+            self._match_bytes(keys, alive, self._narrow(), gpu, self._spec_mask, length,
+                              confirmed_len)
         else:
             self._match_general(keys, now, alive, gpu, lower, length, confirmed_len, penalty)
         if not lower:
@@ -363,7 +368,7 @@ class InMemoryIndex:
 
     @staticmethod
     def _match_bytes(
-        keys: Sequence[BlockKey], alive: int, gpu: dict[BlockKey, int],
+        keys: Sequence[BlockKey], alive: int, narrow: bool, gpu: dict[BlockKey, int],
         spec_mask: dict[BlockKey, int] | None, length: dict[int, int],
         confirmed_len: dict[int, int],
     ) -> None:
@@ -371,13 +376,17 @@ class InMemoryIndex:
         engines' bits fit in a byte: masks of growing chunks of keys as bytes, searched per
         engine at C speed (a long prompt's unconfirmed tail made the per-block walk slow).
         Without `spec_mask` (no speculative entries) `length` and `confirmed_len` may be the
-        same dict."""
+        same dict. `narrow`: every mask fits in a byte as it is (else masked to `alive`);
+        `_first_lacking` reads only the bits it is asked about."""
         n = len(keys)
         start, chunk = 0, 64
         confirmed = alive
         while alive and start < n:
             part = keys[start : start + chunk]
-            held = bytes(map(alive.__and__, map(gpu.get, part, repeat(0))))
+            if narrow:
+                held = bytes(map(gpu.get, part, repeat(0)))
+            else:
+                held = bytes(map(alive.__and__, map(gpu.get, part, repeat(0))))
             if spec_mask is None:
                 alive = confirmed = _first_lacking(held, alive, start, length)
             else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvindex.events import (
     AllBlocksCleared,
@@ -362,7 +363,7 @@ class EventIngestor:
                 # An engine that hashes blocks as the index keys them (the virtual driver's):
                 # keep its int objects, which are the keyer's, so the index's dict lookups of a
                 # prompt's keys find their own objects (no value comparison).
-                added = list(ev.block_hashes)
+                added = cast("list[BlockKey]", list(ev.block_hashes))
             compact = per == 1 and ev.lora_name is None and tier == DEFAULT_TIER
             if compact and self._remember_new(state, ev.block_hashes, added):
                 ops.append(AddKeys(engine, tuple(added), tier))

@@ -477,13 +477,21 @@ class PromptKeyer:
         For callers that know how a prompt is built (the benchmark, workflows): equal names must
         mean equal ids. Shares the cache with nothing else; `text` is "".
         """
+        return self.named([k for k, _ in pieces], [ids for _, ids in pieces], extras)
+
+    def named(
+        self, names: Sequence[str], ids: Sequence[Sequence[int]], extras: KeyExtras = NO_EXTRAS
+    ) -> PromptKeys:
+        """`pieces` given as parallel sequences of names and ids."""
+        if len(names) != len(ids):
+            raise ValueError(f"{len(names)} names for {len(ids)} pieces")
+
         def encode(rest: Sequence[str]) -> list[list[int]]:
             # The segments not cached are the last pieces.
-            return [list(ids) for _, ids in pieces[len(pieces) - len(rest) :]]
+            return [list(piece) for piece in ids[len(ids) - len(rest) :]]
 
-        ids, keys = self._walk(("pieces", False, False, extras), (), [k for k, _ in pieces],
-                               encode)
-        return PromptKeys(ids, keys, "")
+        whole_ids, keys = self._walk(("pieces", False, False, extras), (), names, encode)
+        return PromptKeys(whole_ids, keys, "")
 
     def _walk(
         self,
@@ -511,6 +519,7 @@ class PromptKeyer:
                         and segments[depth - 1] == kept.segment
                         and segments[:depth] == prefix.segments):
                     start, known = prefix, depth
+            jumped = known
             if known:
                 path = list(start.path)
                 node = path[-1]
@@ -547,9 +556,9 @@ class PromptKeyer:
                 self._used += child.cost
                 path.append(child)
                 node = child
-            # Leaf first, so a node is always more recent than its descendants and the least
-            # recently used node is a leaf.
-            deque(map(self._lru.move_to_end, reversed(path)), maxlen=0)
+            # Leaf first, so a walked node is more recent than its descendants. The nodes
+            # above a jump keep their place: they have children, which `_evict` never drops.
+            deque(map(self._lru.move_to_end, reversed(path[max(jumped - 1, 0):])), maxlen=0)
             ids = head + tuple(tail) if tail else head
             whole = (ids, base + tuple(more) if more else base)
             if path:
@@ -596,10 +605,15 @@ class PromptKeyer:
         return root
 
     def _evict(self) -> None:
+        """Drop least recently used leaves until the cache fits (a node with children is
+        only refreshed: its descendants go first)."""
         while self._used > self.cache_bytes and self._lru:
             victim, _ = self._lru.popitem(last=False)
+            if victim.children:
+                self._lru[victim] = None
+                continue
             parent = victim.parent
-            assert parent is not None and not victim.children
+            assert parent is not None
             del parent.children[victim.segment]
             self._used -= victim.cost
             if victim.whole is not None:

@@ -187,6 +187,7 @@ def _merged_removals(events: list[KVEvent]) -> list[KVEvent]:
 
 _REMOVED_HASHES = attrgetter("block_hashes")
 _PIECE_IDS = attrgetter("ids")
+_PIECE_KEY = attrgetter("key")
 
 
 @dataclass
@@ -439,6 +440,12 @@ class PromptBuilder:
             parts.append((kind, len(p.ids)))
         return tag_parts(parts, block_size)
 
+    def prompt_tokens(self, wf: BenchWorkflow, task: BenchTask) -> int:
+        """Tokens in the task's prompt (the sum of `shape`'s prompt counts)."""
+        if task.blocks:
+            return sum(map(len, map(_PIECE_IDS, task.blocks)))
+        return sum(n for _, n in self.shape(wf, task)[0])
+
     def shape(self, wf: BenchWorkflow, task: BenchTask) -> tuple[list[tuple[str, int]],
                                                                  list[tuple[str, int]]]:
         """(prompt, prompt continued by the output) as named token counts, for the bound."""
@@ -650,7 +657,7 @@ class VirtualRun:
         run = DagRun(wf.id, [DagNode(t.id, t.after, t.think_time_s) for t in wf.tasks])
         if self.planner.wants_workflows:
             self.planner.on_event(WorkflowSubmitted(wf.id, tuple(
-                TaskSpec(t.id, tuple(t.after), sum(n for _, n in self.builder.shape(wf, t)[0]),
+                TaskSpec(t.id, tuple(t.after), self.builder.prompt_tokens(wf, t),
                          t.output_tokens, t.think_time_s, static_segment(t, wf.tenant))
                 for t in wf.tasks)), self.now)
         self._runs[wf.id] = run
@@ -666,7 +673,8 @@ class VirtualRun:
         self.records.append(record)
         pieces = self.builder.pieces(wf, task)
         extras = KeyExtras(cache_salt=wf.tenant)
-        keys = self.builder.keyer.pieces([(p.key, p.ids) for p in pieces], extras)
+        keys = self.builder.keyer.named(list(map(_PIECE_KEY, pieces)),
+                                        list(map(_PIECE_IDS, pieces)), extras)
         record.prompt_tokens = keys.num_tokens
         if keys.num_tokens + task.output_tokens > self.config.max_model_len:
             record.failed = (f"prompt of {keys.num_tokens} tokens plus {task.output_tokens} "
