@@ -519,7 +519,6 @@ class PromptKeyer:
                         and segments[depth - 1] == kept.segment
                         and segments[:depth] == prefix.segments):
                     start, known = prefix, depth
-            jumped = known
             if known:
                 path = list(start.path)
                 node = path[-1]
@@ -556,9 +555,9 @@ class PromptKeyer:
                 self._used += child.cost
                 path.append(child)
                 node = child
-            # Leaf first, so a walked node is more recent than its descendants. The nodes
-            # above a jump keep their place: they have children, which `_evict` never drops.
-            deque(map(self._lru.move_to_end, reversed(path[max(jumped - 1, 0):])), maxlen=0)
+            # Leaf first, so a node is always more recent than its descendants and the least
+            # recently used node is a leaf.
+            deque(map(self._lru.move_to_end, reversed(path)), maxlen=0)
             ids = head + tuple(tail) if tail else head
             whole = (ids, base + tuple(more) if more else base)
             if path:
@@ -605,15 +604,10 @@ class PromptKeyer:
         return root
 
     def _evict(self) -> None:
-        """Drop least recently used leaves until the cache fits (a node with children is
-        only refreshed: its descendants go first)."""
         while self._used > self.cache_bytes and self._lru:
             victim, _ = self._lru.popitem(last=False)
-            if victim.children:
-                self._lru[victim] = None
-                continue
             parent = victim.parent
-            assert parent is not None
+            assert parent is not None and not victim.children
             del parent.children[victim.segment]
             self._used -= victim.cost
             if victim.whole is not None:
