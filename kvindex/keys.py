@@ -374,6 +374,11 @@ one (a conversation's next turn, which replaces the last segment, the generation
 partial block, and adds more) copies that state rather than gathering thousands of nodes'."""
 
 
+_JUMP_MIN_SEGMENTS = 48
+"""Prompts of fewer segments are walked from the root without looking for a recent prompt they
+extend (the look costs about as much as walking this many nodes)."""
+
+
 class PromptKeyer:
     """Token ids and block keys of chat and completion prompts, caching repeated prefixes.
 
@@ -511,7 +516,8 @@ class PromptKeyer:
             known = 0
             # Jump to the deepest recent prompt that `segments` extend (a conversation's next
             # turn): its path is known, so only the segments after it are walked node by node.
-            for kept in self._wholes:
+            # A short prompt's walk costs less than looking.
+            for kept in self._wholes if len(segments) >= _JUMP_MIN_SEGMENTS else ():
                 prefix = kept.whole
                 assert prefix is not None
                 depth = len(prefix.path)

@@ -523,16 +523,34 @@ def test_conversation_turns_as_pieces_get_the_whole_prompts_ids_and_keys(
 ) -> None:
     """Each turn drops some of the previous prompt's last pieces and adds new ones (of any
     length, so blocks straddle pieces): the keyer's copy of the earlier state must still give
-    the ids and keys of the whole prompt."""
+    the ids and keys of the whole prompt, also when it jumps to a recent prompt the new one
+    extends (short prompts too, here)."""
+    jump, keys_module._JUMP_MIN_SEGMENTS = keys_module._JUMP_MIN_SEGMENTS, 1
+    try:
+        _check_turns(tok, turns)
+    finally:
+        keys_module._JUMP_MIN_SEGMENTS = jump
+
+
+def _check_turns(tok: Tokenizer, turns: list[tuple[int, list[int]]]) -> None:
     keyer = PromptKeyer(tok, 16)
     pieces: list[tuple[str, list[int]]] = []
     made = itertools.count()
+    seen: list[list[tuple[str, list[int]]]] = []
     for drop, lengths in turns:
         del pieces[max(0, len(pieces) - drop):]
         for n in lengths:
             i = next(made)
             pieces.append((f"p{i}", [1000 * i + t for t in range(n)]))
+        seen.append(list(pieces))
         got = keyer.pieces(pieces)
         ids = [t for _, piece in pieces for t in piece]
+        assert list(got.token_ids) == ids
+        assert list(got.keys) == chain_keys(ids, 16)
+    # Back to every earlier branch (the tree the turns built must still be right), and each
+    # prompt's first piece followed by its last (which only a wrongly attached node matches).
+    for prompt in [*seen, *reversed(seen), *([p[0], p[-1]] for p in seen if len(p) > 2)]:
+        got = keyer.pieces(prompt)
+        ids = [t for _, piece in prompt for t in piece]
         assert list(got.token_ids) == ids
         assert list(got.keys) == chain_keys(ids, 16)
