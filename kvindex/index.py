@@ -352,7 +352,7 @@ class InMemoryIndex:
                               confirmed_len)
         else:
             self._match_general(keys, now, alive, gpu, lower, length, confirmed_len, penalty)
-        if not lower:
+        if not lower and isinstance(keys, tuple):  # immutable, so identity means same keys
             self._held_runs = (keys, self._version, confirmed_len)
         out: dict[str, EngineMatch] = {}
         for engine, bit in wanted.items():

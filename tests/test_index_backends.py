@@ -203,6 +203,23 @@ async def test_speculation_skips_keys_already_confirmed_in_gpu(index: KVIndexBac
     assert await index.match([1, 2], now()) == {}
 
 
+@pytest.mark.parametrize("removed_between", [False, True])
+def test_a_dispatch_right_after_its_match_speculates_exactly_what_is_not_held(
+    removed_between: bool,
+) -> None:
+    """The in-memory index reuses a match's confirmed run for the speculative add of the same
+    prompt only while no confirmed entry changed; a removal in between is seen."""
+    index = InMemoryIndex()
+    index.add_sync("a", [1, 2, 3, 4])
+    prompt = (1, 2, 3, 4, 5, 6)
+    assert index.match_sync(prompt, now())["a"].confirmed_blocks == 4
+    if removed_between:
+        index.remove_sync("a", [3, 4])
+    index.add_speculative_sync("a", prompt, now(), LONG_TTL)
+    assert index.stats_sync().speculative_entries == (4 if removed_between else 2)
+    assert index.match_sync(prompt, now())["a"].blocks == 6
+
+
 async def test_a_shorter_speculation_expires_even_after_a_longer_one(
     index: KVIndexBackend,
 ) -> None:
@@ -343,6 +360,18 @@ class BackendsAgree(RuleBasedStateMachine):
     @rule(entry=added)
     def speculate_on_added(self, entry: tuple[str, list[int], str]) -> None:
         self._both("add_speculative", entry[0], entry[1], now(), LONG_TTL)
+
+    @rule(engine=_engines, keys=_key_list(), gone=_key_list(), between=st.booleans())
+    def match_then_speculate(self, engine: str, keys: list[int], gone: list[int],
+                             between: bool) -> None:
+        """A dispatch: the prompt's keys (one tuple) matched, then speculated on the chosen
+        engine, with or without confirmed entries removed in between (the in-memory index
+        reuses the match's confirmed runs only while nothing changed)."""
+        prompt = tuple(keys)
+        self._both("match", prompt, now())
+        if between:
+            self._both("remove", engine, gone, "GPU")
+        self._both("add_speculative", engine, prompt, now(), LONG_TTL)
 
     @rule(engine=_engines)
     def clear(self, engine: str) -> None:
