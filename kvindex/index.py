@@ -109,6 +109,7 @@ _BYTE_ENGINES = 0xFF
 _LACKS_BIT = tuple(bytes(1 - ((v >> bit) & 1) for v in range(256)) for bit in range(8))
 """Per engine bit below 8: 1 where a mask byte lacks it (to `compress` the keys it lacks)."""
 _MISSING = object()
+"""What `dict.pop` gives back for a key it did not hold (any float expiry is a real entry)."""
 
 
 def _first_lacking(

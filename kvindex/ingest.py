@@ -358,12 +358,13 @@ class EventIngestor:
             extras = KeyExtras(lora_name=ev.lora_name, cache_salt=salt)
             added = chain_keys(ev.token_ids, B, extras, parent=tail, first_block_index=blocks)
             per = bs // B
-            if per == 1 and added and added[0] == ev.block_hashes[0] and added == list(
-                    ev.block_hashes):
+            if per == 1 and added and added[0] == ev.block_hashes[0]:
                 # An engine that hashes blocks as the index keys them (the virtual driver's):
                 # keep its int objects, which are the keyer's, so the index's dict lookups of a
                 # prompt's keys find their own objects (no value comparison).
-                added = cast("list[BlockKey]", list(ev.block_hashes))
+                hashes = cast("list[BlockKey]", list(ev.block_hashes))
+                if hashes == added:
+                    added = hashes
             compact = per == 1 and ev.lora_name is None and tier == DEFAULT_TIER
             if compact and self._remember_new(state, ev.block_hashes, added):
                 ops.append(AddKeys(engine, tuple(added), tier))
