@@ -113,12 +113,31 @@ class GatewayMetrics:
         """Static segments seen lately, for `kvgate_static_segment_*` (refreshed per scrape)."""
         r.register(self.segments)
 
-    def dispatched(self, dispatch: Dispatch, block_keys: Sequence[BlockKey], now: float) -> None:
-        """Count a placement by its reason, and the static segment its prompt starts with."""
+    def dispatched(self, dispatch: Dispatch, prompt_tokens: int, block_keys: Sequence[BlockKey],
+                   now: float) -> None:
+        """Count a call sent to its engine: in flight there, routed, its prompt and cached
+        tokens, its placement's reason, and the static segment its prompt starts with."""
+        engine = dispatch.engine
+        self.in_flight.labels(engine).inc()
+        self.routed.labels(engine).inc()
+        self.routed_prompt_tokens.labels(engine).inc(prompt_tokens)
+        self.routed_cached_tokens.labels(engine).inc(dispatch.cached_tokens)
         self.placements.labels(dispatch.reason).inc()
         ranges = dispatch.segments.ranges
         if ranges and ranges[0].kind == "static" and 0 < ranges[0].end <= len(block_keys):
             self.segments.observe(tuple(block_keys[:ranges[0].end]), now)
+
+    def finished(self, engine: str) -> None:
+        """A call at `engine` is over."""
+        self.in_flight.labels(engine).dec()
+
+    def answered(self, route: str, status: int) -> None:
+        """A call on `route` was answered with `status`."""
+        self.requests.labels(route, str(status)).inc()
+
+    def observe(self, histogram: Histogram, route: str, seconds: float) -> None:
+        """`seconds` into `histogram`'s series for `route`."""
+        histogram.labels(route).observe(seconds)
 
 
 class IngestCollector(Collector):

@@ -34,7 +34,7 @@ from gateway.errors import (
     NoHealthyEngine,
 )
 from gateway.state import GatewayState
-from gateway.tracing import NO_CALL, CallTrace, EngineCallTrace, NoCall, usage_of
+from gateway.tracing import NO_CALL, CallTrace, EngineCallTrace, NoCall
 from gateway.upstream import (
     UpstreamConnectError,
     UpstreamError,
@@ -225,7 +225,7 @@ class Proxy:
                 state.mover.remember(request_id, model, keys.token_ids,
                                      (hints.workflow, hints.task or request_id)
                                      if hints.workflow is not None else None)
-        state.metrics.lookup_time.observe(time.perf_counter() - t0)
+        state.later(state.metrics.lookup_time.observe, time.perf_counter() - t0)
         return RouteRequest(
             request_id=request_id,
             model=model,
@@ -276,7 +276,9 @@ class Proxy:
             state.mover.forget(route_req.request_id)
             self._released_ns.pop(route_req.request_id, None)
             self._answered.pop(route_req.request_id, None)
-            trace.end(status, error)
+            if trace.enabled:
+                state.tracing.forget_call(route_req.request_id)
+                state.later(trace.end, status, error, time.time_ns())
 
     async def _handle(self, request: web.Request, route: str, raw: bytes, body: dict[str, Any],
                       hints: RequestHints, route_req: RouteRequest, arrived: float,
@@ -354,7 +356,7 @@ class Proxy:
                             state.now())
         self._pump()
         d = placed.result() if placed.done() else await self._wait_held(route_req, placed)
-        state.metrics.planner_wait.observe(time.monotonic() - admitted)
+        state.later(state.metrics.planner_wait.observe, time.monotonic() - admitted)
         return d
 
     async def _wait_held(self, route_req: RouteRequest, placed: asyncio.Future[Dispatch]
@@ -387,7 +389,7 @@ class Proxy:
         t0 = time.perf_counter()
         released_ns = time.time_ns()
         actions = state.planner.release(state.now())
-        state.metrics.routing_time.observe(time.perf_counter() - t0)
+        state.later(state.metrics.routing_time.observe, time.perf_counter() - t0)
         released = (released_ns, time.time_ns()) if state.tracing.enabled else None
         for action in actions:
             if isinstance(action, Transfer | Warm):
@@ -403,13 +405,8 @@ class Proxy:
                 continue
             if released is not None:
                 self._released_ns[action.request_id] = released
-            engine = action.engine
-            m = state.metrics
-            m.in_flight.labels(engine).inc()
-            m.routed.labels(engine).inc()
-            m.routed_prompt_tokens.labels(engine).inc(route_req.prompt_tokens)
-            m.routed_cached_tokens.labels(engine).inc(action.cached_tokens)
-            m.dispatched(action, route_req.block_keys, state.now())
+            state.later(state.metrics.dispatched, action, route_req.prompt_tokens,
+                        route_req.block_keys, state.now())
             placed.set_result(action)
         wake = state.planner.next_wakeup()
         if wake is not None and self._timer is None:
@@ -457,14 +454,14 @@ class Proxy:
         """The request ended at its engine: undo the dispatch accounting and tell the planner
         (with the streamed token count)."""
         state = self.state
-        state.metrics.in_flight.labels(flight.dispatch.engine).dec()
+        state.later(state.metrics.finished, flight.dispatch.engine)
         state.notify(Finished(flight.route.request_id, flight.streamed_tokens, error))
         if flight.recorder is not None and flight.status != RETRYING:
             flight.recorder.finished(flight, error)
         if flight.trace is not None:
-            flight.trace.end(max(flight.status, 0), flight.streamed_tokens or None,
-                             "the engine was unreachable; the call is sent elsewhere"
-                             if flight.status == RETRYING else error, usage_of(flight.answer))
+            state.later(flight.trace.end, max(flight.status, 0), flight.streamed_tokens or None,
+                        "the engine was unreachable; the call is sent elsewhere"
+                        if flight.status == RETRYING else error, flight.answer, time.time_ns())
 
     # -- forwarding -----------------------------------------------------------------------------
 
@@ -517,7 +514,7 @@ class Proxy:
         finally:
             self._finished(flight, None if 200 <= flight.status < 300 else
                            f"the call did not complete (engine status {flight.status or 'none'})")
-            metrics.duration.labels(route).observe(time.monotonic() - arrived)
+            state.later(metrics.observe, metrics.duration, route, time.monotonic() - arrived)
 
     async def _relay(
         self,
@@ -527,9 +524,10 @@ class Proxy:
         upstream: UpstreamResponse,
         arrived: float,
     ) -> web.StreamResponse:
+        later = self.state.later
         metrics = self.state.metrics
         engine = flight.dispatch.engine
-        metrics.time_to_first_byte.labels(route).observe(time.monotonic() - arrived)
+        later(metrics.observe, metrics.time_to_first_byte, route, time.monotonic() - arrived)
         out_headers = forward_headers(upstream.headers)
         out_headers[ENGINE_HEADER] = engine
         if flight.recorder is not None:
@@ -558,7 +556,7 @@ class Proxy:
             except ConnectionResetError:
                 self._client_gone(route, engine, "before the answer was written")
                 return answer
-            metrics.requests.labels(route, str(upstream.status)).inc()
+            later(metrics.answered, route, upstream.status)
             return answer
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
         # SSE is forwarded in whole events only, so an error event can follow cleanly if the
@@ -609,7 +607,7 @@ class Proxy:
             # the cancellation goes on.
             self._hung_up(route, engine, flight)
             raise
-        metrics.requests.labels(route, str(upstream.status)).inc()
+        later(metrics.answered, route, upstream.status)
         flight.status = upstream.status
         return resp
 

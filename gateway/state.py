@@ -11,6 +11,7 @@ import aiohttp
 
 from gateway.config import EngineEntry, GatewayConfig
 from gateway.kv_events import EventSource, KVEventListener
+from gateway.later import Later
 from gateway.metrics import EngineCollector, EngineFigures, GatewayMetrics
 from gateway.moves import KvMover
 from gateway.pool import EnginePool
@@ -57,8 +58,12 @@ class GatewayState:
             link=config.kv_transfer.transfer_link(),
         )
         self.metrics = GatewayMetrics()
+        self.later = Later()
+        """Bookkeeping the answers do not wait for: spans and Prometheus figures of calls
+        (gateway/later.py); flushed before anything reads them."""
         self.tracing = Tracing(config.tracing)
         """Spans of calls, KV moves and workflows, and their exporters (gateway/tracing.py)."""
+        self.tracing.before_read = self.later.flush
         self.tokenizer = Tokenizer.load(config.tokenizer)
         self.keyer = PromptKeyer(self.tokenizer, config.index.block_size)
         self.index: KVIndexBackend = make_index(config)
@@ -100,7 +105,7 @@ class GatewayState:
             connector=connector, auto_decompress=False, skip_auto_headers={"Accept-Encoding"},
             timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s),
         )
-        self.upstream = Upstream(c.connect_timeout_s)
+        self.upstream = Upstream(c.connect_timeout_s, self.later.flush)
         self.pool = EnginePool(c.engines, self.session, scrape_interval(self.policy,
                                                                         c.scrape_interval_s),
                                c.health_interval_s, self.notify,
@@ -110,6 +115,7 @@ class GatewayState:
 
     async def stop(self) -> None:
         """Stop background work and close connections."""
+        self.later.flush()
         await self.mover.stop()
         if self.pool is not None:
             await self.pool.stop()

@@ -34,7 +34,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
 from urllib.parse import urlparse
@@ -289,10 +289,11 @@ class EngineCallTrace:
             self.first_token_ns = time.time_ns()
 
     def end(self, status: int, output_tokens: int | None, error: str | None,
-            usage: Mapping[str, Any] | None = None) -> None:
-        """The attempt is over: `status` is the engine's HTTP status (0: none), `usage` the
-        answer's when it came whole."""
-        now = time.time_ns()
+            answer: bytes | None = None, end_ns: int | None = None) -> None:
+        """The attempt is over (at `end_ns`, default now): `status` is the engine's HTTP status
+        (0: none), `answer` the answer's body when it came whole (its `usage` is read)."""
+        now = end_ns if end_ns is not None else time.time_ns()
+        usage = usage_of(answer)
         if usage is not None:
             self.call.usage = usage
         elif output_tokens is not None:
@@ -362,9 +363,10 @@ class CallTrace:
                              "server.port": parsed.port or 0})
         return EngineCallTrace(self.tracing, span, self)
 
-    def end(self, status: int, error: str | None = None) -> None:
-        """The call is over with `status` (the client's answer; 0: none)."""
-        self.tracing.forget_call(self.request_id)
+    def end(self, status: int, error: str | None = None, end_ns: int | None = None) -> None:
+        """The call is over (at `end_ns`, default now) with `status` (the client's answer; 0:
+        none). The caller forgets the call in `Tracing.forget_call` when it ends (this may run
+        later: `gateway/later.py`)."""
         self._emit_stages()
         span = self.span
         usage = self.usage
@@ -381,7 +383,7 @@ class CallTrace:
         failed = error is not None or status >= 400
         if failed:
             span.set_status(otel.Status(otel.StatusCode.ERROR, error or f"HTTP {status}"))
-        now = time.time_ns()
+        now = end_ns if end_ns is not None else time.time_ns()
         span.end(now)
         if self.task_span is not None:
             if failed:
@@ -405,7 +407,7 @@ class NoCall:
         """No span: the client's own `traceparent` goes to the engine untouched."""
         return None
 
-    def end(self, status: int, error: str | None = None) -> None:
+    def end(self, status: int, error: str | None = None, end_ns: int | None = None) -> None:
         """Nothing to record."""
 
 
@@ -487,6 +489,8 @@ class Tracing:
         """Calls in flight by request id: their span's context (KV moves hang under it)."""
         self._workflows: dict[str, tuple[otel.Span, Context]] = {}
         self._tasks: dict[tuple[str, str], otel.Span] = {}
+        self.before_read: Callable[[], None] = lambda: None
+        """Runs before the kept traces are read (the gateway's deferred spans land first)."""
 
     @classmethod
     def off(cls) -> Tracing:
@@ -725,6 +729,7 @@ class Tracing:
         app.router.add_get("/v1/workflows/{id}/trace", self.handle_workflow_trace)
 
     def _kept(self) -> MemoryStore:
+        self.before_read()
         if self.store is None:
             raise TracesNotKept(
                 "this gateway keeps no traces: tracing.exporter is "

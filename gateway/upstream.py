@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -266,8 +266,12 @@ class UpstreamResponse:
 class Upstream:
     """Keep-alive connections to engines, by scheme, host and port."""
 
-    def __init__(self, connect_timeout_s: float | None) -> None:
+    def __init__(self, connect_timeout_s: float | None,
+                 while_waiting: Callable[[], None] | None = None) -> None:
+        """`while_waiting` runs each time a request has been written and its answer is awaited
+        (the gateway catches up on its bookkeeping then: `gateway/later.py`)."""
         self.connect_timeout_s = connect_timeout_s
+        self.while_waiting = while_waiting
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._bases: dict[str, tuple[str, str, int, bytes]] = {}
         self._ssl: ssl.SSLContext | None = None
@@ -291,7 +295,7 @@ class Upstream:
                 conn = await self._connect(scheme, host, port)
             conn.target = (self, key, read_timeout)
             try:
-                return await self._send(conn, request, read_timeout)
+                return await self._send(conn, request, read_timeout, self.while_waiting)
             except UpstreamConnectError:
                 if reused:
                     # A kept-alive connection the engine closed while idle: try a fresh one.
@@ -355,12 +359,14 @@ class Upstream:
         return conn
 
     @staticmethod
-    async def _send(conn: _Connection, request: bytes, read_timeout: float | None
-                    ) -> UpstreamResponse:
+    async def _send(conn: _Connection, request: bytes, read_timeout: float | None,
+                    while_waiting: Callable[[], None] | None) -> UpstreamResponse:
         assert conn.transport is not None
         head: asyncio.Future[UpstreamResponse] = asyncio.get_running_loop().create_future()
         conn.head = head
         conn.transport.write(request)
+        if while_waiting is not None:
+            while_waiting()
         try:
             async with asyncio.timeout(read_timeout):
                 return await head

@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from gateway.errors import EngineTimeout
+from gateway.later import Later
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import Proxy
 from gateway.tracing import Tracing
@@ -186,6 +187,7 @@ class _State:
         self.planner.on_event(EngineJoined("e", healthy=True, models=frozenset({"m"})), 0.0)
         self.metrics = GatewayMetrics()
         self.tracing = Tracing.off()
+        self.later = Later()
         self.pump: Callable[[], None] = lambda: None
 
     def now(self) -> float:

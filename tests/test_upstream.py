@@ -327,3 +327,22 @@ async def test_a_kept_alive_connection_the_engine_closed_is_replaced() -> None:
     assert served == 3
     server.close()
     await up.close()
+
+
+async def test_while_waiting_runs_once_per_request_after_it_is_written(
+        engine: tuple[Engine, str]) -> None:
+    """The gateway's deferred bookkeeping runs while the engine works: once per request, after
+    the request has gone out (the engine may already be answering it) and before its answer
+    is handed back."""
+    e, url = engine
+    seen: list[int] = []
+    up = Upstream(connect_timeout_s=5, while_waiting=lambda: seen.append(len(e.peers)))
+    for i in range(3):
+        resp = await up.post(url, "/echo", b"hi %d" % i, [], 5)
+        assert len(seen) == i + 1
+        assert await resp.read() == b"hi %d" % i
+        resp.release()
+    # The engine (served on this loop) has not run yet when the hook does: the first request's
+    # connection is new to it; the next ones reuse it.
+    assert seen == [0, 1, 1]
+    await up.close()
