@@ -51,7 +51,7 @@ bench-planner: $(VENV)/.dev
 	$(PY) -m kvgate.bench.tables $(R)/planner-*.json > $(R)/planner-tables.md
 
 .PHONY: bench-moves
-MOVE_POLICIES := kvgate,kvgate-no-prefetch,kvgate-no-replicate,kvgate-pulls,dynamo-like,sglang-like,llmd-p2p-like,llmd-like
+MOVE_POLICIES := kvgate,kvgate-no-prefetch,kvgate-no-replicate,kvgate-pulls,dynamo-like,sglang-like,llmd-p2p-like,llmd-p2p-affinity-like,llmd-like
 MOVES := $(VENV)/bin/kvgate bench --no-progress
 bench-moves: $(VENV)/.dev
 	@mkdir -p $(R)

@@ -28,7 +28,8 @@ from planner.policy import (
 )
 
 MODEL = "m"
-BASELINES = ["session", "sglang-like", "llmd-like", "llmd-approx-like", "dynamo-like"]
+BASELINES = ["session", "sglang-like", "llmd-like", "llmd-approx-like", "llmd-p2p-affinity-like",
+             "dynamo-like"]
 SYSTEM = "You are a meticulous assistant. Follow the tool schema exactly. " * 20
 
 
@@ -352,7 +353,7 @@ def test_llmd_approx_warm_requests_leave_the_no_hit_lru_alone() -> None:
     policy = LlmdApproximateScheduler()
     policy.on_dispatch(request("1", keys=range(4)), Placement("a"), 0.0)
     policy.on_dispatch(request("2", keys=range(4)), Placement("b"), 0.0)
-    assert list(policy.cold_lru) == ["a"]
+    assert list(policy.cold.order) == ["a"]
 
 
 def test_llmd_approx_pod_record_forgets_the_least_recently_routed_blocks() -> None:

@@ -163,19 +163,20 @@ def format_table(report: dict[str, Any]) -> str:
         how = f"concurrency {load['concurrency']}"
     else:
         how = "trace timestamps"
+    w = max([16, *(len(name) + 2 for name in report["results"])])
     lines = [
         f"{report['workload']} on {report['engines']} x {report['profile']} "
         f"({report['mode']}, {load['workflows']} workflows, {how}, seed {report['seed']})",
         f"lower bound: JCT mean {lb['jct_mean_s']:.3f} s, makespan {lb['makespan_s']:.2f} s",
         "",
-        f"{'policy':<16}{'JCT mean':>10}{'x bound':>8}{'JCT p99':>10}{'TTFT p50':>10}"
+        f"{'policy':<{w}}{'JCT mean':>10}{'x bound':>8}{'JCT p99':>10}{'TTFT p50':>10}"
         f"{'TTFT p90':>10}{'TTFT p99':>10}{'out tok/s':>11}{'hit %':>7}{'util %':>7}"
         f"{'failed':>7}",
     ]
     for name, r in report["results"].items():
         ratio = r["jct_mean_s"] / lb["jct_mean_s"] if lb["jct_mean_s"] > 0 else float("nan")
         lines.append(
-            f"{name:<16}{r['jct_mean_s']:>10.3f}{ratio:>8.2f}{r['jct_p99_s']:>10.3f}"
+            f"{name:<{w}}{r['jct_mean_s']:>10.3f}{ratio:>8.2f}{r['jct_p99_s']:>10.3f}"
             f"{r['ttft_p50_s']:>10.3f}{r['ttft_p90_s']:>10.3f}{r['ttft_p99_s']:>10.3f}"
             f"{r['output_tokens_per_s']:>11.0f}{100 * r['prefix_hit_ratio']:>7.1f}"
             f"{_pct(r.get('compute_utilisation')):>7}{r['failed']:>7}")
@@ -242,16 +243,18 @@ def format_goodput(report: dict[str, Any]) -> str:
     section = report["goodput"]
     slo = section["slo_jct_x_bound"]
     policies = {k: v for k, v in section.items() if isinstance(v, dict)}
+    w = max([20, *(len(name) + 2 for name in policies)])
     lines = [f"goodput: highest Poisson workflow rate with mean JCT <= {slo:g} x bound and no "
              "failed workflow",
-             f"{'policy':<20}{'workflows/s':>12}{'vs best rival':>15}{'x bound':>9}{'probes':>8}"]
+             f"{'policy':<{w}}{'workflows/s':>12}{'vs best rival':>15}{'x bound':>9}"
+             f"{'probes':>8}"]
     for name, g in sorted(policies.items(), key=lambda kv: -kv[1]["rate"]):
         best_other = max((policies[k]["rate"] for k in rivals(name, policies)), default=0.0)
         ratio = f"{g['rate'] / best_other:.2f}x" if best_other > 0 else "-"
         at = [p["x_bound"] for p in g["points"] if p["rate"] == g["rate"]]
         x = f"{at[0]:.2f}" if at else "-"
         rate = f"{g['rate']:.4g}" if g["rate"] > 0 else "none met"
-        lines.append(f"{name:<20}{rate:>12}{ratio:>15}{x:>9}{len(g['points']):>8}")
+        lines.append(f"{name:<{w}}{rate:>12}{ratio:>15}{x:>9}{len(g['points']):>8}")
     return "\n".join(lines + [note for name, g in policies.items()
                               if (note := _unbracketed(name, g, slo))])
 

@@ -54,6 +54,36 @@ class PodBlockLru:
                 self._keys.popitem(last=False)
 
 
+class ColdLru:
+    """The no-hit-lru scorer's state: pods that received cold requests (no pod had a prefix
+    hit), least recently first, at most `size`."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.order: OrderedDict[str, None] = OrderedDict()
+
+    def scores(self, eligible: Sequence[EngineView]) -> dict[str, float]:
+        """Cold-request spreading: never-used pods first, then least recently used."""
+        n = len(eligible)
+        if n == 1:
+            return {eligible[0].name: 1.0}
+        position = {name: i for i, name in enumerate(self.order)}
+        never_used = [e.name for e in eligible if e.name not in position]
+        scores = {name: 1.0 - i / (n - 1) for i, name in enumerate(never_used)}
+        for e in eligible:
+            if e.name in position:
+                rank = len(never_used) + position[e.name]
+                scores[e.name] = max(0.0, 1.0 - rank / (n - 1))
+        return scores
+
+    def touch(self, engine: str) -> None:
+        """A cold request went to `engine`: it becomes the most recently used."""
+        self.order[engine] = None
+        self.order.move_to_end(engine)
+        if len(self.order) > self.size:
+            self.order.popitem(last=False)
+
+
 @register("llmd-approx-like")
 class LlmdApproximateScheduler:
     """Weighted sum of approximate-prefix, queue, KV-utilisation and no-hit-LRU scores."""
@@ -88,7 +118,7 @@ class LlmdApproximateScheduler:
         self.lru_capacity_per_pod = lru_capacity_per_pod
         self.cold_lru_size = cold_lru_size
         self.pods: dict[str, PodBlockLru] = {}
-        self.cold_lru: OrderedDict[str, None] = OrderedDict()
+        self.cold = ColdLru(cold_lru_size)
         """Pods that received cold requests, least recently first."""
         self._rng = random.Random(ctx.seed)
 
@@ -113,17 +143,7 @@ class LlmdApproximateScheduler:
 
     def no_hit_lru_scores(self, eligible: Sequence[EngineView]) -> dict[str, float]:
         """Cold-request spreading: never-used pods first, then least recently used."""
-        n = len(eligible)
-        if n == 1:
-            return {eligible[0].name: 1.0}
-        position = {name: i for i, name in enumerate(self.cold_lru)}
-        never_used = [e.name for e in eligible if e.name not in position]
-        scores = {name: 1.0 - i / (n - 1) for i, name in enumerate(never_used)}
-        for e in eligible:
-            if e.name in position:
-                rank = len(never_used) + position[e.name]
-                scores[e.name] = max(0.0, 1.0 - rank / (n - 1))
-        return scores
+        return self.cold.scores(eligible)
 
     def scores(self, request: RouteRequest, engines: Sequence[EngineView]) -> dict[str, float]:
         """Total score per eligible engine, in pool order."""
@@ -154,10 +174,7 @@ class LlmdApproximateScheduler:
         engine = placement.engine
         hashes = self.prompt_hashes(request)
         if not self.prefix_matches(hashes):
-            self.cold_lru[engine] = None
-            self.cold_lru.move_to_end(engine)
-            if len(self.cold_lru) > self.cold_lru_size:
-                self.cold_lru.popitem(last=False)
+            self.cold.touch(engine)
         if hashes:
             pod = self.pods.get(engine)
             if pod is None:

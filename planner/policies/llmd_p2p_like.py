@@ -79,6 +79,26 @@ def cached_run_tokens(request: RouteRequest, engine: str) -> int:
     return run - run % LLMD_BLOCK_TOKENS
 
 
+def p2p_source(request: RouteRequest, engines: Sequence[EngineView]) -> tuple[str, int] | None:
+    """The p2p-source-producer's sampled pull source and its run in tokens: among the engines
+    within one block of the longest confirmed run, weighted 1/(1 + waiting), sampled at
+    `request_spread_fraction`; None when no engine holds a block."""
+    runs = [(e, cached_run_tokens(request, e.name)) for e in engines]
+    runs = [(e, run) for e, run in runs if run > 0]
+    if not runs:
+        return None
+    longest = max(run for _, run in runs)
+    band = [(e, run) for e, run in runs if run + LLMD_BLOCK_TOKENS >= longest]
+    weights = [1.0 / (1.0 + e.num_waiting) for e, _ in band]
+    target = request_spread_fraction(request.request_id) * sum(weights)
+    for (e, run), weight in zip(band, weights, strict=True):
+        if target < weight:
+            return e.name, run
+        target -= weight
+    last, run = band[-1]
+    return last.name, run
+
+
 @register("llmd-p2p-like")
 class LlmdP2PScheduler(StatelessPolicy):
     """Load-weighted random placement; pull the prefix from a near-best peer that leads by
@@ -119,22 +139,8 @@ class LlmdP2PScheduler(StatelessPolicy):
     def source(
         self, request: RouteRequest, engines: Sequence[EngineView]
     ) -> tuple[str, int] | None:
-        """The sampled pull source and its run in tokens: among the engines within one block of
-        the longest run, weighted 1/(1 + waiting); None when no engine holds a block."""
-        runs = [(e, cached_run_tokens(request, e.name)) for e in engines]
-        runs = [(e, run) for e, run in runs if run > 0]
-        if not runs:
-            return None
-        longest = max(run for _, run in runs)
-        band = [(e, run) for e, run in runs if run + LLMD_BLOCK_TOKENS >= longest]
-        weights = [1.0 / (1.0 + e.num_waiting) for e, _ in band]
-        target = request_spread_fraction(request.request_id) * sum(weights)
-        for (e, run), weight in zip(band, weights, strict=True):
-            if target < weight:
-                return e.name, run
-            target -= weight
-        last, run = band[-1]
-        return last.name, run
+        """The sampled pull source and its run in tokens (`p2p_source`)."""
+        return p2p_source(request, engines)
 
     def choose(self, request: RouteRequest, engines: Sequence[EngineView], now: float) -> Placement:
         """A load-weighted random engine, with a pull when the sampled source leads it by the
