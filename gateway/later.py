@@ -9,7 +9,9 @@ It runs, oldest first, at the first of:
 - `backstop_s` after the first item arrived, when no call goes out to run it sooner;
 - `max_pending` items waiting (bounded memory under load);
 - anything that reads what it produces: `/metrics`, the trace endpoints and shutdown flush it
-  first, so a reader never sees a call's answer without its counters and spans.
+  first, so a reader never sees a call's answer without its counters and spans; and so does
+  the end of a workflow's task or root span, so an exporter gets the calls before the spans
+  they sit under.
 
 Nothing here decides anything: the planner hears of every dispatch and finish at once (see
 `gateway/proxy.py`); only what an operator reads afterwards is deferred. A failing item is

@@ -63,7 +63,7 @@ class GatewayState:
         (gateway/later.py); flushed before anything reads them."""
         self.tracing = Tracing(config.tracing)
         """Spans of calls, KV moves and workflows, and their exporters (gateway/tracing.py)."""
-        self.tracing.before_read = self.later.flush
+        self.tracing.flush_pending = self.later.flush
         self.tokenizer = Tokenizer.load(config.tokenizer)
         self.keyer = PromptKeyer(self.tokenizer, config.index.block_size)
         self.index: KVIndexBackend = make_index(config)

@@ -489,8 +489,10 @@ class Tracing:
         """Calls in flight by request id: their span's context (KV moves hang under it)."""
         self._workflows: dict[str, tuple[otel.Span, Context]] = {}
         self._tasks: dict[tuple[str, str], otel.Span] = {}
-        self.before_read: Callable[[], None] = lambda: None
-        """Runs before the kept traces are read (the gateway's deferred spans land first)."""
+        self.flush_pending: Callable[[], None] = lambda: None
+        """Hands over the calls' deferred spans (`gateway/later.py`): run before the kept traces
+        are read and before a task or workflow span ends, so a reader or an exporter never sees
+        a parent without the calls under it."""
 
     @classmethod
     def off(cls) -> Tracing:
@@ -682,6 +684,7 @@ class Tracing:
                 attributes={"kvgate.workflow.id": workflow, "kvgate.task.id": task,
                             "kvgate.task.after": list(record.get("after") or ())})
         elif span is not None and state in ("done", "failed", "cancelled", "skipped"):
+            self.flush_pending()
             del self._tasks[key]
             span.set_attribute("kvgate.task.state", str(state))
             for field, attr in (("engine", "kvgate.engine"),
@@ -710,6 +713,7 @@ class Tracing:
         running = self._workflows.pop(workflow, None)
         if running is None:
             return
+        self.flush_pending()
         for key in [k for k in self._tasks if k[0] == workflow]:
             self._tasks.pop(key).end()
         span = running[0]
@@ -729,7 +733,7 @@ class Tracing:
         app.router.add_get("/v1/workflows/{id}/trace", self.handle_workflow_trace)
 
     def _kept(self) -> MemoryStore:
-        self.before_read()
+        self.flush_pending()
         if self.store is None:
             raise TracesNotKept(
                 "this gateway keeps no traces: tracing.exporter is "
