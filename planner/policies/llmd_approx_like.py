@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from kvindex.index import BlockKey
-from planner.policies.llmd_like import clamp, queue_scores
+from planner.policies.llmd_like import clamp, max_score_pick, queue_scores
 from planner.policy import EngineView, Placement, PolicyContext, RouteRequest, candidates, register
 
 
@@ -190,6 +190,4 @@ class LlmdApproximateScheduler:
         """Not used by the peer (its record ages only by LRU capacity)."""
 
     def _pick(self, totals: Mapping[str, float]) -> str:
-        best = max(totals.values())
-        tied = [name for name, total in totals.items() if total == best]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return max_score_pick(totals, self._rng)

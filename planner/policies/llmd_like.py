@@ -73,6 +73,14 @@ def precise_prefix_scores(request: RouteRequest, engines: Sequence[EngineView]) 
     return scores
 
 
+def max_score_pick(totals: Mapping[str, float], rng: random.Random) -> str:
+    """The max-score picker: the highest total; equal totals broken at random (upstream
+    shuffles, then stable-sorts)."""
+    best = max(totals.values())
+    tied = [name for name, total in totals.items() if total == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
 def queue_scores(engines: Sequence[EngineView]) -> dict[str, float]:
     """Shorter scraped waiting queue scores higher, scaled over the candidates' range."""
     queues = {e.name: e.num_waiting for e in engines}
@@ -121,6 +129,4 @@ class LlmdPreciseScheduler(StatelessPolicy):
         return self._pick(self.scores(request, engines))
 
     def _pick(self, totals: Mapping[str, float]) -> str:
-        best = max(totals.values())
-        tied = [name for name, total in totals.items() if total == best]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return max_score_pick(totals, self._rng)

@@ -30,7 +30,7 @@ main at ebab687 unchanged in these rules):
   clamped to [0, 1], weighted and summed; the highest total wins, ties at random
   (`picker/maxscore/picker.go` shuffles, then stable-sorts; here `random.Random(context.seed)`).
 - Pull (`requestcontrol/dataproducer/p2psource/producer.go`): the source is sampled as in
-  `llmd-p2p-like` (`p2p_source`) and pulled from when it is not the destination and leads it by
+  `llmd-p2p-like` (`p2p_placement`) and pulled from when it is not the destination and leads it by
   at least `minCachedTokenDelta`; the destination's run counts every tier, speculative entries
   included, unweighted (`CachedBlockCount`), in whole 64-token blocks.
 
@@ -48,17 +48,17 @@ from collections.abc import Mapping, Sequence
 
 from kvindex.index import EngineMatch
 from planner.policies.llmd_approx_like import ColdLru
-from planner.policies.llmd_like import LLMD_BLOCK_TOKENS, clamp, queue_scores
-from planner.policies.llmd_p2p_like import MIN_CACHED_TOKEN_DELTA, p2p_source
+from planner.policies.llmd_like import LLMD_BLOCK_TOKENS, clamp, max_score_pick, queue_scores
+from planner.policies.llmd_p2p_like import MIN_CACHED_TOKEN_DELTA, p2p_placement
 from planner.policy import (
     EngineView,
     Placement,
     PolicyContext,
     RouteRequest,
+    StatelessPolicy,
     candidates,
     register,
 )
-from planner.transfer import Pull
 
 
 def weighted_match_blocks(request: RouteRequest, match: EngineMatch | None) -> int:
@@ -81,7 +81,7 @@ def held_run_tokens(request: RouteRequest, engine: str) -> int:
 
 
 @register("llmd-p2p-affinity-like")
-class LlmdP2PAffinityScheduler:
+class LlmdP2PAffinityScheduler(StatelessPolicy):
     """Precise prefix 3 / queue 2 / kv-util 2 / no-hit-lru 2, highest wins; pull the prefix from
     a near-best peer that leads the chosen engine by `min_cached_token_delta` tokens."""
 
@@ -146,13 +146,8 @@ class LlmdP2PAffinityScheduler:
         engine = self._pick(self.scores(request, eligible))
         if not self.link.enabled:
             return Placement(engine)
-        source = p2p_source(request, eligible)
-        if source is None:
-            return Placement(engine)
-        name, run = source
-        if name == engine or run - held_run_tokens(request, engine) < self.min_cached_token_delta:
-            return Placement(engine)
-        return Placement(engine, pull=Pull(name, run))
+        return p2p_placement(request, eligible, engine, held_run_tokens(request, engine),
+                             self.min_cached_token_delta)
 
     def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """A cold request moves its engine to the front of the no-hit LRU (the scorer's
@@ -160,15 +155,5 @@ class LlmdP2PAffinityScheduler:
         if self._cold == (request.request_id, True):
             self.cold.touch(placement.engine)
 
-    def on_first_token(self, request_id: str, engine: str, now: float) -> None:
-        """Not used by the peer."""
-
-    def on_finish(
-        self, request_id: str, engine: str, now: float, output_tokens: int = 0
-    ) -> None:
-        """Not used by the peer."""
-
     def _pick(self, totals: Mapping[str, float]) -> str:
-        best = max(totals.values())
-        tied = [name for name, total in totals.items() if total == best]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return max_score_pick(totals, self._rng)

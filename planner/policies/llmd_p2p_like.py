@@ -99,6 +99,19 @@ def p2p_source(request: RouteRequest, engines: Sequence[EngineView]) -> tuple[st
     return last.name, run
 
 
+def p2p_placement(request: RouteRequest, eligible: Sequence[EngineView], engine: str,
+                  destination_run: int, min_cached_token_delta: int) -> Placement:
+    """`engine`, with a pull when the sampled source (`p2p_source`) is another engine whose run
+    leads the destination's (`destination_run` tokens) by `min_cached_token_delta`."""
+    source = p2p_source(request, eligible)
+    if source is None:
+        return Placement(engine)
+    name, run = source
+    if name == engine or run - destination_run < min_cached_token_delta:
+        return Placement(engine)
+    return Placement(engine, pull=Pull(name, run))
+
+
 @register("llmd-p2p-like")
 class LlmdP2PScheduler(StatelessPolicy):
     """Load-weighted random placement; pull the prefix from a near-best peer that leads by
@@ -149,14 +162,8 @@ class LlmdP2PScheduler(StatelessPolicy):
         engine = self._pick(self.scores(request, eligible))
         if not self.link.enabled:
             return Placement(engine)
-        source = self.source(request, eligible)
-        if source is None:
-            return Placement(engine)
-        name, run = source
-        lead = run - cached_run_tokens(request, engine)
-        if name == engine or lead < self.min_cached_token_delta:
-            return Placement(engine)
-        return Placement(engine, pull=Pull(name, run))
+        return p2p_placement(request, eligible, engine, cached_run_tokens(request, engine),
+                             self.min_cached_token_delta)
 
     def _pick(self, totals: Mapping[str, float]) -> str:
         names = list(totals)
