@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# The suite runs the engine model as Python unless asked otherwise (`KVGATE_NATIVE=on pytest`);
+# tests/test_native.py compiles it and compares. Set before anything imports `adapters.sim`,
+# and inherited by every subprocess the tests start.
+os.environ.setdefault("KVGATE_NATIVE", "off")
+
 import asyncio
 import threading
 from collections.abc import Callable, Iterator

@@ -18,7 +18,6 @@ from adapters.sim.model import (
     EngineModel,
     FinishReason,
     SimRequest,
-    StepOutput,
 )
 from planner.profiles import PROFILES, ScheduledChunk, get_profile
 
@@ -332,13 +331,6 @@ def test_a_waiting_request_loses_cached_blocks_evicted_while_it_waits() -> None:
     assert engine.stats.prefix_cache_hits == 48
 
 
-class _GeneralStepsOnly(EngineModel):
-    """The engine model without its plain-decode shortcut."""
-
-    def _plain_decode_step(self) -> None:
-        return None
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     prompts=st.lists(
@@ -358,8 +350,8 @@ def test_plain_decode_steps_equal_the_general_step(
                        max_num_seqs=4, max_model_len=2048, eos_token_id=EOS,
                        priority_scheduling=priority)
     engines = [EngineModel(cfg, PROFILE, sampler=lambda req: 100 + len(req.output_token_ids)),
-               _GeneralStepsOnly(cfg, PROFILE,
-                                 sampler=lambda req: 100 + len(req.output_token_ids))]
+               EngineModel(cfg, PROFILE, sampler=lambda req: 100 + len(req.output_token_ids))]
+    engines[1].plain_decode = False
     now = 0.0
     arrivals = list(enumerate(prompts))
     for _ in range(20000):
@@ -382,25 +374,18 @@ def test_plain_decode_steps_equal_the_general_step(
         now += general.duration
     assert engines[0].stats == engines[1].stats
     assert not engines[0].has_work() and not arrivals
+    assert engines[1].plain_steps == 0
 
 
 def test_a_lone_decoding_request_takes_the_plain_decode_step() -> None:
-    taken = []
-
-    class Counting(EngineModel):
-        def _plain_decode_step(self) -> StepOutput | None:
-            out = super()._plain_decode_step()
-            taken.append(out is not None)
-            return out
-
     cfg = EngineConfig(block_size=16, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=4,
                        max_model_len=2048, eos_token_id=EOS)
-    engine = Counting(cfg, PROFILE, sampler=lambda req: 100 + len(req.output_token_ids))
+    engine = EngineModel(cfg, PROFILE, sampler=lambda req: 100 + len(req.output_token_ids))
     engine.add_request(request("a", list(range(1000, 1040)), max_tokens=40))
     run_to_completion(engine)
     # 39 decode steps after the prefill's first token: the last finishes, and at each of the two
     # block boundaries (48 and 64 tokens) one step fills a block and the next allocates one.
-    assert taken.count(True) == 34
+    assert engine.plain_steps == 34
 
 
 def test_step_time_of_equals_the_expressions_it_caches() -> None:

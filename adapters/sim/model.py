@@ -577,6 +577,11 @@ class EngineModel:
         self.loading: dict[str, SimRequest] = {}
         self._pulls: list[KVPull] = []
         self.exports: dict[str, tuple[list[KVBlock], float]] = {}
+        self.plain_decode = True
+        """Take the plain-decode shortcut where it applies (`_plain_decode_step`: the general
+        step's result for less work); off only to check that it is the same."""
+        self.plain_steps = 0
+        """Steps the shortcut took."""
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -931,7 +936,7 @@ class EngineModel:
         """Schedule and run one engine step starting at `now`."""
         if self.exports:
             self.expire_exports(now)
-        elif not self.waiting:
+        elif not self.waiting and self.plain_decode:
             plain = self._plain_decode_step()
             if plain is not None:
                 return plain
@@ -1027,6 +1032,7 @@ class EngineModel:
         stats.steps += 1
         stats.busy_time += duration
         stats.flops += self.profile.step_flops(new_tokens, attended)
+        self.plain_steps += 1
         return StepOutput(duration, outputs, [], [], int(new_tokens), True)
 
     def _finish(self, req: SimRequest, reason: FinishReason, now: float) -> None:

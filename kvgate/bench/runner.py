@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import adapters.sim
 from kvgate.bench.bound import TaskShape, lower_bound
 from kvgate.bench.goodput import (
     DEFAULT_SLO,
@@ -267,7 +268,9 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
               f"{f['jct_mean_live_s']:.3f} s ({100 * f['jct_mean_diff']:+.1f}%); TTFT p50 "
               f"virtual {f['ttft_p50_virtual_s']:.3f} s, live {f['ttft_p50_live_s']:.3f} s",
               file=out)
-    print(f"(ran in {elapsed:.1f} s wall time)", file=out)
+    engine_model = ("compiled engine model" if adapters.sim.native_path
+                    else "engine model as Python; `kvgate native build` compiles it")
+    print(f"(ran in {elapsed:.1f} s wall time; {engine_model})", file=out)
     if o.json_out:
         with open(o.json_out, "w") as f:
             json.dump(report, f, indent=2)
