@@ -71,7 +71,7 @@ def test_the_compiled_engine_model_gives_the_same_results(tmp_path: Path) -> Non
     benches = {
         "claude-code": ["--workload", "claude-code", "--workload-arg", "think_scale=0",
                         "--workflows", "1", "--profile", "h200-qwen3-32b", "--engines", "2",
-                        "--policy", "kvgate,llmd-like"],
+                        "--policy", "kvgate"],
         "fanout-long": ["--workload", "fanout", "--profile", "h100x4-llama3-70b",
                         "--workload-arg", "context_tokens=32000", "--workflows", "8",
                         "--link", "rdma", "--policy", "kvgate,llmd-p2p-like,dynamo-like"],
