@@ -27,7 +27,7 @@ def test_help_lists_every_command_and_how_to_start() -> None:
     out = kvgate("--help")
     assert out.returncode == 0
     for command in ("serve", "sim", "demo", "bench", "microbench", "calibrate", "vllm-pool",
-                    "export-workflows"):
+                    "export-workflows", "native"):
         assert f"    {command} " in out.stdout or f"    {command}\n" in out.stdout, command
     assert "getting started:" in out.stdout and "kvgate sim --port 8101" in out.stdout
 
