@@ -53,6 +53,19 @@ def test_a_build_for_another_source_is_never_loaded(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "KVGATE_NATIVE must be one of auto, on, off" in bad.stderr
 
 
+def test_a_build_that_does_not_load_falls_back_to_the_source(tmp_path: Path) -> None:
+    broken = tmp_path / adapters.sim.native_key() / "adapters" / "sim"
+    broken.mkdir(parents=True)
+    for name in ("model", "model__mypyc"):
+        (broken / f"{name}{EXT}").write_bytes(b"not a module")
+    shown = run(["-c", SHOW], "auto", tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.split() == ["None", str(ROOT / "adapters" / "sim" / "model.py")]
+    assert "does not load" in shown.stderr and "kvgate native build --force" in shown.stderr
+    # Asked for by name, the broken build is an error.
+    assert run(["-c", SHOW], "on", tmp_path).returncode != 0
+
+
 def test_the_compiled_engine_model_gives_the_same_results(tmp_path: Path) -> None:
     native_dir = tmp_path / "native"
     built = run(["-m", "kvgate.cli", "native", "build"], "auto", native_dir, timeout=600)

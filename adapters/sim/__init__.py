@@ -5,8 +5,9 @@ one module with mypyc (the same source, type-checked, turned into a C extension)
 `~/.cache/kvgate/native/<key>/`, where `<key>` is a digest of the module's source and the
 interpreter's ABI. Importing this package puts a build whose key matches the source in front of
 the package's search path, so `import adapters.sim.model` loads it; a build of any other
-source is never used. `KVGATE_NATIVE` chooses: `auto` (the default: the build if there is one),
-`off` (always the Python source), `on` (the build, or an ImportError saying how to make it).
+source is never used. `KVGATE_NATIVE` chooses: `auto` (the default: the build if there is one
+and it loads, else the source with a warning), `off` (always the Python source), `on` (the
+build, or an ImportError saying how to make it).
 `KVGATE_NATIVE_DIR` moves the builds' directory. Results are the same either way (a test
 compares seeded reports); the build only runs faster.
 """
@@ -14,9 +15,11 @@ compares seeded reports); the build only runs faster.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import sys
 import sysconfig
+import warnings
 from pathlib import Path
 
 NATIVE_MODULES = ("model",)
@@ -71,6 +74,20 @@ def _use_native() -> str | None:
                 "run `kvgate native build` (needs the dev extra: mypy)")
         return None
     __path__.insert(0, str(directory))
+    if mode == "auto":
+        # A build that does not load (a broken copy, a missing library) must not stop a run
+        # that did not ask for it: fall back to the source, and say so.
+        try:
+            importlib.import_module(f"{__name__}.model")
+        except ImportError as e:
+            __path__.remove(str(directory))
+            for name in NATIVE_MODULES:
+                sys.modules.pop(f"{__name__}.{name}", None)
+                sys.modules.pop(f"{__name__}.{name}__mypyc", None)
+            warnings.warn(f"the compiled engine model in {directory} does not load ({e}); "
+                          "running the Python source (`kvgate native build --force` rebuilds it)",
+                          RuntimeWarning, stacklevel=2)
+            return None
     return str(directory)
 
 
