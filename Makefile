@@ -29,7 +29,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # The engine model compiled with mypyc for the benchmarks below (`kvgate native build`: same
-# results, about a quarter less time); rebuilt when its source changes.
+# results, 5-25% less time); rebuilt when its source changes.
 $(VENV)/.native: $(VENV)/.dev adapters/sim/model.py adapters/sim/__init__.py
 	$(VENV)/bin/kvgate native build
 	touch $@
