@@ -45,6 +45,7 @@ def test_a_build_for_another_source_is_never_loaded(tmp_path: Path) -> None:
     shown = run(["-c", SHOW], "auto", tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.split() == ["None", str(ROOT / "adapters" / "sim" / "model.py")]
+    assert "does not load" not in shown.stderr  # never even tried
     # `on` without a build for this source is an error that says how to make one.
     missing = run(["-c", SHOW], "on", tmp_path)
     assert missing.returncode != 0
