@@ -186,6 +186,14 @@ def test_a_finished_fanout_shows_one_bar_per_task_and_one_lane_per_engine(
     assert page.locator("g.now").count() == 0
     assert page.locator("#live").is_hidden()
 
+    # The marks drawn on a bar (first token, cached share) let the pointer through to it, so
+    # the bar is what the pointer finds even where a mark lies over its middle.
+    marked = page.evaluate("""() => [...document.querySelectorAll('g.task line.ttft')].map(l => {
+        const r = l.getBoundingClientRect();
+        const at = document.elementFromPoint(r.x + r.width / 2, r.y + r.height / 2);
+        return at && at.classList.contains('bar');
+    })""")
+    assert marked and all(marked), marked
     # Hovering a worker's bar shows its timings and cache numbers.
     worker = tasks["w1"]
     page.locator('g.task[data-task="w1"] rect.bar').hover()
