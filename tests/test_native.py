@@ -26,6 +26,14 @@ def run(args: list[str], native: str, native_dir: Path,
                           env=env, timeout=timeout)
 
 
+def fake_build(root: Path, key: str) -> None:
+    """Files named like a build of the engine model under `key`, holding no module."""
+    directory = root / key / "adapters" / "sim"
+    directory.mkdir(parents=True)
+    for name in ("model", "model__mypyc"):
+        (directory / f"{name}{EXT}").write_bytes(b"not a module")
+
+
 def test_the_key_follows_the_source(tmp_path: Path) -> None:
     package = Path(adapters.sim.__file__).parent
     copy = tmp_path / "sim"
@@ -38,10 +46,7 @@ def test_the_key_follows_the_source(tmp_path: Path) -> None:
 
 def test_a_build_for_another_source_is_never_loaded(tmp_path: Path) -> None:
     # Files named like a build, under a key no source has: `auto` runs the Python source.
-    stale = tmp_path / "00000000000000000000" / "adapters" / "sim"
-    stale.mkdir(parents=True)
-    for name in ("model", "model__mypyc"):
-        (stale / f"{name}{EXT}").write_bytes(b"not a module")
+    fake_build(tmp_path, "00000000000000000000")
     shown = run(["-c", SHOW], "auto", tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.split() == ["None", str(ROOT / "adapters" / "sim" / "model.py")]
@@ -55,10 +60,7 @@ def test_a_build_for_another_source_is_never_loaded(tmp_path: Path) -> None:
 
 
 def test_a_build_that_does_not_load_falls_back_to_the_source(tmp_path: Path) -> None:
-    broken = tmp_path / adapters.sim.native_key() / "adapters" / "sim"
-    broken.mkdir(parents=True)
-    for name in ("model", "model__mypyc"):
-        (broken / f"{name}{EXT}").write_bytes(b"not a module")
+    fake_build(tmp_path, adapters.sim.native_key())
     shown = run(["-c", SHOW], "auto", tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.split() == ["None", str(ROOT / "adapters" / "sim" / "model.py")]
