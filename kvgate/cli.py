@@ -197,6 +197,16 @@ def _link_arg(text: str) -> str:
     return text
 
 
+def _jobs_arg(value: str) -> int:
+    try:
+        jobs = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {jobs}")
+    return jobs
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvgate.bench.options import BenchOptions
     from kvgate.bench.runner import run_bench
@@ -223,6 +233,7 @@ def _bench(args: argparse.Namespace) -> int:
         engine_urls=([u.strip() for u in args.engine_urls.split(",") if u.strip()]
                      if args.engine_urls is not None else None),
         engine_config=args.engine_config,
+        jobs=args.jobs if args.jobs is not None else len(os.sched_getaffinity(0)),
     )
     try:
         run_bench(options)
@@ -475,6 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="like --engine-urls, with a gateway config for them (their "
                                "KV-event sockets, tokenizer, link), as `kvgate vllm-pool` "
                                "prints it")
+    bench.add_argument("--jobs", type=_jobs_arg, default=None, metavar="N",
+                       help="virtual mode: run up to N policies at once, each in a forked "
+                            "worker process (default: the CPUs this process may use; 1 runs "
+                            "them one after another in this process); results do not depend "
+                            "on it")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvindex.index import EngineMatch
-from planner.policies.dynamo_like import DynamoKvRouter
+from kvindex.keys import chain_keys
+from planner.policies.dynamo_like import DynamoKvRouter, _ActiveBlocks
 from planner.policies.llmd_approx_like import LlmdApproximateScheduler
 from planner.policies.llmd_like import LlmdPreciseScheduler, precise_prefix_scores
 from planner.policies.session import SessionAffinity
@@ -408,6 +409,26 @@ def test_dynamo_finished_requests_release_their_blocks() -> None:
     policy.on_finish("first", "a", 1.0)
     req = request(keys=range(10), tokens=0)
     assert policy.costs(req, [engine("a")]) == {"a": 10.0}
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(1, 40)),
+                min_size=1, max_size=30))
+def test_dynamo_new_blocks_match_a_key_by_key_count_over_chained_prompts(
+        ops: list[tuple[bool, int, int]]) -> None:
+    """The bisection over a prompt's chained keys gives what testing every key gives, while
+    requests sharing prefixes of several lengths come and go."""
+    active, live = _ActiveBlocks(), []
+    for add, family, length in ops:
+        keys = chain_keys([family] * 16 + list(range(16 * length)), 16)
+        if add or not live:
+            active.add(keys)
+            live.append(keys)
+        else:
+            active.remove(live.pop(length % len(live)))
+        for probe_family in range(4):
+            probe = chain_keys([probe_family] * 16 + list(range(16 * 45)), 16)
+            assert active.new_blocks(probe) == sum(1 for k in probe if k not in active.count)
+        assert active.repeats == sum(active.count.values()) - len(active.count)
 
 
 # -- every baseline ----------------------------------------------------------------------------

@@ -437,3 +437,32 @@ def test_trace_requests_longer_than_the_context_keep_their_prefix(vocab: Vocabul
         assert sum(len(p.ids) for p in tb.blocks) + tb.output_tokens <= 8000
         kept = [p.key for p in tb.blocks if not p.key.endswith(":tail")]
         assert kept == [p.key for p in ta.blocks][: len(kept)]
+
+
+def test_jobs_run_policies_in_worker_processes_and_change_no_result(tmp_path: Path) -> None:
+    """`--jobs 3` forks a worker per policy (runs and goodput searches); the report is the one
+    a run in this process writes, byte for byte."""
+    reports = {}
+    for jobs in ("1", "3"):
+        out = tmp_path / f"jobs{jobs}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvgate.cli", "bench", "--workload", "fanout",
+             "--workload-arg", "static_tokens=600", "--workflows", "8", "--engines", "2",
+             "--rate", "2", "--policy", "kvgate,dynamo-like,sglang-like", "--goodput",
+             "--goodput-precision", "0.3", "--jobs", jobs, "--no-progress", "--json", str(out)],
+            capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        last = proc.stdout.strip().splitlines()[-1]
+        assert ("3 worker processes" in last) == (jobs == "3"), last
+        reports[jobs] = out.read_text()
+    assert json.loads(reports["3"])["goodput"].keys() == {"slo_jct_x_bound", "kvgate",
+                                                         "dynamo-like", "sglang-like"}
+    assert reports["1"] == reports["3"]
+
+
+@pytest.mark.parametrize("value", ["0", "two"])
+def test_jobs_must_be_a_positive_whole_number(value: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvgate.cli", "bench", "--jobs", value],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--jobs" in proc.stderr and "Traceback" not in proc.stderr

@@ -62,6 +62,9 @@ class BenchOptions:
     engine_config: str | None = None
     """Live mode on the engines of this gateway config (their KV-event sockets, tokenizer,
     KV link): `kvgate serve --config` runs it, with each policy in turn."""
+    jobs: int = 1
+    """Virtual mode: run up to this many policies at once, each in a forked worker process
+    (1: one after another, in this process). Results do not depend on it."""
 
     @property
     def name(self) -> str:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import adapters.sim
 from kvgate.bench.bound import TaskShape, lower_bound
@@ -163,17 +166,56 @@ def _topological(wf: BenchWorkflow) -> list[BenchTask]:
     return [wf.task(n.id) for n in order]
 
 
+T = TypeVar("T")
+
+_JOB: Callable[[str], Any] | None = None
+"""The per-policy function forked workers run (set before the fork, so it is never pickled)."""
+
+
+def _run_job(policy: str) -> tuple[str, Any, float]:
+    assert _JOB is not None
+    started = time.monotonic()
+    return policy, _JOB(policy), time.monotonic() - started
+
+
+def per_policy(o: BenchOptions, fn: Callable[[str], T]) -> dict[str, T]:
+    """`fn(policy)` for every policy, in the options' order: one after another here, or with
+    `o.jobs` > 1 up to that many at once in forked workers, which share the prepared workload
+    (copy on write) and send back only their results. A policy's run depends on nothing but
+    the prepared workload and its own state, so the results are the same either way."""
+    jobs = min(o.jobs, len(o.policies))
+    if jobs <= 1:
+        return {p: fn(p) for p in o.policies}
+    global _JOB
+    _JOB = fn
+    # The tokenizer's Rust thread pool must not be used across a fork; the workers only keep
+    # tokenizing what they are given, one thread each.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    done: dict[str, T] = {}
+    try:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            for policy, result, took in pool.imap_unordered(_run_job, o.policies):
+                done[policy] = result
+                if o.progress and sys.stderr.isatty():
+                    print(f"{policy}: done in {took:.1f} s ({len(done)}/{len(o.policies)} "
+                          f"policies)", file=sys.stderr)
+    finally:
+        _JOB = None
+    return {p: done[p] for p in o.policies}
+
+
 def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     """Every policy over fresh engine models in virtual time."""
     profile = o.engine_profile()
-    runs = {}
-    for policy in o.policies:
-        run = VirtualRun(policy, prepared.workflows, prepared.load, profile, o.engines,
-                         prepared.builder, seed=o.seed,
-                         progress=progress_bar(policy) if o.progress else None,
-                         link=o.transfer_link())
-        runs[policy] = run.run()
-    return runs
+    bars = o.progress and min(o.jobs, len(o.policies)) <= 1
+
+    def run(policy: str) -> RunResult:
+        return VirtualRun(policy, prepared.workflows, prepared.load, profile, o.engines,
+                          prepared.builder, seed=o.seed,
+                          progress=progress_bar(policy) if bars else None,
+                          link=o.transfer_link()).run()
+
+    return per_policy(o, run)
 
 
 def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
@@ -184,8 +226,9 @@ def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
     first = start_rate(len(prepared.workflows), o.engines, sum(bound.jct_s.values()))
     burst = burst_rate(prepared.workflows, bound.jct_mean_s, o.seed, o.goodput_precision)
     section: dict[str, Any] = {"slo_jct_x_bound": slo}
-    for policy in o.policies:
-        def probe(rate: float, policy: str = policy) -> GoodputPoint:
+
+    def search(policy: str) -> dict[str, Any]:
+        def probe(rate: float) -> GoodputPoint:
             load = Load(arrivals=poisson_arrivals(prepared.workflows, rate, o.seed))
             run = VirtualRun(policy, prepared.workflows, load, profile, o.engines,
                              prepared.builder, seed=o.seed, link=o.transfer_link()).run()
@@ -197,8 +240,11 @@ def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
                       f"{failed} failed", file=sys.stderr)
             return GoodputPoint(rate, jct, x, failed)
 
-        section[policy] = search_goodput(probe, first, slo, o.goodput_precision,
-                                         max_rate=burst).as_json()
+        result: dict[str, Any] = search_goodput(probe, first, slo, o.goodput_precision,
+                                                max_rate=burst).as_json()
+        return result
+
+    section.update(per_policy(o, search))
     return section
 
 
@@ -218,6 +264,12 @@ def fidelity(virtual: dict[str, dict[str, Any]],
     return dict(sorted(out.items()))
 
 
+def _cpu_time() -> float:
+    """CPU seconds of this process and of its finished child processes (forked workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
     """The whole command: prepare, run each policy, write the report, table and plot."""
     check_options(o)
@@ -225,8 +277,11 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
         from kvgate.bench.live import existing_engines
 
         o = replace(o, engines=len(existing_engines(o)))
+    if o.mode != "virtual":
+        # Live runs start servers and threads; nothing forks after them.
+        o = replace(o, jobs=1)
     prepared = prepare(o)
-    started, started_cpu = time.monotonic(), time.process_time()
+    started, started_cpu = time.monotonic(), _cpu_time()
     extra: dict[str, Any] = {"workload_args": dict(sorted(o.workload_args.items())),
                              "clipped_requests": prepared.clipped_requests}
     if o.mode == "virtual" and not o.fidelity:
@@ -247,7 +302,7 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
     if link.enabled:
         extra["link"] = {"name": o.link, "bandwidth_bytes_s": link.bandwidth_bytes_s,
                          "setup_s": link.setup_s}
-    elapsed, cpu = time.monotonic() - started, time.process_time() - started_cpu
+    elapsed, cpu = time.monotonic() - started, _cpu_time() - started_cpu
     results = {name: summarise(run) for name, run in runs.items()}
     if o.tasks:
         for name, run in runs.items():
@@ -270,7 +325,9 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
               file=out)
     engine_model = ("compiled engine model" if adapters.sim.native_path
                     else "engine model as Python; `kvgate native build` compiles it")
-    print(f"(ran in {elapsed:.1f} s wall time, {cpu:.1f} s CPU in this process; {engine_model})",
+    jobs = min(o.jobs, len(o.policies))
+    where = "this process" if jobs <= 1 else f"this process and {jobs} worker processes"
+    print(f"(ran in {elapsed:.1f} s wall time, {cpu:.1f} s CPU in {where}; {engine_model})",
           file=out)
     if o.json_out:
         with open(o.json_out, "w") as f:

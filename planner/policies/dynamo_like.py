@@ -55,7 +55,12 @@ from planner.policy import (
 
 
 class _ActiveBlocks:
-    """Block keys of one engine's in-flight requests, with how many times each is counted."""
+    """Block keys of one engine's in-flight requests, with how many times each is counted.
+
+    A request's keys are a chain (each key digests its parent's), added and removed whole, so
+    the keys present are prefix-closed: where a request's key is present, so are all the keys
+    before it, and `new_blocks` finds the longest present run by bisection.
+    """
 
     def __init__(self) -> None:
         self.count: Counter[BlockKey] = Counter()
@@ -63,7 +68,7 @@ class _ActiveBlocks:
         """Sum over keys of (count - 1): how far a plain sum overstates the unique blocks."""
 
     # Every key present is counted at least once (`remove` deletes at one), so "already
-    # counted" is "present", and the passes below run at C speed over long prompts.
+    # counted" is "present", and `add` counts at C speed over long prompts.
 
     def add(self, keys: Sequence[BlockKey]) -> None:
         before = len(self.count)
@@ -84,7 +89,18 @@ class _ActiveBlocks:
         self.repeats -= repeats
 
     def new_blocks(self, keys: Sequence[BlockKey]) -> int:
-        return len(keys) - sum(map(self.count.__contains__, keys))
+        """How many of `keys` no in-flight request holds: all after the longest present run."""
+        count = self.count
+        if not count or not keys or keys[0] not in count:
+            return len(keys)
+        lo, hi = 1, len(keys)  # keys[:lo] present; keys[hi:] absent
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if keys[mid] in count:
+                lo = mid + 1
+            else:
+                hi = mid
+        return len(keys) - lo
 
 
 _NONE_ACTIVE = _ActiveBlocks()
