@@ -3,6 +3,7 @@ their peers' rules."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import pytest
@@ -428,6 +429,7 @@ def test_dynamo_new_blocks_match_a_key_by_key_count_over_chained_prompts(
         for probe_family in range(4):
             probe = chain_keys([probe_family] * 16 + list(range(16 * 45)), 16)
             assert active.new_blocks(probe) == sum(1 for k in probe if k not in active.count)
+        assert active.count == Counter(k for keys in live for k in keys)
         assert active.repeats == sum(active.count.values()) - len(active.count)
 
 

@@ -466,3 +466,36 @@ def test_jobs_must_be_a_positive_whole_number(value: str) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--jobs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_jobs_a_worker_that_fails_or_dies_is_reported_not_waited_for() -> None:
+    """A policy that raises re-raises its error here; a worker killed mid-run (OOM, a signal)
+    ends the command with an error instead of a wait for a result that never comes. Run in a
+    child process: the pool forks, and pytest's process may hold threads."""
+    script = """
+import os, sys
+from kvgate.bench.options import BenchOptions
+from kvgate.bench.runner import per_policy
+o = BenchOptions(policies=["a", "b", "c"], jobs=2, progress=False)
+print(per_policy(o, lambda p: p * 2))
+def bad(p):
+    if p == "b":
+        raise ValueError("policy b broke")
+    return p
+def die(p):
+    if p == "b":
+        os._exit(3)
+    return p
+for fn in (bad, die):
+    try:
+        per_policy(o, fn)
+    except Exception as e:
+        print(type(e).__name__, e)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "{'a': 'aa', 'b': 'bb', 'c': 'cc'}"
+    assert lines[1] == "ValueError policy b broke"
+    assert lines[2].startswith("BrokenProcessPool")

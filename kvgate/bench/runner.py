@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -193,8 +194,14 @@ def per_policy(o: BenchOptions, fn: Callable[[str], T]) -> dict[str, T]:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     done: dict[str, T] = {}
     try:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            for policy, result, took in pool.imap_unordered(_run_job, o.policies):
+        # A pool that notices a worker dying (BrokenProcessPool) rather than waiting forever.
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_run_job, policy) for policy in o.policies]
+            for future in as_completed(futures):
+                if future.exception() is not None:
+                    for other in futures:
+                        other.cancel()  # those not started; the running ones end first
+                policy, result, took = future.result()
                 done[policy] = result
                 if o.progress and sys.stderr.isatty():
                     print(f"{policy}: done in {took:.1f} s ({len(done)}/{len(o.policies)} "

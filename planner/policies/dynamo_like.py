@@ -39,8 +39,10 @@ turns the queue off.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
+from itertools import repeat
+from operator import sub
 
 from kvindex.index import BlockKey
 from planner.policy import (
@@ -59,7 +61,7 @@ class _ActiveBlocks:
 
     A request's keys are a chain (each key digests its parent's), added and removed whole, so
     the keys present are prefix-closed: where a request's key is present, so are all the keys
-    before it, and `new_blocks` finds the longest present run by bisection.
+    before it. `new_blocks` and `remove` find their runs by bisection.
     """
 
     def __init__(self) -> None:
@@ -76,17 +78,23 @@ class _ActiveBlocks:
         self.repeats += len(keys) - (len(self.count) - before)
 
     def remove(self, keys: Sequence[BlockKey]) -> None:
+        # Counts never rise along a chain (a request holding a key holds the keys before it),
+        # so the keys other requests hold too are a leading run, found by bisection.
         count = self.count
-        get, drop = count.get, count.pop
-        repeats = 0
-        for key in keys:
-            held = get(key, 0)
-            if held > 1:
-                repeats += 1
-                count[key] = held - 1
+        get = count.get
+        shared, hi = 0, len(keys)
+        while shared < hi:
+            mid = (shared + hi) // 2
+            if get(keys[mid], 0) > 1:
+                shared = mid + 1
             else:
-                drop(key, None)
-        self.repeats -= repeats
+                hi = mid
+        if shared:
+            lead = keys[:shared]
+            dict.update(count, zip(lead, map(sub, map(count.__getitem__, lead), repeat(1)),
+                                   strict=True))
+        deque(map(count.pop, keys[shared:], repeat(None)), maxlen=0)
+        self.repeats -= shared
 
     def new_blocks(self, keys: Sequence[BlockKey]) -> int:
         """How many of `keys` no in-flight request holds: all after the longest present run."""
