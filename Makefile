@@ -36,7 +36,8 @@ $(VENV)/.native: $(VENV)/.dev adapters/sim/model.py adapters/sim/__init__.py
 
 
 # The README's result tables: every report under bench-results/, then the markdown tables.
-# `make -j2 bench-tables` runs two reports at a time (about 40 minutes on 2 cores).
+# Each report runs its policies side by side on the machine's cores (`kvgate bench --jobs`,
+# by default as many as the process may use), so plain `make bench-tables` keeps them busy.
 POLICIES := kvgate,kvgate-no-batch,kvgate-no-priority,kvgate-no-siblings,kvgate-routing-only,round-robin,least-loaded,session,sglang-like,llmd-like,llmd-approx-like,dynamo-like
 BENCH := $(VENV)/bin/kvgate bench --no-progress --policy $(POLICIES)
 LONG := --profile h100x4-llama3-70b --workload-arg context_tokens=32000 --workload-arg agent_types=4
