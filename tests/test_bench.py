@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import pty
 import subprocess
 import sys
 from pathlib import Path
@@ -499,3 +501,33 @@ for fn in (bad, die):
     assert lines[0] == "{'a': 'aa', 'b': 'bb', 'c': 'cc'}"
     assert lines[1] == "ValueError policy b broke"
     assert lines[2].startswith("BrokenProcessPool")
+
+
+def test_jobs_on_a_terminal_draw_one_status_line_and_a_line_per_finished_policy() -> None:
+    """With workers, a terminal's progress is one line (every running policy's finished
+    workflows) and a line of its own for each policy as it finishes."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvgate.cli", "bench", "--workload", "fanout", "--workload-arg",
+         "static_tokens=600", "--workflows", "60", "--engines", "2", "--rate", "2",
+         "--policy", "kvgate,dynamo-like,round-robin", "--jobs", "2"],
+        stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    out, _ = proc.communicate(timeout=300)
+    os.close(master)
+    err = b"".join(chunks).decode()
+    assert proc.returncode == 0, err
+    assert "policies done; running: " in err and "/60 workflows" in err
+    for policy in ("kvgate", "dynamo-like", "round-robin"):
+        assert f"\n{policy}: done in " in err.replace("\r", "\n")
+    assert "3/3 policies)" in err
+    assert "2 worker processes" in out.splitlines()[-1]

@@ -6,7 +6,9 @@ module and never each other's.
 
 from __future__ import annotations
 
+import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,3 +119,55 @@ def progress_bar(label: str, stream: Any = sys.stderr) -> Callable[[int, int], N
         stream.flush()
 
     return update
+
+
+class StatusLine:
+    """One line on a terminal for policies running side by side in worker processes: how many
+    workflows each has finished, and a line of its own for each policy that is done."""
+
+    def __init__(self, stream: Any, policies: list[str]) -> None:
+        self.stream = stream
+        self.total = len(policies)
+        self.running: dict[str, tuple[int, int]] = {}
+        self.finished: set[str] = set()
+        self.lock = threading.Lock()
+        self.drawn = 0.0
+
+    def follow(self, queue: Any) -> None:
+        """Read (policy, done, total) from `queue` until None, redrawing at most 5 times a
+        second."""
+        while (item := queue.get()) is not None:
+            policy, done, total = item
+            with self.lock:
+                if policy in self.finished:
+                    continue
+                self.running[policy] = (done, total)
+                now = time.monotonic()
+                if now - self.drawn >= 0.2:
+                    self.drawn = now
+                    self._draw()
+
+    def done(self, policy: str, took: float) -> None:
+        """`policy` finished: its own line, then the others' status again."""
+        with self.lock:
+            self.finished.add(policy)
+            self.running.pop(policy, None)
+            self._clear()
+            self.stream.write(f"{policy}: done in {took:.1f} s ({len(self.finished)}/"
+                              f"{self.total} policies)\n")
+            if self.running:
+                self._draw()
+            self.stream.flush()
+
+    def _width(self) -> int:
+        return max(shutil.get_terminal_size().columns - 1, 20)
+
+    def _clear(self) -> None:
+        self.stream.write("\r" + " " * self._width() + "\r")
+
+    def _draw(self) -> None:
+        parts = ", ".join(f"{p} {d}/{t}" for p, (d, t) in self.running.items())
+        line = f"{len(self.finished)}/{self.total} policies done; running: {parts} workflows"
+        self._clear()
+        self.stream.write(line[: self._width()])
+        self.stream.flush()

@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -21,7 +22,7 @@ from kvgate.bench.goodput import (
     search_goodput,
     start_rate,
 )
-from kvgate.bench.options import BenchOptions, Prepared, progress_bar
+from kvgate.bench.options import BenchOptions, Prepared, StatusLine, progress_bar
 from kvgate.bench.prompts import ChatRenderer, Vocabulary
 from kvgate.bench.report import (
     build_report,
@@ -172,6 +173,9 @@ T = TypeVar("T")
 _JOB: Callable[[str], Any] | None = None
 """The per-policy function forked workers run (set before the fork, so it is never pickled)."""
 
+_PROGRESS: Any = None
+"""While workers draw a status line: the queue their progress goes to (inherited by the fork)."""
+
 
 def _run_job(policy: str) -> tuple[str, Any, float]:
     assert _JOB is not None
@@ -179,23 +183,49 @@ def _run_job(policy: str) -> tuple[str, Any, float]:
     return policy, _JOB(policy), time.monotonic() - started
 
 
-def per_policy(o: BenchOptions, fn: Callable[[str], T]) -> dict[str, T]:
+def worker_progress(policy: str) -> Callable[[int, int], None] | None:
+    """In a worker under a status line: a progress callback that sends each change of the
+    finished-workflow count to the parent; else None."""
+    queue = _PROGRESS
+    if queue is None:
+        return None
+    last = [-1]
+
+    def update(done: int, total: int) -> None:
+        if done != last[0]:
+            last[0] = done
+            queue.put((policy, done, total))
+
+    return update
+
+
+def per_policy(o: BenchOptions, fn: Callable[[str], T], status: bool = False) -> dict[str, T]:
     """`fn(policy)` for every policy, in the options' order: one after another here, or with
     `o.jobs` > 1 up to that many at once in forked workers, which share the prepared workload
     (copy on write) and send back only their results. A policy's run depends on nothing but
-    the prepared workload and its own state, so the results are the same either way."""
+    the prepared workload and its own state, so the results are the same either way.
+    `status`: with workers and progress on a terminal, draw their progress (`worker_progress`)
+    on one line; else a line per finished policy."""
     jobs = min(o.jobs, len(o.policies))
     if jobs <= 1:
         return {p: fn(p) for p in o.policies}
-    global _JOB
+    global _JOB, _PROGRESS
     _JOB = fn
     # The tokenizer's Rust thread pool must not be used across a fork; the workers only keep
     # tokenizing what they are given, one thread each.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ctx = multiprocessing.get_context("fork")
+    tty = o.progress and sys.stderr.isatty()
+    board = StatusLine(sys.stderr, o.policies) if tty and status else None
+    reader = None
+    if board is not None:
+        _PROGRESS = ctx.SimpleQueue()
+        reader = threading.Thread(target=board.follow, args=(_PROGRESS,), daemon=True)
+        reader.start()
     done: dict[str, T] = {}
     try:
         # A pool that notices a worker dying (BrokenProcessPool) rather than waiting forever.
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
             futures = [pool.submit(_run_job, policy) for policy in o.policies]
             for future in as_completed(futures):
                 if future.exception() is not None:
@@ -203,11 +233,16 @@ def per_policy(o: BenchOptions, fn: Callable[[str], T]) -> dict[str, T]:
                         other.cancel()  # those not started; the running ones end first
                 policy, result, took = future.result()
                 done[policy] = result
-                if o.progress and sys.stderr.isatty():
+                if board is not None:
+                    board.done(policy, took)
+                elif tty:
                     print(f"{policy}: done in {took:.1f} s ({len(done)}/{len(o.policies)} "
                           f"policies)", file=sys.stderr)
     finally:
-        _JOB = None
+        if reader is not None:
+            _PROGRESS.put(None)
+            reader.join()
+        _JOB = _PROGRESS = None
     return {p: done[p] for p in o.policies}
 
 
@@ -219,10 +254,10 @@ def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     def run(policy: str) -> RunResult:
         return VirtualRun(policy, prepared.workflows, prepared.load, profile, o.engines,
                           prepared.builder, seed=o.seed,
-                          progress=progress_bar(policy) if bars else None,
+                          progress=progress_bar(policy) if bars else worker_progress(policy),
                           link=o.transfer_link()).run()
 
-    return per_policy(o, run)
+    return per_policy(o, run, status=True)
 
 
 def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
