@@ -75,6 +75,12 @@ class BenchOptions:
             return f"workflow-trace:{self.workflow_trace}"
         return self.workload or f"dag-file:{self.dag_file}"
 
+    @property
+    def workers(self) -> int:
+        """Worker processes the policies run in (0: none, one after another here)."""
+        jobs = min(self.jobs, len(self.policies))
+        return jobs if jobs > 1 else 0
+
     def transfer_link(self) -> TransferLink:
         """The link `--link` names."""
         return parse_link(self.link)

@@ -204,10 +204,10 @@ def per_policy(o: BenchOptions, fn: Callable[[str], T], status: bool = False) ->
     `o.jobs` > 1 up to that many at once in forked workers, which share the prepared workload
     (copy on write) and send back only their results. A policy's run depends on nothing but
     the prepared workload and its own state, so the results are the same either way.
-    `status`: with workers and progress on a terminal, draw their progress (`worker_progress`)
-    on one line; else a line per finished policy."""
-    jobs = min(o.jobs, len(o.policies))
-    if jobs <= 1:
+    With workers and progress on a terminal, a line per finished policy, and with `status`
+    the running ones' progress (`worker_progress`) on one line under them."""
+    jobs = o.workers
+    if not jobs:
         return {p: fn(p) for p in o.policies}
     global _JOB, _PROGRESS
     _JOB = fn
@@ -215,10 +215,9 @@ def per_policy(o: BenchOptions, fn: Callable[[str], T], status: bool = False) ->
     # tokenizing what they are given, one thread each.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ctx = multiprocessing.get_context("fork")
-    tty = o.progress and sys.stderr.isatty()
-    board = StatusLine(sys.stderr, o.policies) if tty and status else None
+    board = StatusLine(sys.stderr, o.policies) if o.progress and sys.stderr.isatty() else None
     reader = None
-    if board is not None:
+    if board is not None and status:
         _PROGRESS = ctx.SimpleQueue()
         reader = threading.Thread(target=board.follow, args=(_PROGRESS,), daemon=True)
         reader.start()
@@ -235,9 +234,6 @@ def per_policy(o: BenchOptions, fn: Callable[[str], T], status: bool = False) ->
                 done[policy] = result
                 if board is not None:
                     board.done(policy, took)
-                elif tty:
-                    print(f"{policy}: done in {took:.1f} s ({len(done)}/{len(o.policies)} "
-                          f"policies)", file=sys.stderr)
     finally:
         if reader is not None:
             _PROGRESS.put(None)
@@ -249,7 +245,7 @@ def per_policy(o: BenchOptions, fn: Callable[[str], T], status: bool = False) ->
 def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     """Every policy over fresh engine models in virtual time."""
     profile = o.engine_profile()
-    bars = o.progress and min(o.jobs, len(o.policies)) <= 1
+    bars = o.progress and not o.workers
 
     def run(policy: str) -> RunResult:
         return VirtualRun(policy, prepared.workflows, prepared.load, profile, o.engines,
@@ -367,8 +363,7 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
               file=out)
     engine_model = ("compiled engine model" if adapters.sim.native_path
                     else "engine model as Python; `kvgate native build` compiles it")
-    jobs = min(o.jobs, len(o.policies))
-    where = "this process" if jobs <= 1 else f"this process and {jobs} worker processes"
+    where = f"this process and {o.workers} worker processes" if o.workers else "this process"
     print(f"(ran in {elapsed:.1f} s wall time, {cpu:.1f} s CPU in {where}; {engine_model})",
           file=out)
     if o.json_out:

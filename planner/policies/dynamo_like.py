@@ -39,6 +39,7 @@ turns the queue off.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Sequence
 from itertools import repeat
@@ -79,16 +80,10 @@ class _ActiveBlocks:
 
     def remove(self, keys: Sequence[BlockKey]) -> None:
         # Counts never rise along a chain (a request holding a key holds the keys before it),
-        # so the keys other requests hold too are a leading run, found by bisection.
+        # so the keys other requests hold too are a leading run.
         count = self.count
         get = count.get
-        shared, hi = 0, len(keys)
-        while shared < hi:
-            mid = (shared + hi) // 2
-            if get(keys[mid], 0) > 1:
-                shared = mid + 1
-            else:
-                hi = mid
+        shared = bisect_left(keys, True, key=lambda k: get(k, 0) <= 1)
         if shared:
             lead = keys[:shared]
             dict.update(count, zip(lead, map(sub, map(count.__getitem__, lead), repeat(1)),
@@ -99,16 +94,7 @@ class _ActiveBlocks:
     def new_blocks(self, keys: Sequence[BlockKey]) -> int:
         """How many of `keys` no in-flight request holds: all after the longest present run."""
         count = self.count
-        if not count or not keys or keys[0] not in count:
-            return len(keys)
-        lo, hi = 1, len(keys)  # keys[:lo] present; keys[hi:] absent
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if keys[mid] in count:
-                lo = mid + 1
-            else:
-                hi = mid
-        return len(keys) - lo
+        return len(keys) - bisect_left(keys, True, key=lambda k: k not in count)
 
 
 _NONE_ACTIVE = _ActiveBlocks()
