@@ -27,7 +27,7 @@ from kvindex.events import (
     decode_batch,
 )
 from kvindex.index import DEFAULT_TIER, BlockKey, InMemoryIndex
-from kvindex.keys import KeyExtras, chain_keys
+from kvindex.keys import KeyExtras, block_key, chain_keys
 
 EngineHash = int | bytes
 
@@ -356,15 +356,10 @@ class EventIngestor:
         if not pending and bs % B == 0:
             # Common case: index blocks tile engine blocks, so the whole event chains at once.
             extras = KeyExtras(lora_name=ev.lora_name, cache_salt=salt)
-            added = chain_keys(ev.token_ids, B, extras, parent=tail, first_block_index=blocks)
             per = bs // B
-            if per == 1 and added and added[0] == ev.block_hashes[0]:
-                # An engine that hashes blocks as the index keys them (the virtual driver's):
-                # keep its int objects, which are the keyer's, so the index's dict lookups of a
-                # prompt's keys find their own objects (no value comparison).
-                hashes = cast("list[BlockKey]", list(ev.block_hashes))
-                if hashes == added:
-                    added = hashes
+            own = _keyed_as_index(ev, B, extras, tail, blocks) if per == 1 else None
+            added = own if own is not None else chain_keys(
+                ev.token_ids, B, extras, parent=tail, first_block_index=blocks)
             compact = per == 1 and ev.lora_name is None and tier == DEFAULT_TIER
             if compact and self._remember_new(state, ev.block_hashes, added):
                 ops.append(AddKeys(engine, tuple(added), tier))
@@ -440,6 +435,33 @@ class EventIngestor:
                 del blocks[h]
         self.stats.unknown_removals += unknown
         self.stats.blocks_removed += len(ev.block_hashes) - unknown
+
+
+def _keyed_as_index(
+    ev: BlockStored, block_size: int, extras: KeyExtras, parent: BlockKey | None, blocks: int
+) -> list[BlockKey] | None:
+    """The event's own hashes, if its engine hashes blocks as the index keys them; else None.
+
+    The virtual driver's engines are seeded with the index's keys and hash the rest with the
+    index's function, so their hashes are the keys; a real vLLM engine's (sha256 or xxhash of
+    its own encoding) never agree. Agreement on the event's first block (the chain's parent and
+    block-0 extras) and on its last (a later block's extras) shows which kind sent it, at the
+    cost of two blocks' hashing instead of the whole event's. Keeping the engine's int objects,
+    which are the keyer's, also lets the index's dict lookups of a prompt's keys find their own
+    objects (no value comparison).
+    """
+    hashes = ev.block_hashes
+    tokens = ev.token_ids
+    n = len(hashes)
+    if block_key(parent, tokens[:block_size], extras.for_block(blocks)) != hashes[0]:
+        return None
+    if n > 1:
+        before = hashes[n - 2]
+        if not isinstance(before, int) or block_key(
+                before, tokens[(n - 1) * block_size:],
+                extras.for_block(blocks + n - 1)) != hashes[n - 1]:
+            return None
+    return cast("list[BlockKey]", list(hashes))
 
 
 def _as_chain(state: _BlockState) -> _Chain:

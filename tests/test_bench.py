@@ -230,7 +230,7 @@ def test_policies_that_read_no_index_skip_it_and_get_the_same_report(
     forcing both on must give the same reports, or a declaration is wrong."""
     policies = [p for p in policy_names() if not reads_index(make_policy(p, PolicyContext()))]
     assert {"round-robin", "least-loaded", "session", "sglang-like",
-            "llmd-approx-like"} <= set(policies)
+            "llmd-approx-like", "llmd-p2p-like"} <= set(policies)
     assert "kvgate" not in policies and "llmd-like" not in policies
     kw = dict(workload=workload, workload_args=args, workflows=8, policies=policies, engines=3,
               rate=3.0, seed=1)

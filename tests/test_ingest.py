@@ -19,8 +19,8 @@ from kvindex.events import (
     encode_batch,
 )
 from kvindex.index import InMemoryIndex
-from kvindex.ingest import ClearEngine, EventIngestor, RequestReplay, apply_ops_sync
-from kvindex.keys import NO_EXTRAS, KeyExtras, chain_keys
+from kvindex.ingest import AddKeys, ClearEngine, EventIngestor, RequestReplay, apply_ops_sync
+from kvindex.keys import NO_EXTRAS, KeyExtras, block_key, chain_keys
 from planner.profiles import get_profile
 
 E = "engine-a"
@@ -310,3 +310,43 @@ def test_a_batch_handed_over_decoded_gives_the_ops_of_its_payload(
                 handed = decoded.on_batch(E, n, wire_batch(step.kv_events, now))
                 assert handed == sent
     assert decoded.stats == wire.stats
+
+
+def _batch(*events: Any) -> KVEventBatch:
+    return KVEventBatch(ts=0.0, events=list(events), data_parallel_rank=0)
+
+
+def _added(ingestor: EventIngestor, seq: int, event: BlockStored) -> tuple[int, ...]:
+    (op,) = ingestor.on_batch(E, seq, _batch(event)).ops[-1:]
+    assert isinstance(op, AddKeys)
+    return op.keys
+
+
+def test_an_engine_that_hashes_as_the_index_keys_gives_its_own_hash_objects() -> None:
+    """The virtual driver's engines hash blocks with the index's function: the ingestor takes
+    the event's int objects as the keys (the keyer's, so the index's probes match by identity)
+    after checking the event's first and last blocks, on a salted chain and its continuation."""
+    salt = KeyExtras(cache_salt="tenant-a")
+    keys = [int(str(k)) for k in chain_keys(TOKENS, 16, salt)]  # fresh objects, equal values
+    ingestor = EventIngestor(16)
+    first = _added(ingestor, 0, stored(keys[:3], None, TOKENS[:48], 16,
+                                       extra_keys=[("tenant-a",), None, None]))
+    assert first == tuple(keys[:3]) and all(a is b for a, b in zip(first, keys, strict=False))
+    later = _added(ingestor, 1, stored(keys[3:], keys[2], TOKENS[48:], 16))
+    assert later == tuple(keys[3:]) and all(a is b for a, b in zip(later, keys[3:], strict=True))
+
+
+def test_hashes_that_agree_with_the_index_only_on_the_first_block_are_rekeyed() -> None:
+    """An engine that agrees on block 0 but hashes a later block otherwise (here: the salt on
+    every block) is not taken at its word: its blocks get the index's own keys."""
+    salt = KeyExtras(cache_salt="tenant-a")
+    keys = chain_keys(TOKENS[:48], 16, salt)
+    # The salt on every block: the chain the engine would announce differs after block 0.
+    salted_everywhere = [keys[0]]
+    for i in (1, 2):
+        salted_everywhere.append(block_key(salted_everywhere[-1], TOKENS[16 * i:16 * (i + 1)],
+                                           ("cache_salt", "tenant-a")))
+    assert salted_everywhere[1:] != keys[1:]
+    added = _added(EventIngestor(16), 0, stored(salted_everywhere, None, TOKENS[:48], 16,
+                                                extra_keys=[("tenant-a",), None, None]))
+    assert added == tuple(keys)

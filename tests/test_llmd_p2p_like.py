@@ -9,7 +9,14 @@ import pytest
 
 from kvindex.index import EngineMatch
 from planner.policies.llmd_p2p_like import LlmdP2PScheduler, request_spread_fraction
-from planner.policy import EngineView, Placement, PolicyContext, RouteRequest, make_policy
+from planner.policy import (
+    EngineView,
+    Placement,
+    PolicyContext,
+    RouteRequest,
+    make_policy,
+    reads_index,
+)
 from planner.transfer import NAMED_LINKS, Pull
 
 MODEL = "m"
@@ -74,6 +81,13 @@ def test_no_pull_without_a_transfer_link() -> None:
     policy = LlmdP2PScheduler(PolicyContext())
     pool = [busy("a"), engine("b")]
     assert policy.choose(request({"a": 8192}), pool, 0.0) == Placement("b")
+
+
+def test_reads_the_kv_index_only_with_a_transfer_link() -> None:
+    """Only the pull reads the index; without a link a driver may skip matching and ingesting
+    (tests/test_bench.py checks that the reports agree either way)."""
+    assert reads_index(LlmdP2PScheduler(RDMA))
+    assert not reads_index(LlmdP2PScheduler(PolicyContext()))
 
 
 def test_the_source_is_sampled_by_request_among_holders_within_a_block_of_the_best() -> None:

@@ -34,7 +34,8 @@ Readings (the stronger where the code leaves room):
   one block this loses nothing, since a destination inside the band is within a block of every
   source.
 - The picker's randomness is a `random.Random(context.seed)` (upstream seeds from the clock).
-- Without a transfer path (`context.link` disabled) there is no pull: the scorers alone place.
+- Without a transfer path (`context.link` disabled) there is no pull: the scorers alone place,
+  and the policy reads nothing from the KV index (`reads_index` is then False).
 The guide's *shipped default* is the other arm (`epp-affinity-p2p.yaml`: precise prefix 3,
 queue 2, kv-util 2, no-hit-lru 2, max-score, speculative indexing on), where the pull "rarely
 fires"; this policy is the load arm, the one the guide's P2P gains come from.
@@ -137,6 +138,9 @@ class LlmdP2PScheduler(StatelessPolicy):
         self.kv_utilization_weight = kv_utilization_weight
         self.min_cached_token_delta = min_cached_token_delta
         self.link = ctx.link
+        self.reads_index = self.link.enabled
+        """Only the pull reads the KV index (placement is by load alone): without a transfer
+        path there is no pull, so a driver may skip matching and ingesting for it."""
         self._rng = random.Random(ctx.seed)
 
     def scores(self, request: RouteRequest, engines: Sequence[EngineView]) -> dict[str, float]:
