@@ -531,3 +531,20 @@ def test_jobs_on_a_terminal_draw_one_status_line_and_a_line_per_finished_policy(
         assert f"\n{policy}: done in " in err.replace("\r", "\n")
     assert "3/3 policies)" in err
     assert "2 worker processes" in out.splitlines()[-1]
+
+
+def test_a_run_without_a_link_names_the_policies_that_would_move_kv() -> None:
+    """Without `--link` the table is followed by a note naming the chosen policies that copy KV
+    between engines when they have a transfer path (kvgate-routing-only never does); with a
+    link there is none."""
+    kw = dict(workload="fanout", workload_args={**SMALL, "width": "2"}, workflows=2, engines=2,
+              concurrency=2, policies=["kvgate", "least-loaded", "kvgate-routing-only",
+                                       "llmd-p2p-like"])
+    out = io.StringIO()
+    bench(out=out, **kw)
+    notes = [line for line in out.getvalue().splitlines() if line.startswith("note:")]
+    assert len(notes) == 1
+    assert "for kvgate, llmd-p2p-like (" in notes[0] and "--link" in notes[0]
+    out = io.StringIO()
+    bench(out=out, link="rdma", **kw)
+    assert "note:" not in out.getvalue()

@@ -55,8 +55,9 @@ from kvgate.bench.workloads import (
 )
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
-from planner.core import planner_names
+from planner.core import VARIANTS, planner_names, planner_settings
 from planner.dag import DagNode, topological_order
+from planner.policy import make_policy
 
 LIVE_ONLY_POLICIES = ("sglang-router",)
 DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,
@@ -157,6 +158,29 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
                         arrivals.__getitem__ if arrivals is not None else None, concurrency)
     return Prepared(workflows, load, bound, builder, rate, concurrency,
                     workload.clipped_requests)
+
+
+def moves_kv_with_a_link(name: str) -> bool:
+    """Whether the planner or policy `name` copies KV between engines when it has a transfer
+    path: a routing policy whose peer pulls (`moves_kv`), or a planner variant over such a
+    policy that prefetches, replicates or pulls."""
+    if name not in planner_names():
+        return False
+    settings = planner_settings(name)
+    if not getattr(make_policy(settings.routing), "moves_kv", False):
+        return False
+    return name not in VARIANTS or settings.prefetch or settings.replicate or settings.pulls
+
+
+def no_link_note(policies: list[str], link: bool) -> str | None:
+    """For a run without `--link`, a line naming the chosen policies that copy KV between
+    engines when they have a transfer path, so their figures are not read as with one."""
+    movers = [] if link else [p for p in policies if moves_kv_with_a_link(p)]
+    if not movers:
+        return None
+    return (f"note: without --link no KV moves between engines for {', '.join(movers)} (a "
+            "pull is not made, a prefetch recomputes the prefix, nothing is replicated); "
+            "--link rdma|nvlink|GBPS gives them a transfer path")
 
 
 def _topological(wf: BenchWorkflow) -> list[BenchTask]:
@@ -352,6 +376,9 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
         workflows=len(prepared.workflows), bound=prepared.bound, results=results, extra=extra,
     )
     print(format_table(report), file=out)
+    note = no_link_note(o.policies, o.transfer_link().enabled)
+    if note is not None:
+        print(note, file=out)
     if o.tasks:
         print(format_tasks(report), file=out)
     if "goodput" in report:
