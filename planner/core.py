@@ -171,6 +171,18 @@ def planner_names() -> list[str]:
     return sorted(set(policy_names()) | set(VARIANTS))
 
 
+def moves_kv_with_a_link(name: str) -> bool:
+    """Whether the planner or policy `name` copies KV between engines when it has a transfer
+    path: a routing policy whose peer pulls (`moves_kv`), or a planner variant over such a
+    policy that prefetches, replicates or pulls."""
+    if name not in planner_names():
+        return False
+    settings = planner_settings(name)
+    if not getattr(make_policy(settings.routing), "moves_kv", False):
+        return False
+    return name not in VARIANTS or settings.prefetch or settings.replicate or settings.pulls
+
+
 class RequestState(enum.Enum):
     """Where one request is, from the planner's point of view."""
 

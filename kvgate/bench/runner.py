@@ -55,9 +55,8 @@ from kvgate.bench.workloads import (
 )
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
-from planner.core import VARIANTS, planner_names, planner_settings
+from planner.core import moves_kv_with_a_link, planner_names
 from planner.dag import DagNode, topological_order
-from planner.policy import make_policy
 
 LIVE_ONLY_POLICIES = ("sglang-router",)
 DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,
@@ -158,18 +157,6 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
                         arrivals.__getitem__ if arrivals is not None else None, concurrency)
     return Prepared(workflows, load, bound, builder, rate, concurrency,
                     workload.clipped_requests)
-
-
-def moves_kv_with_a_link(name: str) -> bool:
-    """Whether the planner or policy `name` copies KV between engines when it has a transfer
-    path: a routing policy whose peer pulls (`moves_kv`), or a planner variant over such a
-    policy that prefetches, replicates or pulls."""
-    if name not in planner_names():
-        return False
-    settings = planner_settings(name)
-    if not getattr(make_policy(settings.routing), "moves_kv", False):
-        return False
-    return name not in VARIANTS or settings.prefetch or settings.replicate or settings.pulls
 
 
 def no_link_note(policies: list[str], link: bool) -> str | None:
