@@ -292,6 +292,7 @@ POLICY_MODULES = (
     "planner.policies.llmd_approx_like",
     "planner.policies.llmd_p2p_like",
     "planner.policies.llmd_p2p_affinity_like",
+    "planner.policies.llmd_affinity_like",
     "planner.policies.dynamo_like",
 )
 """Every module that registers a routing policy, listed explicitly (a new policy adds its
