@@ -31,7 +31,8 @@ from planner.policy import (
 
 MODEL = "m"
 BASELINES = ["session", "sglang-like", "llmd-like", "llmd-approx-like", "llmd-p2p-affinity-like",
-             "llmd-affinity-like", "llmd-approx-affinity-like", "dynamo-like"]
+             "llmd-affinity-like", "llmd-approx-affinity-like", "llmd-p2p-tokenaware-like",
+             "dynamo-like"]
 SYSTEM = "You are a meticulous assistant. Follow the tool schema exactly. " * 20
 
 

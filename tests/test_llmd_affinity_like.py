@@ -16,10 +16,12 @@ from planner.policies.llmd_affinity_like import (
     QUEUE_THRESHOLD_TOKENS,
     LlmdAffinityScheduler,
     LlmdApproxAffinityScheduler,
+    LlmdP2PTokenAwareScheduler,
     token_load_score,
 )
 from planner.policies.llmd_approx_like import PodBlockLru
 from planner.policy import EngineView, PolicyContext, RouteRequest, make_policy, placement_of
+from planner.transfer import NAMED_LINKS, Pull
 
 MODEL = "m"
 PRECISE_GATE = MAX_TTFT_PENALTY_MS * PRECISE_PEAK_PREFILL_THROUGHPUT / 1000.0
@@ -178,3 +180,25 @@ def test_approx_blocks_follow_the_engines_block_size_when_larger() -> None:
                      block_keys=tuple(range(8)))
     assert policy.block_tokens(r) == 128
     assert policy.hashes(r) == tuple(range(8))
+
+
+def test_p2p_tokenaware_places_by_token_load_alone_and_pulls_from_a_leading_peer() -> None:
+    """The P2P guide's token-aware arm: no affinity filter (a holder loses to a less loaded
+    engine once its in-flight tokens outweigh the recompute), then the guide's pull."""
+    link = PolicyContext(link=NAMED_LINKS["rdma"])
+    policy = make_policy("llmd-p2p-tokenaware-like", link)
+    assert isinstance(policy, LlmdP2PTokenAwareScheduler)
+    assert policy.moves_kv and not policy.speculative_entries
+    engines = pool("a", "b")
+    r = req("r", 8192, {"a": 512})  # a holds all 128 blocks: nothing uncached there
+    assert placement_of(policy.choose(r, engines, 0.0)).engine == "a"
+    policy.inflight.add("x", "a", 8000)  # a's in-flight outweighs b's 8,192-token recompute
+    placement = placement_of(policy.choose(r, engines, 0.0))
+    assert placement.engine == "a"  # 8000 < 8192: still a
+    policy.inflight.add("y", "a", 500)
+    placement = placement_of(policy.choose(r, engines, 0.0))
+    assert placement.engine == "b" and placement.pull == Pull("a", 8192)
+    # Without a link there is no pull.
+    plain = LlmdP2PTokenAwareScheduler()
+    plain.inflight.add("y", "a", 8500)
+    assert plain.choose(r, engines, 0.0) == "b"
