@@ -60,9 +60,21 @@ def test_halving_stops_once_lower_load_no_longer_shortens_jct() -> None:
         x = 1.8 + 0.01 * rate
         return GoodputPoint(rate, x, x, 0)
 
+    # Each halving cuts the excess (0.88 at 8/s) by 4.5%, 2.4%, 1.2%, then 0.6% < 1%: stop.
     g = search_goodput(saturated, 8.0, slo=1.5, precision=0.05)
     assert g.rate == 0.0
-    assert calls == [8.0, 4.0]
+    assert calls == [8.0, 4.0, 2.0, 1.0, 0.5]
+
+
+def test_halving_goes_on_past_a_slow_fall_at_a_coarse_precision() -> None:
+    """A coarse precision (0.1) does not make the plateau test coarse: an excess that falls 7%
+    per halving at high rates and fast below them is followed down to where the SLO holds."""
+    def knee(rate: float) -> GoodputPoint:
+        x = 1.575 + 0.3 * (rate - 0.1) if rate >= 0.1 else 1.3 + 2.75 * rate
+        return GoodputPoint(rate, x, x, 0)
+
+    g = search_goodput(knee, 0.4, slo=1.5, precision=0.1)
+    assert 0.05 <= g.rate < 0.1
 
 
 def test_halving_goes_on_while_it_still_shortens_jct() -> None:
