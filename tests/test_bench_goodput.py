@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.bench.goodput import GoodputPoint, search_goodput
+from kvgate.bench.goodput import GoodputPoint, isolation_rate, search_goodput
 from kvgate.bench.options import BenchOptions
 from kvgate.bench.runner import run_bench
 
@@ -66,15 +66,18 @@ def test_halving_stops_once_lower_load_no_longer_shortens_jct() -> None:
     assert calls == [8.0, 4.0, 2.0, 1.0, 0.5]
 
 
-def test_halving_goes_on_past_a_slow_fall_at_a_coarse_precision() -> None:
-    """A coarse precision (0.1) does not make the plateau test coarse: an excess that falls 7%
-    per halving at high rates and fast below them is followed down to where the SLO holds."""
+def test_halving_goes_on_past_a_flat_stretch_while_workflows_overlap() -> None:
+    """An excess that stays flat between 0.2 and 0.1 workflows/s and falls below (a run whose
+    workflows still overlap there) is followed down to where the SLO holds: the plateau stop
+    applies only at or below `plateau_below`, and a coarse precision does not make it coarse."""
     def knee(rate: float) -> GoodputPoint:
-        x = 1.575 + 0.3 * (rate - 0.1) if rate >= 0.1 else 1.3 + 2.75 * rate
+        x = 1.575 + 0.003 * (rate - 0.1) if rate >= 0.1 else 1.3 + 2.75 * rate
         return GoodputPoint(rate, x, x, 0)
 
-    g = search_goodput(knee, 0.4, slo=1.5, precision=0.1)
+    g = search_goodput(knee, 0.4, slo=1.5, precision=0.1, plateau_below=isolation_rate(19.2))
     assert 0.05 <= g.rate < 0.1
+    # Without the floor, the flat stretch ends the search.
+    assert search_goodput(knee, 0.4, slo=1.5, precision=0.1).rate == 0.0
 
 
 def test_halving_goes_on_while_it_still_shortens_jct() -> None:

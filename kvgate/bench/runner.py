@@ -19,6 +19,7 @@ from kvgate.bench.goodput import (
     DEFAULT_SLO,
     GoodputPoint,
     burst_rate,
+    isolation_rate,
     search_goodput,
     start_rate,
 )
@@ -289,8 +290,9 @@ def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
                       f"{failed} failed", file=sys.stderr)
             return GoodputPoint(rate, jct, x, failed)
 
-        result: dict[str, Any] = search_goodput(probe, first, slo, o.goodput_precision,
-                                                max_rate=burst).as_json()
+        result: dict[str, Any] = search_goodput(
+            probe, first, slo, o.goodput_precision, max_rate=burst,
+            plateau_below=isolation_rate(bound.jct_mean_s)).as_json()
         return result
 
     section.update(per_policy(o, search))
