@@ -8,6 +8,9 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
+from kvgate.bench.options import BenchOptions
+from kvgate.bench.runner import prepare
+from kvgate.bench.virtual import VirtualRun
 from kvindex.index import EngineMatch
 from planner.policies.llmd_affinity_like import (
     APPROX_GATE_TOKENS,
@@ -202,3 +205,34 @@ def test_p2p_tokenaware_places_by_token_load_alone_and_pulls_from_a_leading_peer
     plain = LlmdP2PTokenAwareScheduler()
     plain.inflight.add("y", "a", 8500)
     assert plain.choose(r, engines, 0.0) == "b"
+
+
+@pytest.mark.parametrize("name", ["llmd-affinity-like", "llmd-approx-affinity-like",
+                                  "llmd-p2p-tokenaware-like"])
+def test_in_the_virtual_driver_every_request_leaves_the_in_flight_count(name: str) -> None:
+    """Wired into the planner's events: while requests run the count holds their uncached
+    tokens, and once every workflow is done it is empty again (nothing leaks or is released
+    twice); with a link the token-aware arm pulls a long context it placed away from it."""
+    o = BenchOptions(workload="fanout", workload_args={"context_tokens": "16000", "width": "4"},
+                     profile="h100x4-llama3-70b", rate=0.5, workflows=6, engines=3,
+                     link="rdma", progress=False)
+    prepared = prepare(o)
+    run = VirtualRun(name, prepared.workflows, prepared.load, o.engine_profile(), o.engines,
+                     prepared.builder, link=o.transfer_link())
+    policy = run.planner.policy
+    assert isinstance(policy, LlmdAffinityScheduler | LlmdApproxAffinityScheduler)
+    peak = 0
+    add = policy.inflight.add
+
+    def counting(request_id: str, engine: str, tokens: int) -> None:
+        nonlocal peak
+        add(request_id, engine, tokens)
+        peak = max(peak, sum(policy.inflight.tokens.values()))
+
+    policy.inflight.add = counting  # type: ignore[method-assign]
+    result = run.run()
+    assert not any(w.failed or w.finished_s is None for w in result.workflows)
+    assert peak > 16000
+    assert sum(policy.inflight.tokens.values()) == 0
+    if name == "llmd-p2p-tokenaware-like":
+        assert run.fleet.transferred_bytes > 0
