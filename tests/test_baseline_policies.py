@@ -393,7 +393,18 @@ def test_dynamo_overlap_reduces_cost() -> None:
 
 def test_dynamo_ignores_speculative_index_entries() -> None:
     req = request(keys=range(10), matches={"b": hit("b", 8, confirmed=0)})
-    assert DynamoKvRouter().choose(req, [engine("a"), engine("b")], 0.0) == "a"
+    costs = DynamoKvRouter().costs(req, [engine("a"), engine("b")])
+    assert costs["a"] == costs["b"]
+
+
+def test_dynamo_breaks_equal_costs_at_random_by_seed() -> None:
+    """Upstream reservoir-samples the workers of equal lowest cost (temperature 0)."""
+    req = request(keys=range(10))
+    pool = [engine("a"), engine("b"), engine("c", active_blocks=1)]
+    picks = {DynamoKvRouter(PolicyContext(seed=s)).choose(req, pool, 0.0) for s in range(16)}
+    assert picks == {"a", "b"}
+    assert len({DynamoKvRouter(PolicyContext(seed=5)).choose(req, pool, 0.0)
+                for _ in range(4)}) == 1
 
 
 def test_dynamo_blocks_shared_with_in_flight_requests_count_once() -> None:

@@ -5,7 +5,9 @@ took over the decision sequence from the two drivers (commit 6e0aac7), one per s
 with every registered baseline. Under the `immediate` release policy a run today must reproduce
 every field recorded there: the Planner may move code, not change a baseline's decision.
 Regenerate (only when a change of behaviour is intended, and say so in the commit) with
-`KVGATE_RECORD_SEEDED=1 pytest tests/test_seeded_reports.py`.
+`KVGATE_RECORD_SEEDED=1 pytest tests/test_seeded_reports.py`. `dynamo-like`'s entries alone were
+re-recorded on 2026-11-27, when its equal costs began to be broken at random as upstream's are
+(every other field of every report is as first recorded).
 """
 
 from __future__ import annotations
