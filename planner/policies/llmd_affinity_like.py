@@ -113,7 +113,8 @@ APPROX_MAX_PREFIX_TOKENS = 40960
 
 class InflightTokens:
     """The inflight-load producer: per endpoint, the uncached prompt tokens of the requests this
-    router sent there that have not produced their first token."""
+    router sent there that have not released them yet (at their first response chunk: the end
+    of a non-streamed answer, the first token of a streamed one)."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, int] = {}
