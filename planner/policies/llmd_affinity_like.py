@@ -81,10 +81,16 @@ Readings (the stronger where the guides leave room):
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
 from kvindex.index import BlockKey
-from planner.policies.llmd_approx_like import PodBlockLru
+from planner.policies.llmd_approx_like import (
+    PodBlockLru,
+    approx_prefix_matches,
+    block_hashes,
+    record_routing,
+)
 from planner.policies.llmd_like import LLMD_BLOCK_TOKENS, max_score_pick
 from planner.policies.llmd_p2p_affinity_like import held_run_tokens, weighted_match_blocks
 from planner.policies.llmd_p2p_like import MIN_CACHED_TOKEN_DELTA, p2p_placement
@@ -167,7 +173,7 @@ def token_load_score(inflight_tokens: int, uncached_tokens: int) -> float:
     return 1.0 - min(tokens, QUEUE_THRESHOLD_TOKENS) / QUEUE_THRESHOLD_TOKENS
 
 
-class _AffinityScheduler:
+class _AffinityScheduler(ABC):
     """The shared profile: affinity filter, token-load scorer, max-score picker, in-flight load
     from the requests' uncached tokens. Subclasses supply the prefix producer."""
 
@@ -186,10 +192,11 @@ class _AffinityScheduler:
         self._uncached: tuple[str, dict[str, int]] = ("", {})
         """The last request routed and its uncached tokens per candidate."""
 
+    @abstractmethod
     def prefix(self, request: RouteRequest, eligible: Sequence[EngineView]
                ) -> tuple[dict[str, int], int, int]:
-        """Per candidate, the matched blocks; the prompt's blocks; tokens per block."""
-        raise NotImplementedError
+        """The prefix producer: per candidate, the matched blocks; the prompt's blocks; tokens
+        per block."""
 
     def uncached(self, request: RouteRequest, matched: int, total: int, block: int) -> int:
         """Uncached prompt tokens at an endpoint matching `matched` of the prompt's `total`
@@ -298,32 +305,20 @@ class LlmdApproxAffinityScheduler(_AffinityScheduler):
     def hashes(self, request: RouteRequest) -> tuple[BlockKey, ...]:
         """The prompt's chained hashes per producer block, at most `max_prefix_tokens` worth."""
         block = self.block_tokens(request)
-        step = max(1, block // max(1, request.block_size))
-        return request.block_keys[step - 1::step][: self.max_prefix_tokens // block]
+        return block_hashes(request, block, self.max_prefix_tokens // block)
 
     def prefix(self, request: RouteRequest, eligible: Sequence[EngineView]
                ) -> tuple[dict[str, int], int, int]:
         """Per endpoint with a hit, the blocks its record holds, walking from the first block
         while any endpoint holds it; the prompt's blocks."""
         hashes = self.hashes(request)
-        matched: dict[str, int] = {}
-        for key in hashes:
-            holders = [name for name, lru in self.pods.items() if key in lru]
-            if not holders:
-                break
-            for name in holders:
-                matched[name] = matched.get(name, 0) + 1
-        return matched, len(hashes), self.block_tokens(request)
+        return approx_prefix_matches(self.pods, hashes), len(hashes), self.block_tokens(request)
 
     def on_dispatch(self, request: RouteRequest, placement: Placement, now: float) -> None:
         """Charge the in-flight tokens, then record the prompt's blocks for the endpoint."""
         super().on_dispatch(request, placement, now)
-        hashes = self.hashes(request)
-        if hashes:
-            pod = self.pods.get(placement.engine)
-            if pod is None:
-                pod = self.pods[placement.engine] = PodBlockLru(self.lru_capacity_per_pod)
-            pod.add(hashes)
+        record_routing(self.pods, placement.engine, self.hashes(request),
+                       self.lru_capacity_per_pod)
 
 
 @register("llmd-p2p-tokenaware-like")

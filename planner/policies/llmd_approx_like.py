@@ -54,6 +54,38 @@ class PodBlockLru:
                 self._keys.popitem(last=False)
 
 
+def block_hashes(request: RouteRequest, block_tokens: int, max_blocks: int
+                 ) -> tuple[BlockKey, ...]:
+    """The prompt's chained hashes in `block_tokens` blocks (every such block's last index key:
+    the index's keys chain, so that key digests the whole prefix), at most `max_blocks`."""
+    step = max(1, block_tokens // max(1, request.block_size))
+    return request.block_keys[step - 1::step][:max_blocks]
+
+
+def approx_prefix_matches(pods: Mapping[str, PodBlockLru], hashes: Sequence[BlockKey]
+                          ) -> dict[str, int]:
+    """Per pod with a hit, the blocks its record holds, walking from the first block while any
+    pod holds the block (the approximate plugin's `matchLongestPrefix`)."""
+    matched: dict[str, int] = {}
+    for key in hashes:
+        holders = [name for name, lru in pods.items() if key in lru]
+        if not holders:
+            break
+        for name in holders:
+            matched[name] = matched.get(name, 0) + 1
+    return matched
+
+
+def record_routing(pods: dict[str, PodBlockLru], engine: str, hashes: Sequence[BlockKey],
+                   capacity: int) -> None:
+    """The approximate plugin's PreRequest: `engine`'s record learns the prompt's hashes."""
+    if hashes:
+        pod = pods.get(engine)
+        if pod is None:
+            pod = pods[engine] = PodBlockLru(capacity)
+        pod.add(hashes)
+
+
 class ColdLru:
     """The no-hit-lru scorer's state: pods that received cold requests (no pod had a prefix
     hit), least recently first, at most `size`."""
@@ -125,21 +157,11 @@ class LlmdApproximateScheduler:
     def prompt_hashes(self, request: RouteRequest) -> tuple[BlockKey, ...]:
         """The prompt's chained hashes in `block_tokens` blocks (the index's blocks when those
         are larger), at most `max_prefix_blocks`."""
-        step = max(1, self.block_tokens // max(1, request.block_size))
-        keys = request.block_keys[step - 1::step]
-        return keys[:self.max_prefix_blocks]
+        return block_hashes(request, self.block_tokens, self.max_prefix_blocks)
 
     def prefix_matches(self, hashes: Sequence[BlockKey]) -> dict[str, int]:
-        """Per pod with a hit, the blocks it holds, walking from the first block while any pod
-        holds the block (the plugin's `matchLongestPrefix`)."""
-        matched: dict[str, int] = {}
-        for key in hashes:
-            holders = [name for name, lru in self.pods.items() if key in lru]
-            if not holders:
-                break
-            for name in holders:
-                matched[name] = matched.get(name, 0) + 1
-        return matched
+        """Per pod with a hit, the blocks it holds (`approx_prefix_matches`)."""
+        return approx_prefix_matches(self.pods, hashes)
 
     def no_hit_lru_scores(self, eligible: Sequence[EngineView]) -> dict[str, float]:
         """Cold-request spreading: never-used pods first, then least recently used."""
@@ -175,11 +197,7 @@ class LlmdApproximateScheduler:
         hashes = self.prompt_hashes(request)
         if not self.prefix_matches(hashes):
             self.cold.touch(engine)
-        if hashes:
-            pod = self.pods.get(engine)
-            if pod is None:
-                pod = self.pods[engine] = PodBlockLru(self.lru_capacity_per_pod)
-            pod.add(hashes)
+        record_routing(self.pods, engine, hashes, self.lru_capacity_per_pod)
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Not used by the peer."""
