@@ -112,6 +112,13 @@ class EngineProfile:
         return (2.0 * self.params, 4.0 * self.layers * self.hidden, self.peak_flops * self.mfu,
                 self.weight_bytes, self.kv_bytes_per_token, self.mem_bandwidth * self.mbu)
 
+    @property
+    def step_factors(self) -> tuple[float, float, float, float, int, float]:
+        """The constant products of `step_time_of` and `step_flops`, for callers that inline
+        them (the engine model): per new token, per attended token, compute rate, weight
+        bytes, KV bytes per token, bandwidth."""
+        return self._step_factors
+
     def step_flops(self, new_tokens: float, attended: float) -> float:
         """FLOPs of a step with `new_tokens` and attention sum `attended` (as `step_time_of`)."""
         factors = self._step_factors
@@ -148,9 +155,19 @@ class EngineProfile:
         remaining = new_tokens
         done = context_tokens
         total = 0.0
+        # `step_time` of each chunk alone, term for term (the cost model times every engine
+        # for every call): the same expressions, so the same result to the bit.
+        params2 = 2.0 * self.params
+        attn = 4.0 * self.layers * self.hidden
+        kv_bytes = self.kv_bytes_per_token
+        bandwidth = self.mem_bandwidth * self.mbu
+        weights = self.weight_bytes
         while remaining > 0:
             n = min(remaining, self.max_num_batched_tokens)
-            total += self.step_time([ScheduledChunk(n, done)])
+            attention = attn * (n * (done + (n + 1) / 2.0))
+            memory_s = (weights + (done + n) * kv_bytes) / bandwidth
+            total += self.step_overhead_s + max(
+                self.compute_time(params2 * n + attention, attention), memory_s)
             done += n
             remaining -= n
         return total

@@ -428,7 +428,7 @@ def test_dynamo_finished_requests_release_their_blocks() -> None:
                 min_size=1, max_size=30))
 def test_dynamo_new_blocks_match_a_key_by_key_count_over_chained_prompts(
         ops: list[tuple[bool, int, int]]) -> None:
-    """The bisection over a prompt's chained keys gives what testing every key gives, while
+    """The bisection over the chains in flight gives what counting every key gives, while
     requests sharing prefixes of several lengths come and go."""
     active, live = _ActiveBlocks(), []
     for add, family, length in ops:
@@ -438,11 +438,12 @@ def test_dynamo_new_blocks_match_a_key_by_key_count_over_chained_prompts(
             live.append(keys)
         else:
             active.remove(live.pop(length % len(live)))
+        count = Counter(k for keys in live for k in keys)
         for probe_family in range(4):
-            probe = chain_keys([probe_family] * 16 + list(range(16 * 45)), 16)
-            assert active.new_blocks(probe) == sum(1 for k in probe if k not in active.count)
-        assert active.count == Counter(k for keys in live for k in keys)
-        assert active.repeats == sum(active.count.values()) - len(active.count)
+            for probe_length in (3, 20, 45):
+                probe = chain_keys([probe_family] * 16 + list(range(16 * probe_length)), 16)
+                assert active.new_blocks(probe) == sum(1 for k in probe if k not in count)
+        assert active.repeats == sum(count.values()) - len(count)
 
 
 # -- every baseline ----------------------------------------------------------------------------

@@ -368,6 +368,12 @@ class Fleet:
     def _account(self, e: _Engine, now: float, out: StepOutput) -> None:
         buckets = self.utilisation[e.name]
         t, end = now, now + out.duration
+        if t < end:
+            # Most steps end in the bucket they start in: the loop's first pass, alone.
+            b = int(t // self.bucket_s)
+            if end <= (b + 1) * self.bucket_s:
+                buckets[b] = buckets.get(b, 0.0) + (end - t)
+                return
         while t < end:
             b = int(t // self.bucket_s)
             upto = min(end, (b + 1) * self.bucket_s)

@@ -47,10 +47,7 @@ from __future__ import annotations
 
 import random
 from bisect import bisect_left
-from collections import Counter, deque
 from collections.abc import Sequence
-from itertools import repeat
-from operator import sub
 
 from kvindex.index import BlockKey
 from planner.policy import (
@@ -65,43 +62,60 @@ from planner.policy import (
 
 
 class _ActiveBlocks:
-    """Block keys of one engine's in-flight requests, with how many times each is counted.
+    """Block keys of one engine's in-flight requests, and how many they hold more than once.
 
-    A request's keys are a chain (each key digests its parent's), added and removed whole, so
-    the keys present are prefix-closed: where a request's key is present, so are all the keys
-    before it. `new_blocks` and `remove` find their runs by bisection.
+    A request's keys are a chain (each key digests its parent's), added and removed whole: two
+    requests that share a key share every key before it, so the blocks in flight form a tree of
+    chains, and the blocks a prompt shares with them are its longest common prefix with one of
+    them, found by bisection (a few comparisons per request in flight, where counting every
+    block of a 100k-token prompt in and out cost a pass over it each way).
     """
 
     def __init__(self) -> None:
-        self.count: Counter[BlockKey] = Counter()
+        self.chains: list[tuple[BlockKey, ...]] = []
         self.repeats = 0
-        """Sum over keys of (count - 1): how far a plain sum overstates the unique blocks."""
+        """Sum over keys of (requests holding it - 1): how far a plain sum overstates the
+        unique blocks."""
 
-    # Every key present is counted at least once (`remove` deletes at one), so "already
-    # counted" is "present", and `add` counts at C speed over long prompts.
+    def add(self, keys: tuple[BlockKey, ...]) -> None:
+        self.repeats += _shared(keys, self.chains)
+        self.chains.append(keys)
 
-    def add(self, keys: Sequence[BlockKey]) -> None:
-        before = len(self.count)
-        self.count.update(keys)
-        self.repeats += len(keys) - (len(self.count) - before)
-
-    def remove(self, keys: Sequence[BlockKey]) -> None:
-        # Counts never rise along a chain (a request holding a key holds the keys before it),
-        # so the keys other requests hold too are a leading run.
-        count = self.count
-        get = count.get
-        shared = bisect_left(keys, True, key=lambda k: get(k, 0) <= 1)
-        if shared:
-            lead = keys[:shared]
-            dict.update(count, zip(lead, map(sub, map(count.__getitem__, lead), repeat(1)),
-                                   strict=True))
-        deque(map(count.pop, keys[shared:], repeat(None)), maxlen=0)
-        self.repeats -= shared
+    def remove(self, keys: tuple[BlockKey, ...]) -> None:
+        chains = self.chains
+        for at, c in enumerate(chains):
+            if c is keys:
+                del chains[at]
+                self.repeats -= _shared(keys, chains)
+                return
 
     def new_blocks(self, keys: Sequence[BlockKey]) -> int:
-        """How many of `keys` no in-flight request holds: all after the longest present run."""
-        count = self.count
-        return len(keys) - bisect_left(keys, True, key=lambda k: k not in count)
+        """How many of `keys` no in-flight request holds: all after the longest shared run."""
+        return len(keys) - _shared(keys, self.chains)
+
+
+def _shared(keys: Sequence[BlockKey], chains: list[tuple[BlockKey, ...]]) -> int:
+    """The longest common prefix of chained `keys` with any of `chains`."""
+    best = 0
+    n = len(keys)
+    for c in chains:
+        m = min(n, len(c))
+        # Chained keys: the prefixes agree up to a position exactly where the keys there do.
+        if m <= best or c[best] != keys[best]:
+            continue
+        if c[m - 1] == keys[m - 1]:
+            best = m
+            if best == n:
+                break
+            continue
+        best = _first_difference(keys, c, best, m - 1)
+    return best
+
+
+def _first_difference(a: Sequence[BlockKey], b: Sequence[BlockKey], lo: int, hi: int) -> int:
+    """The first position in [lo, hi] where chained `a` and `b` differ (they agree at `lo` and
+    differ at `hi`)."""
+    return lo + bisect_left(range(lo, hi + 1), True, key=lambda i: a[i] != b[i])
 
 
 _NONE_ACTIVE = _ActiveBlocks()
