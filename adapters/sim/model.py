@@ -733,7 +733,7 @@ class EngineModel:
         memo = self._prefix_memo
         if (memo is None or memo.req is not req or memo.max_blocks != max_blocks
                 or memo.stale(pool)):
-            hits = pool.cached_run(req.block_hashes[:max_blocks])
+            hits = pool.cached_run(islice(req.block_hashes, max_blocks))
             memo = _PrefixMemo(req, max_blocks, pool.mark(), hits, pool.ref_changes,
                                list(map(_REF_CNT, hits)).count(0))
             self._prefix_memo = memo
