@@ -349,8 +349,17 @@ class InMemoryIndex:
                 length[bit] = n
             confirmed_len = length
         elif not lower and alive <= _BYTE_ENGINES and spec_live:
-            self._match_bytes(keys, alive, self._narrow(), gpu, self._spec_mask, length,
-                              confirmed_len)
+            # The confirmed runs first (one probe per block), then each engine's run continued
+            # from its confirmed end while speculative entries cover it (the dispatched tail of
+            # a prompt): the speculative map is read only past where the confirmed runs end.
+            narrow = self._narrow()
+            self._match_bytes(keys, alive, narrow, gpu, None, confirmed_len, confirmed_len)
+            starts: dict[int, int] = {}
+            for bit, at in confirmed_len.items():
+                starts[at] = starts.get(at, 0) | (1 << bit)
+            scratch: dict[int, int] = {}
+            for at, bits in starts.items():
+                self._match_bytes(keys, bits, narrow, gpu, self._spec_mask, length, scratch, at)
         else:
             self._match_general(keys, now, alive, gpu, lower, length, confirmed_len, penalty)
         if not lower and isinstance(keys, tuple):  # immutable, so identity means same keys
@@ -371,16 +380,17 @@ class InMemoryIndex:
     def _match_bytes(
         keys: Sequence[BlockKey], alive: int, narrow: bool, gpu: dict[BlockKey, int],
         spec_mask: dict[BlockKey, int] | None, length: dict[int, int],
-        confirmed_len: dict[int, int],
+        confirmed_len: dict[int, int], start: int = 0,
     ) -> None:
         """`_match_general` without lower tiers, when every speculative entry is live and the
         engines' bits fit in a byte: masks of growing chunks of keys as bytes, searched per
         engine at C speed (a long prompt's unconfirmed tail made the per-block walk slow).
         Without `spec_mask` (no speculative entries) `length` and `confirmed_len` may be the
         same dict. `narrow`: every mask fits in a byte as it is (else masked to `alive`);
-        `_first_lacking` reads only the bits it is asked about."""
+        `_first_lacking` reads only the bits it is asked about. `start`: every engine of
+        `alive` holds the keys before it, confirmed (positions stay absolute)."""
         n = len(keys)
-        start, chunk = 0, 64
+        chunk = 64
         confirmed = alive
         while alive and start < n:
             part = keys[start : start + chunk]

@@ -16,6 +16,7 @@ The rank is also handed to engines running `--scheduling-policy priority` as vLL
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from heapq import heapify, heappop
 
 from planner.events import TaskSpec
 from planner.hints import RequestHints
@@ -32,6 +33,9 @@ class _Workflow:
     done: set[str] = field(default_factory=set)
     remaining_s: float = 0.0
     attained_tokens: int = 0
+    longest: list[tuple[float, str]] = field(default_factory=list)
+    """The tasks' paths as a heap, longest first (negated), finished ones dropped lazily: the
+    remaining critical path without a pass over a session's hundreds of tasks per call."""
 
 
 def task_estimate_s(spec: TaskSpec, profile: EngineProfile) -> float:
@@ -70,7 +74,10 @@ class WorkflowPriorities:
         path: dict[str, float] = {}
         for task in reversed(order):
             path[task] = est[task] + max((path[c] for c in children[task]), default=0.0)
-        self._workflows[workflow] = _Workflow(path, remaining_s=max(path.values(), default=0.0))
+        longest = [(-p, t) for t, p in path.items()]
+        heapify(longest)
+        self._workflows[workflow] = _Workflow(path, remaining_s=max(path.values(), default=0.0),
+                                              longest=longest)
 
     def task_done(self, workflow: str | None, task: str | None, output_tokens: int) -> None:
         """A call of the workflow finished."""
@@ -83,8 +90,10 @@ class WorkflowPriorities:
         wf.attained_tokens += output_tokens
         if task is not None and task in wf.path_s and task not in wf.done:
             wf.done.add(task)
-            wf.remaining_s = max((p for t, p in wf.path_s.items() if t not in wf.done),
-                                 default=0.0)
+            longest = wf.longest
+            while longest and longest[0][1] in wf.done:
+                heappop(longest)
+            wf.remaining_s = -longest[0][0] if longest else 0.0
 
     def forget(self, workflow: str) -> None:
         """The workflow is over."""
