@@ -562,9 +562,9 @@ class EngineModel:
     ) -> None:
         self.config = config
         self.profile = profile
-        # `profile.step_time_of` and `step_flops` inlined (`_step_time`, `_step_flops`): the
-        # same products, so the same results to the bit, without a call out of compiled code
-        # on every step.
+        # `profile.step_time_of` and `step_flops` inlined (`_step_time`, and the FLOPs sum in
+        # the two steps): the same products, so the same results to the bit, without a call
+        # out of compiled code on every step.
         (self._per_token, self._per_attended, self._rate, self._weights, self._kv_bytes,
          self._bandwidth) = profile.step_factors
         self._plain_compute = profile.attention_mfu is None
