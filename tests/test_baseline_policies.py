@@ -425,12 +425,13 @@ def test_dynamo_finished_requests_release_their_blocks() -> None:
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(1, 40)),
-                min_size=1, max_size=30))
+                min_size=1, max_size=30), st.sampled_from([1, 20, 1024]))
 def test_dynamo_new_blocks_match_a_key_by_key_count_over_chained_prompts(
-        ops: list[tuple[bool, int, int]]) -> None:
-    """The bisection over the chains in flight gives what counting every key gives, while
-    requests sharing prefixes of several lengths come and go."""
-    active, live = _ActiveBlocks(), []
+        ops: list[tuple[bool, int, int]], long_blocks: int) -> None:
+    """The bisections over the keys counted and the chains kept whole give what counting
+    every key gives, while requests sharing prefixes of several lengths come and go (every
+    request kept whole, short and long ones mixed, every one counted)."""
+    active, live = _ActiveBlocks(long_blocks), []
     for add, family, length in ops:
         keys = chain_keys([family] * 16 + list(range(16 * length)), 16)
         if add or not live:

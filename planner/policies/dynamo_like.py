@@ -47,7 +47,10 @@ from __future__ import annotations
 
 import random
 from bisect import bisect_left
+from collections import Counter, deque
 from collections.abc import Sequence
+from itertools import repeat
+from operator import sub
 
 from kvindex.index import BlockKey
 from planner.policy import (
@@ -60,38 +63,68 @@ from planner.policy import (
     register,
 )
 
+LONG_CHAIN_BLOCKS = 1024
+"""Requests of at least this many blocks (16k tokens at 16 a block) are kept as whole chains."""
+
 
 class _ActiveBlocks:
     """Block keys of one engine's in-flight requests, and how many they hold more than once.
 
     A request's keys are a chain (each key digests its parent's), added and removed whole: two
-    requests that share a key share every key before it, so the blocks in flight form a tree of
-    chains, and the blocks a prompt shares with them are its longest common prefix with one of
-    them, found by bisection (a few comparisons per request in flight, where counting every
-    block of a 100k-token prompt in and out cost a pass over it each way).
+    requests that share a key share every key before it, so the keys in flight are
+    prefix-closed and the blocks a prompt shares with them are a leading run, found by
+    bisection. Short chains are counted key by key (`count`: a probe per key in and out, and
+    a run is found by bisecting for the first key absent); long ones are kept whole (`long`:
+    a prompt's run is its longest common prefix with any of them, bisected), since counting
+    a 100k-token prompt's blocks in and out cost a pass over them each way, and a pass over
+    the engine's in-flight requests per call would cost more where thousands of short ones
+    are in flight.
     """
 
-    def __init__(self) -> None:
-        self.chains: list[tuple[BlockKey, ...]] = []
+    def __init__(self, long_blocks: int = LONG_CHAIN_BLOCKS) -> None:
+        self.long_blocks = long_blocks
+        self.count: Counter[BlockKey] = Counter()
+        self.long: list[tuple[BlockKey, ...]] = []
         self.repeats = 0
         """Sum over keys of (requests holding it - 1): how far a plain sum overstates the
         unique blocks."""
 
+    def _held_run(self, keys: Sequence[BlockKey]) -> int:
+        """The leading run of `keys` some in-flight request holds."""
+        count = self.count
+        counted = bisect_left(keys, True, key=lambda k: k not in count) if count else 0
+        return max(counted, _shared(keys, self.long)) if self.long else counted
+
     def add(self, keys: tuple[BlockKey, ...]) -> None:
-        self.repeats += _shared(keys, self.chains)
-        self.chains.append(keys)
+        self.repeats += self._held_run(keys)
+        if len(keys) >= self.long_blocks:
+            self.long.append(keys)
+        else:
+            self.count.update(keys)
 
     def remove(self, keys: tuple[BlockKey, ...]) -> None:
-        chains = self.chains
-        for at, c in enumerate(chains):
-            if c is keys:
-                del chains[at]
-                self.repeats -= _shared(keys, chains)
-                return
+        if len(keys) >= self.long_blocks:
+            for at, c in enumerate(self.long):
+                if c is keys:
+                    del self.long[at]
+                    self.repeats -= self._held_run(keys)
+                    return
+            return
+        # Counts never rise along a chain, so the keys other short requests hold too are a
+        # leading run; the long ones' share is their common prefix.
+        count = self.count
+        get = count.get
+        shared = bisect_left(keys, True, key=lambda k: get(k, 0) <= 1)
+        if shared:
+            lead = keys[:shared]
+            dict.update(count, zip(lead, map(sub, map(count.__getitem__, lead), repeat(1)),
+                                   strict=True))
+        deque(map(count.pop, keys[shared:], repeat(None)), maxlen=0)
+        self.repeats -= max(shared, _shared(keys, self.long)) if self.long else shared
 
     def new_blocks(self, keys: Sequence[BlockKey]) -> int:
-        """How many of `keys` no in-flight request holds: all after the longest shared run."""
-        return len(keys) - _shared(keys, self.chains)
+        """How many of `keys` no in-flight request holds: all after the longest held run."""
+        return len(keys) - self._held_run(keys)
 
 
 def _shared(keys: Sequence[BlockKey], chains: list[tuple[BlockKey, ...]]) -> int:
