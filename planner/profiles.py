@@ -155,19 +155,12 @@ class EngineProfile:
         remaining = new_tokens
         done = context_tokens
         total = 0.0
-        # `step_time` of each chunk alone, term for term (the cost model times every engine
-        # for every call): the same expressions, so the same result to the bit.
-        params2 = 2.0 * self.params
-        attn = 4.0 * self.layers * self.hidden
-        kv_bytes = self.kv_bytes_per_token
-        bandwidth = self.mem_bandwidth * self.mbu
-        weights = self.weight_bytes
+        # Each chunk's `step_time` from its sums (`step_time_of`, the same result to the bit),
+        # without a `ScheduledChunk` and a list per chunk: the cost model times every engine
+        # for every call.
         while remaining > 0:
             n = min(remaining, self.max_num_batched_tokens)
-            attention = attn * (n * (done + (n + 1) / 2.0))
-            memory_s = (weights + (done + n) * kv_bytes) / bandwidth
-            total += self.step_overhead_s + max(
-                self.compute_time(params2 * n + attention, attention), memory_s)
+            total += self.step_time_of(n, n * (done + (n + 1) / 2.0), done + n)
             done += n
             remaining -= n
         return total

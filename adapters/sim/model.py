@@ -562,9 +562,9 @@ class EngineModel:
     ) -> None:
         self.config = config
         self.profile = profile
-        # `profile.step_time_of` and `step_flops` inlined (`_step_time`, and the FLOPs sum in
-        # the two steps): the same products, so the same results to the bit, without a call
-        # out of compiled code on every step.
+        # `profile.step_time_of` and `step_flops` inlined (`_step_time`, `_step_flops`): the
+        # same products, so the same results to the bit, without a call out of compiled code
+        # on every step.
         (self._per_token, self._per_attended, self._rate, self._weights, self._kv_bytes,
          self._bandwidth) = profile.step_factors
         self._plain_compute = profile.attention_mfu is None
@@ -995,7 +995,7 @@ class EngineModel:
         stats.generation_tokens += len(outputs)
         stats.steps += 1
         stats.busy_time += duration
-        stats.flops += self._per_token * new_tokens + self._per_attended * attended
+        stats.flops += self._step_flops(new_tokens, attended)
         return StepOutput(duration, outputs, finished, kv_events, int(new_tokens),
                           not kv_events and not first and not finished)
 
@@ -1038,13 +1038,17 @@ class EngineModel:
         stats.generation_tokens += len(outputs)
         stats.steps += 1
         stats.busy_time += duration
-        stats.flops += self._per_token * new_tokens + self._per_attended * attended
+        stats.flops += self._step_flops(new_tokens, attended)
         self.plain_steps += 1
         return StepOutput(duration, outputs, [], [], int(new_tokens), True)
 
+    def _step_flops(self, new_tokens: float, attended: float) -> float:
+        """`EngineProfile.step_flops`, term for term."""
+        return self._per_token * new_tokens + self._per_attended * attended
+
     def _step_time(self, new_tokens: float, attended: float, kv_tokens: float) -> float:
         """`EngineProfile.step_time_of`, term for term."""
-        flops = self._per_token * new_tokens + self._per_attended * attended
+        flops = self._step_flops(new_tokens, attended)
         if self._plain_compute:
             compute_s = flops / self._rate
         else:
