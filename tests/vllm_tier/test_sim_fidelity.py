@@ -56,7 +56,10 @@ on 2026-11-27 (a 2-core Xeon VM): three fits in a row read a 4 x 512 decode step
 # (its API server floats over the cores the rest of the suite uses), hence the margins.
 ALLOWED = {"mean TTFT": (0.35, 1.35), "mean e2e": (0.55, 1.35), "makespan": (0.55, 1.35)}
 SHIPPED_RANGE = (1 / 3, 3.0)
-"""The shipped cpu-tiny's predicted prefill and decode-step times against today's fit's."""
+"""The shipped cpu-tiny's predicted prefill and decode-step times against today's fit's. CI on
+2026-11-27 (a Xeon with AMX) fitted a 2,000-token prefill 3.14x faster than the constants then
+shipped; the profile's prefill rate was re-centred on the fits recorded (planner/profiles.py),
+not this range widened."""
 SHIPPED_WORKLOAD = {"mean TTFT": (0.3, 3.0), "mean e2e": (1 / 3, 3.0), "makespan": (1 / 3, 3.0)}
 """The shipped profile's sim/real figures on the agent workload. Fixed constants meet a real
 engine whose speed moves by up to 2x from day to day and from machine to machine (the module
