@@ -355,6 +355,10 @@ class Fleet:
         """KV bytes moved between engines so far."""
         return self.link.bytes_moved if self.link is not None else 0
 
+    def mark(self, e: _Engine) -> None:
+        """The engine may start a step at the next kick."""
+        self._dirty.append(e)
+
     def step_done(self, e: _Engine, out: StepOutput, now: float) -> None:
         """A step ended: the engine may start another; its KV events reach the index."""
         e.busy = False
@@ -417,13 +421,15 @@ class PromptBuilder:
         return self.renderer.render(messages, task.tools, task.tools_key)
 
     def segments(self, wf: BenchWorkflow, task: BenchTask, pieces: Sequence[Piece],
-                 block_size: int) -> Segments:
+                 block_size: int, num_tokens: int | None = None) -> Segments:
         """The prompt's segments by the planner's rules (`planner.segments`), each piece tagged
         as the message it renders; the template's framing (BOS, tools) is static and its
-        generation prompt transient. Trace prompts (blocks, no messages) are transient."""
+        generation prompt transient. Trace prompts (blocks, no messages) are transient: one
+        segment of `num_tokens` when the caller has counted the prompt, else of its pieces."""
         if task.blocks:
-            return tag_parts([("transient", sum(map(len, map(_PIECE_IDS, pieces))))],
-                             block_size)
+            if num_tokens is None:
+                num_tokens = sum(map(len, map(_PIECE_IDS, pieces)))
+            return tag_parts([("transient", num_tokens)], block_size)
         readers: dict[str, int] = {}
         for t in wf.tasks:
             for dep in t.after:
@@ -584,7 +590,16 @@ class VirtualRun:
                 self._ready(*data)
             elif kind == "step":
                 assert isinstance(data, tuple)
-                finished += self._step_done(*data)
+                e, out = data
+                if out.inert and not self.planner.pending:
+                    # It only frees its engine: no KV event, first token or end reaches the
+                    # index or the planner, and nothing waits to be released, so
+                    # `_step_done` would find nothing to do (most of a trace replay's steps).
+                    e.busy = False
+                    self.fleet.mark(e)
+                    self._kick()
+                    continue
+                finished += self._step_done(e, out)
                 if self.progress is not None:
                     self.progress(finished, total)
             elif kind == "pulled":
@@ -697,7 +712,7 @@ class VirtualRun:
             max_tokens=task.output_tokens)
         self._waiting[rid] = _Waiting(record, wf, task, route, keys.token_ids)
         hints = RequestHints(workflow=wf.id, task=task.id, after=tuple(task.after))
-        segments = self.builder.segments(wf, task, pieces, self.block_size)
+        segments = self.builder.segments(wf, task, pieces, self.block_size, keys.num_tokens)
         first = segments.ranges[0] if segments.ranges else None
         record.static_tokens = (min(first.end * self.block_size, keys.num_tokens)
                                 if first is not None and first.kind == "static" else 0)
