@@ -183,8 +183,8 @@ CPU_TINY = EngineProfile(
     # in 20.0 ms (CI's fit, 2026-11-27, a Xeon with AMX), 22.8 (an EPYC, 2026-11-25), 28-42
     # (three fits on a Xeon, 2026-11-27) and 56 ms (2026-11-23), against 62.7 ms at this
     # fit's 1.22e11 FLOP/s (its own sample: 57 ms at 2,048 tokens); 2.2e11 predicts 34.8 ms,
-    # between the fastest fit and the old rate's geometric middle, so each of those is within
-    # 1.8x (the fidelity test allows 3x; CI's day was 3.14x off the old rate).
+    # near the geometric middle of the fastest fit and the old rate, so each of those is
+    # within 1.8x (the fidelity test allows 3x; CI's day was 3.14x off the old rate).
     name="cpu-tiny",
     model="kvgate-tiny",
     params=1.4e6,

@@ -393,10 +393,6 @@ class Fleet:
         """KV bytes moved between engines so far."""
         return self.link.bytes_moved if self.link is not None else 0
 
-    def mark(self, e: _Engine) -> None:
-        """The engine may start a step at the next kick."""
-        self._dirty.append(e)
-
     def step_done(self, e: _Engine, out: StepOutput, now: float) -> None:
         """A step ended: the engine may start another; its KV events reach the index."""
         e.busy = False
@@ -631,10 +627,9 @@ class VirtualRun:
                 e, out = data
                 if out.inert and not self.planner.pending:
                     # It only frees its engine: no KV event, first token or end reaches the
-                    # index or the planner, and nothing waits to be released, so
+                    # index or the planner, and nothing waits to be released, so the rest of
                     # `_step_done` would find nothing to do (most of a trace replay's steps).
-                    e.busy = False
-                    self.fleet.mark(e)
+                    self.fleet.step_done(e, out, t)
                     self._kick()
                     continue
                 finished += self._step_done(e, out)
