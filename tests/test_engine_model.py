@@ -466,3 +466,74 @@ def _check_free_order(rng: random.Random, pool: BlockPool, num_blocks: int) -> N
     while held:
         free(held.pop())
     assert [b.block_id for b in pool.allocate(num_blocks)] == list(lru)
+
+
+@given(
+    turns=st.lists(
+        st.tuples(st.integers(0, 6), st.integers(0, 100), st.integers(1, 60), st.integers(1, 24),
+                  st.booleans()),
+        min_size=1,
+        max_size=16,
+    ),
+    num_blocks=st.integers(min_value=10, max_value=48),
+    reset_at=st.integers(0, 40),
+)
+@settings(max_examples=150, deadline=None)
+def test_a_lookup_through_runs_finds_the_blocks_a_probe_per_block_finds(
+    turns: list[tuple[int, int, int, int, bool]], num_blocks: int, reset_at: int
+) -> None:
+    """`cached_run_from` (a stretch of another request's run at once) gives exactly the blocks
+    of `cached_run` (one probe per block) for every request's hashes, from the start and from
+    the middle, after every step: conversations that extend earlier turns (their outputs
+    included) or fork them, the same prompt twice at once (two copies of its blocks), eviction,
+    preemption in a small pool, and a prefix-cache reset."""
+    engine = make_engine(num_blocks=num_blocks, budget=64)
+    pool = engine.pool
+    requests: list[SimRequest] = []
+    now = 0.0
+    for step in range(4000):
+        if turns and step % 2 == 0:
+            parent, cut, extra, max_tokens, twice = turns.pop(0)
+            seq: list[int] = []
+            if requests and parent:
+                prev = requests[parent % len(requests)]
+                seq = [*prev.prompt_token_ids, *prev.output_token_ids]
+                seq = seq[: len(seq) * cut // 100]
+            seq += [5000 + 100 * len(requests) + t for t in range(extra)]
+            seq = seq[: num_blocks * 16 - max_tokens - 1]
+            for _ in range(2 if twice else 1):
+                req = request(f"r{len(requests)}", seq, max_tokens=max_tokens, now=now)
+                requests.append(req)
+                engine.add_request(req)
+        if not engine.has_work():
+            if not turns:
+                break
+            if step >= reset_at:
+                engine.reset_prefix_cache()
+            now += 0.001
+            continue
+        now += engine.step(now).duration
+        for req in requests:
+            hashes = req.block_hashes
+            for start in (0, len(hashes) // 2):
+                through_runs = pool.cached_run_from(hashes, start, len(hashes))
+                per_block = pool.cached_run(hashes[start:])
+                assert list(map(id, through_runs)) == list(map(id, per_block))
+    assert not engine.has_work()
+
+
+def test_a_run_is_not_followed_past_a_block_cached_as_a_second_copy() -> None:
+    """Two requests cached the same two blocks (the second's are copies); once the first's
+    first block is evicted, its copy becomes what a probe finds, but the second block's is
+    still the first request's: a lookup must not follow the second request's run to its copy."""
+    pool = BlockPool(5)
+    first, second = pool.allocate(2), pool.allocate(2)
+    hashes = [11, 12]
+    pool.cache_all(first, hashes, model._Run(first, hashes), 0)
+    pool.cache_all(second, hashes, model._Run(second, hashes), 0)
+    pool.free([first[0]])
+    pool.free(second)
+    pool.free([first[1]])
+    pool.allocate(2)  # the free one, then first[0] (freed before the others): evicted
+    assert pool.lookup(11) is second[0] and pool.lookup(12) is first[1]
+    assert pool.cached_run_from(hashes, 0, 2) == pool.cached_run(hashes) == [second[0], first[1]]

@@ -37,7 +37,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, count, filterfalse, islice, takewhile
+from itertools import compress, count, filterfalse, takewhile
 from operator import attrgetter, eq
 from typing import NamedTuple, cast
 
@@ -89,6 +89,24 @@ class FinishReason(enum.Enum):
     """vLLM's FINISHED_ERROR (a failed KV load under `kv_load_failure_policy: fail`)."""
 
 
+@dataclass(slots=True, eq=False, repr=False)
+class _Run:
+    """The blocks one request cached, in its order: what lets a lookup take a long stretch of
+    a prompt's blocks at once instead of one dict probe per block.
+
+    `blocks` is the request's block list (only ever appended to; a preempted or finished
+    request gets a new list and so a new run), `hashes` its block hashes (position for
+    position). Positions from the first block the request cached up to `cached` are its own;
+    `broken` is the first of them that may no longer be its hash's cached copy (evicted, or
+    cached as a second copy of a hash another block already held).
+    """
+
+    blocks: list[KVBlock]
+    hashes: list[BlockHash]
+    cached: int = 0
+    broken: int = 1 << 62
+
+
 @dataclass(slots=True)
 class KVBlock:
     """One physical KV block: a ref count and, once full and cached, its chained hash."""
@@ -99,6 +117,19 @@ class KVBlock:
     freed_at: int = -1
     """Position of the block's latest entry in the pool's free order (the live one while
     `ref_cnt` is 0; an entry elsewhere is stale)."""
+    run: _Run | None = field(default=None, compare=False, repr=False)
+    """The run the block was cached in, while it is cached (None when cached outside one)."""
+    pos: int = field(default=0, compare=False, repr=False)
+    """Its position in that run."""
+
+
+def _break(block: KVBlock) -> None:
+    """The block stops being (or never was) its hash's cached copy: its run ends before it."""
+    run = block.run
+    if run is not None:
+        if block.pos < run.broken:
+            run.broken = block.pos
+        block.run = None
 
 
 _REF_CNT = attrgetter("ref_cnt")
@@ -255,6 +286,48 @@ class BlockPool:
         found = map(self._cached.get, block_hashes)
         return cast("list[KVBlock]", list(takewhile(bool, found)))
 
+    def cached_run_from(self, hashes: list[BlockHash], start: int, stop: int) -> list[KVBlock]:
+        """`cached_run` of `hashes[start:stop]`, the same blocks, taking a stretch of another
+        request's run at once where one continues it.
+
+        A hash names its whole prefix (the hash chain: a block's hash covers its parent's, as
+        vLLM's prefix cache assumes), so where the prompt's hash at some offset into a run
+        equals the run's, every hash before it does too: one bisection finds how far the
+        prompt follows the run, and every block of the run before `broken` is its hash's
+        cached copy, the one a probe would find.
+        """
+        cached = self._cached
+        out: list[KVBlock] = []
+        i = start
+        while i < stop:
+            b = cached.get(hashes[i])
+            if b is None:
+                break
+            run = b.run
+            if run is not None:
+                p = b.pos
+                n = min(run.broken, run.cached, p + stop - i) - p
+                if n > 1:
+                    theirs = run.hashes
+                    if hashes[i + n - 1] == theirs[p + n - 1]:
+                        k = n
+                    else:
+                        # The longest k (1 <= k < n) with hashes[i + k - 1] == theirs[p + k - 1].
+                        lo, hi = 1, n - 1
+                        while lo < hi:
+                            mid = (lo + hi + 1) // 2
+                            if hashes[i + mid - 1] == theirs[p + mid - 1]:
+                                lo = mid
+                            else:
+                                hi = mid - 1
+                        k = lo
+                    out.extend(run.blocks[p : p + k])
+                    i += k
+                    continue
+            out.append(b)
+            i += 1
+        return out
+
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on cached blocks a request reuses (they leave the free queue)."""
         self.ref_changes += 1
@@ -290,6 +363,8 @@ class BlockPool:
                     del cached[block_hash]
                 evicted.append(block_hash)
                 b.block_hash = None
+                if b.run is not None:
+                    _break(b)
             b.ref_cnt = 1
         self._head = at
         if evicted:
@@ -331,19 +406,25 @@ class BlockPool:
 
     def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash (another copy may already be cached)."""
-        block.block_hash = block_hash
-        oldest = self._cached.setdefault(block_hash, block)
-        if oldest is not block:
-            self._add_copy(oldest, block, block_hash)
+        self.cache_all([block], [block_hash])
 
-    def cache_all(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash]) -> None:
-        """`cache` each block under the hash at the same position."""
+    def cache_all(self, blocks: Sequence[KVBlock], block_hashes: Sequence[BlockHash],
+                  run: _Run | None = None, first: int = 0) -> None:
+        """`cache` each block under the hash at the same position; with `run`, the blocks are
+        its positions from `first` on."""
         cached = self._cached
+        pos = first
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             block.block_hash = block_hash
+            block.run = run
+            block.pos = pos
+            pos += 1
             oldest = cached.setdefault(block_hash, block)
             if oldest is not block:
                 self._add_copy(oldest, block, block_hash)
+                _break(block)
+        if run is not None:
+            run.cached = pos
 
     def _add_copy(self, oldest: KVBlock, block: KVBlock, block_hash: BlockHash) -> None:
         copies = self._copies.get(block_hash)
@@ -367,9 +448,11 @@ class BlockPool:
             return False
         for b in self._cached.values():
             b.block_hash = None
+            _break(b)
         for copies in self._copies.values():
             for b in copies.values():
                 b.block_hash = None
+                _break(b)
         self._cached.clear()
         self._copies.clear()
         self._removed.clear()
@@ -440,6 +523,8 @@ class SimRequest:
     # Leading blocks already registered in the prefix cache (or found there).
     num_cached_blocks: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
+    run: _Run | None = field(default=None, compare=False, repr=False)
+    """The run of the blocks it cached (its present `blocks` list)."""
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -733,13 +818,13 @@ class EngineModel:
         memo = self._prefix_memo
         if (memo is None or memo.req is not req or memo.max_blocks != max_blocks
                 or memo.stale(pool)):
-            hits = pool.cached_run(islice(req.block_hashes, max_blocks))
+            hits = pool.cached_run_from(req.block_hashes, 0, max_blocks)
             memo = _PrefixMemo(req, max_blocks, pool.mark(), hits, pool.ref_changes,
                                list(map(_REF_CNT, hits)).count(0))
             self._prefix_memo = memo
             return hits, memo.reusable_free
         known = len(memo.hits)
-        more = pool.cached_run(islice(req.block_hashes, known, max_blocks))
+        more = pool.cached_run_from(req.block_hashes, known, max_blocks)
         if more:
             memo.hits = memo.hits + more
             if memo.hashes is not None:
@@ -764,7 +849,10 @@ class EngineModel:
             return
         self._extend_block_hashes(req, full * bs)
         hashes = tuple(req.block_hashes[first:full])
-        self.pool.cache_all(req.blocks[first:full], hashes)
+        run = req.run
+        if run is None or run.blocks is not req.blocks:
+            run = req.run = _Run(req.blocks, req.block_hashes)
+        self.pool.cache_all(req.blocks[first:full], hashes, run, first)
         req.num_cached_blocks = full
         # Extra keys differ only on block 0 (the salt); every later block has the same ones.
         head = tuple(self._event_extra_keys(req, i) for i in range(first, min(full, 1)))

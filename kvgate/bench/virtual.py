@@ -403,6 +403,15 @@ class Fleet:
             e.seq += 1
             apply_ops_sync(self.index, result.ops)
 
+    def idle_again(self, e: _Engine) -> bool:
+        """An inert step of `e` ended (nothing for the index): `step_done` for it, True when
+        no other engine waits to be kicked, so `e` alone may start its next step."""
+        e.busy = False
+        if self._dirty or self.pulls:
+            self._dirty.append(e)
+            return False
+        return True
+
     def _account(self, e: _Engine, now: float, out: StepOutput) -> None:
         buckets = self.utilisation[e.name]
         t, end = now, now + out.duration
@@ -629,8 +638,10 @@ class VirtualRun:
                     # It only frees its engine: no KV event, first token or end reaches the
                     # index or the planner, and nothing waits to be released, so the rest of
                     # `_step_done` would find nothing to do (most of a trace replay's steps).
-                    self.fleet.step_done(e, out, t)
-                    self._kick()
+                    if self.fleet.idle_again(e):
+                        self._restart(e)
+                    else:
+                        self._kick()
                     continue
                 finished += self._step_done(e, out)
                 if self.progress is not None:
@@ -674,7 +685,16 @@ class VirtualRun:
 
     def _kick(self) -> None:
         """Start a step on every idle engine that may have work (those touched since)."""
-        started = self.fleet.kick(self.now)
+        self._started(self.fleet.kick(self.now))
+
+    def _restart(self, e: _Engine) -> None:
+        """`_kick` when `e` is the only engine to look at (`Fleet.idle_again`)."""
+        step = self.fleet.start(e, self.now) if e.model.has_work() else None
+        self._started([step] if step is not None else [])
+
+    def _started(self, started: list[tuple[float, _Engine, StepOutput]]) -> None:
+        """Put the steps just started on the agenda (running a lone inert one ahead), and the
+        pulls they began."""
         if len(started) == 1 and started[0][2].inert and not self.planner.pending:
             started = self._run_ahead(*started[0])
         for end, e, out in started:
