@@ -507,6 +507,9 @@ class SimRequest:
     priority: int = 0
     # Seeds the simulated sampler so the same prompt yields the same output, like greedy decoding.
     sample_seed: int = 0
+    output_plan: Sequence[int] | None = None
+    """The tokens to generate, in order, when the caller knows them (a benchmark's planned
+    output): the engine takes them instead of asking its sampler."""
     remote_decode: bool = False
     """Producer leg (`do_remote_decode`): on finishing, its blocks stay allocated for a peer to
     pull until released or the lease expires; `exported_block_ids` names them."""
@@ -1054,7 +1057,8 @@ class EngineModel:
             total = len(req.prompt_token_ids) + len(out_ids)
             if ctx < total:
                 continue
-            token = sampler(req)
+            plan = req.output_plan
+            token = plan[len(out_ids)] if plan is not None else sampler(req)
             reason: FinishReason | None = None
             n_out = len(out_ids) + 1
             if n_out >= req.max_tokens or total + 1 >= max_len:
@@ -1118,7 +1122,8 @@ class EngineModel:
             attended += ctx + 1.0
             kv_tokens += ctx + 1
             req.num_computed_tokens = ctx + 1
-            token = sampler(req)
+            plan = req.output_plan
+            token = plan[len(req.output_token_ids)] if plan is not None else sampler(req)
             req.output_token_ids.append(token)
             outputs.append(TokenOutput(req.request_id, (token,), None))
         duration = self._step_time(new_tokens, attended, kv_tokens)

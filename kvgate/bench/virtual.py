@@ -18,7 +18,7 @@ import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, cast
 
@@ -234,6 +234,8 @@ class _Engine:
     model: EngineModel
     busy: bool = False
     seq: int = 0
+    buckets: dict[int, float] = field(default_factory=dict)
+    """Busy seconds per utilisation bucket (`Fleet.utilisation`)."""
 
 
 @dataclass
@@ -323,7 +325,8 @@ class Fleet:
         """Ingest the engines' KV events into the index (off when no one reads it)."""
         self.index_block_size = index_block_size
         self.bucket_s = bucket_s
-        self.utilisation: dict[str, dict[int, float]] = {n: {} for n in names}
+        self.utilisation: dict[str, dict[int, float]] = {
+            n: e.buckets for n, e in self.engines.items()}
         self._dirty: list[_Engine] = []
         self.link = LinkModel(link) if link.enabled else None
         self.block_bytes = bs * profile.kv_bytes_per_token
@@ -366,8 +369,14 @@ class Fleet:
         if out.num_scheduled_tokens == 0 and not out.outputs:
             return None
         e.busy = True
-        self._account(e, now, out)
-        return now + out.duration, e, out
+        end = now + out.duration
+        # Most steps end in the bucket they start in: `_account`'s first pass, inline.
+        b = int(now // self.bucket_s)
+        if now < end <= (b + 1) * self.bucket_s:
+            e.buckets[b] = e.buckets.get(b, 0.0) + (end - now)
+        else:
+            self._account(e, now, out)
+        return end, e, out
 
     def _pull(self, destination: str, pull: KVPull, now: float) -> None:
         if self.link is None:
@@ -413,14 +422,9 @@ class Fleet:
         return True
 
     def _account(self, e: _Engine, now: float, out: StepOutput) -> None:
-        buckets = self.utilisation[e.name]
+        """Spread a step's busy time over the buckets it spans."""
+        buckets = e.buckets
         t, end = now, now + out.duration
-        if t < end:
-            # Most steps end in the bucket they start in: the loop's first pass, alone.
-            b = int(t // self.bucket_s)
-            if end <= (b + 1) * self.bucket_s:
-                buckets[b] = buckets.get(b, 0.0) + (end - t)
-                return
         while t < end:
             b = int(t // self.bucket_s)
             upto = min(end, (b + 1) * self.bucket_s)
@@ -815,7 +819,8 @@ class VirtualRun:
             arrival_time=self.now, ignore_eos=True, natural_output_len=task.output_tokens,
             cache_salt=wf.tenant,
             priority=action.priority if action.priority is not None else task.priority,
-            block_hashes=list(route.block_keys) if same_blocks else []), task)
+            block_hashes=list(route.block_keys) if same_blocks else [],
+            output_plan=out_piece.ids), task)
 
     def _send(self, engine: str, request: SimRequest, task: BenchTask | None = None) -> None:
         """A request reaches its engine's scheduler after the server's per-request cost
