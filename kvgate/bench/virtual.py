@@ -246,7 +246,6 @@ class _Live:
     wf: BenchWorkflow
     task: BenchTask
     route: RouteRequest
-    outputs: tuple[int, ...]
     output_piece: Piece
     token_ids: Sequence[int]
 
@@ -590,10 +589,11 @@ class VirtualRun:
 
     # -- engine model hooks ---------------------------------------------------------------------
 
-    def _sample(self, req: SimRequest) -> int:
-        live = self._live.get(req.request_id)
-        # A move's legs answer one token nobody reads.
-        return live.outputs[len(req.output_token_ids)] if live is not None else 0
+    @staticmethod
+    def _sample(req: SimRequest) -> int:
+        """Only a move's legs ask (a task's request carries its planned output,
+        `SimRequest.output_plan`): they answer one token nobody reads."""
+        return 0
 
     # -- event loop -----------------------------------------------------------------------------
 
@@ -812,7 +812,7 @@ class VirtualRun:
         record.engine = engine_name
         self._runs[wf.id].dispatched(task.id, self.now)
         out_piece = self.builder.output_piece(wf, task)
-        self._live[rid] = _Live(record, wf, task, route, out_piece.ids, out_piece, w.token_ids)
+        self._live[rid] = _Live(record, wf, task, route, out_piece, w.token_ids)
         same_blocks = self.config.block_size == self.block_size
         self._send(engine_name, SimRequest(
             request_id=rid, prompt_token_ids=w.token_ids, max_tokens=task.output_tokens,
