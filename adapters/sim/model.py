@@ -35,11 +35,11 @@ import hashlib
 import struct
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, count, filterfalse, takewhile
+from itertools import compress, count, filterfalse
 from operator import attrgetter, eq
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 from planner.profiles import EngineProfile
 
@@ -279,16 +279,10 @@ class BlockPool:
             removed.extend(block_hashes[at : at + room])
             at += room
 
-    def cached_run(self, block_hashes: Iterable[BlockHash]) -> list[KVBlock]:
-        """Cached blocks of the longest leading run of `block_hashes` that are all cached (the
-        first copy of each, as `lookup` gives it)."""
-        # A KVBlock is always truthy, so the run ends at the first miss (None).
-        found = map(self._cached.get, block_hashes)
-        return cast("list[KVBlock]", list(takewhile(bool, found)))
-
     def cached_run_from(self, hashes: list[BlockHash], start: int, stop: int) -> list[KVBlock]:
-        """`cached_run` of `hashes[start:stop]`, the same blocks, taking a stretch of another
-        request's run at once where one continues it.
+        """Cached blocks (the copy `lookup` finds of each) of the longest leading run of
+        `hashes[start:stop]` that are all cached, taking a stretch of another request's run at
+        once where one continues it.
 
         A hash names its whole prefix (the hash chain: a block's hash covers its parent's, as
         vLLM's prefix cache assumes), so where the prompt's hash at some offset into a run
