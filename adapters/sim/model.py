@@ -651,6 +651,7 @@ class EngineModel:
          self._bandwidth) = profile.step_factors
         self._plain_compute = profile.attention_mfu is None
         self._overhead_s = profile.step_overhead_s
+        self._seq_overhead_s = profile.seq_overhead_s
         self.sampler = sampler
         # Any chained hash works (vLLM offers several); a request may arrive with its prompt's
         # leading hashes already computed by the caller with the same function.
@@ -1068,7 +1069,7 @@ class EngineModel:
             outputs.append(TokenOutput(req.request_id, (token,), reason))
         if not scheduled:
             return StepOutput(0.0, outputs, [], kv_events, 0)
-        duration = self._step_time(new_tokens, attended, kv_tokens)
+        duration = self._step_time(new_tokens, attended, kv_tokens, len(scheduled))
         done_at = now + duration
         for req in first:
             req.first_token_time = done_at
@@ -1120,7 +1121,7 @@ class EngineModel:
             token = plan[len(req.output_token_ids)] if plan is not None else sampler(req)
             req.output_token_ids.append(token)
             outputs.append(TokenOutput(req.request_id, (token,), None))
-        duration = self._step_time(new_tokens, attended, kv_tokens)
+        duration = self._step_time(new_tokens, attended, kv_tokens, len(running))
         stats = self.stats
         stats.generation_tokens += len(outputs)
         stats.steps += 1
@@ -1133,7 +1134,8 @@ class EngineModel:
         """`EngineProfile.step_flops`, term for term."""
         return self._per_token * new_tokens + self._per_attended * attended
 
-    def _step_time(self, new_tokens: float, attended: float, kv_tokens: float) -> float:
+    def _step_time(self, new_tokens: float, attended: float, kv_tokens: float,
+                   seqs: int) -> float:
         """`EngineProfile.step_time_of`, term for term."""
         flops = self._step_flops(new_tokens, attended)
         if self._plain_compute:
@@ -1141,7 +1143,7 @@ class EngineModel:
         else:
             compute_s = self.profile.compute_time(flops, self._per_attended * attended)
         memory_s = (self._weights + kv_tokens * self._kv_bytes) / self._bandwidth
-        return self._overhead_s + max(compute_s, memory_s)
+        return self._overhead_s + seqs * self._seq_overhead_s + max(compute_s, memory_s)
 
     def _finish(self, req: SimRequest, reason: FinishReason, now: float) -> None:
         if req.remote_decode and reason is not FinishReason.ABORT and req.blocks:

@@ -74,7 +74,7 @@ def decode_time_lb(profile: EngineProfile, prompt: int, output: int) -> float:
     compute = profile.compute_time(n * 2.0 * profile.params + attention, attention)
     memory = (n * profile.weight_bytes + ctx_sum * profile.kv_bytes_per_token) / (
         profile.mem_bandwidth * profile.mbu)
-    return n * profile.step_overhead_s + max(compute, memory)
+    return n * (profile.step_overhead_s + profile.seq_overhead_s) + max(compute, memory)
 
 
 def lower_bound(
