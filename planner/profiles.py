@@ -1,8 +1,9 @@
 """Roofline profiles of real GPU + model pairs, used by the simulated engine to time its steps.
 
 Prefill is compute-bound (FLOPs / effective peak), decode is memory-bound ((weights + KV read) /
-effective bandwidth); a step costs whichever dominates plus a fixed per-step overhead. Hardware and
-model figures come from ../shared/design/ANCHORS.md and the models' published configs.
+effective bandwidth); a step costs whichever dominates plus a fixed per-step overhead (and, where
+a profile sets one, a cost per sequence it schedules). Hardware and model figures come from
+../shared/design/ANCHORS.md and the models' published configs.
 """
 
 from __future__ import annotations
