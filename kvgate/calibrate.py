@@ -36,9 +36,9 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -59,6 +59,8 @@ REPEAT_STAT: Callable[[Sequence[float]], float] = statistics.median
 """What a probe keeps of its repeats (see the module's docstring)."""
 # Prompt token ids: valid in any vocabulary of 1000+ tokens, clear of the usual special tokens.
 PROMPT_TOKENS = range(10, 1000)
+S = TypeVar("S")
+T = TypeVar("T")
 # A coefficient the data cannot support (<= 0) is pinned here: effectively infinite FLOP/s or B/s.
 NEGLIGIBLE = 1e-18
 
@@ -330,28 +332,43 @@ class Prober:
                    if line.startswith(name + "{") or line.startswith(name + " "))
 
 
-async def measure_prefill(p: Prober, lengths: Sequence[int], repeats: int) -> list[PrefillSample]:
-    """Median TTFT per prompt length, each request alone on a cold cache; the lengths taken in
-    rounds (see `measure_decode`)."""
-    ttfts: list[list[float]] = [[] for _ in lengths]
+async def in_rounds(shapes: Sequence[S], repeats: int,
+                    once: Callable[[S], Awaitable[T]]) -> list[list[T]]:
+    """Each shape's `repeats` results of `once`, taken in rounds, each round measuring every
+    shape once: a slow spell of the machine (this one's speed moves by a third between
+    minutes) then slows every shape's samples alike instead of one shape's, so it distorts the
+    fitted rates' proportions less."""
+    results: list[list[T]] = [[] for _ in shapes]
     for _ in range(repeats):
-        for n, times in zip(lengths, ttfts, strict=True):
-            await p.reset_cache()
-            times.append((await p.stream(p.prompt(n), 1)).ttft_s)
+        for shape, out in zip(shapes, results, strict=True):
+            out.append(await once(shape))
+    return results
+
+
+async def measure_prefill(p: Prober, lengths: Sequence[int], repeats: int) -> list[PrefillSample]:
+    """Median TTFT per prompt length, each request alone on a cold cache."""
+
+    async def once(n: int) -> float:
+        await p.reset_cache()
+        return (await p.stream(p.prompt(n), 1)).ttft_s
+
+    ttfts = await in_rounds(lengths, repeats, once)
     return [PrefillSample(n, REPEAT_STAT(t)) for n, t in zip(lengths, ttfts, strict=True)]
 
 
 async def measure_prefill_on_context(p: Prober, shapes: Sequence[tuple[int, int]],
                                      repeats: int) -> list[PrefillSample]:
     """Median TTFT of `new` tokens after a `context`-token prefix the previous request left in
-    the prefix cache (an agent's next turn); the shapes taken in rounds."""
-    ttfts: list[list[float]] = [[] for _ in shapes]
-    for _ in range(repeats):
-        for (context, new), times in zip(shapes, ttfts, strict=True):
-            await p.reset_cache()
-            prefix = p.prompt(context)
-            await p.stream(prefix, 1)
-            times.append((await p.stream(prefix + p.prompt(new + 1)[1:], 1)).ttft_s)
+    the prefix cache (an agent's next turn)."""
+
+    async def once(shape: tuple[int, int]) -> float:
+        context, new = shape
+        await p.reset_cache()
+        prefix = p.prompt(context)
+        await p.stream(prefix, 1)
+        return (await p.stream(prefix + p.prompt(new + 1)[1:], 1)).ttft_s
+
+    ttfts = await in_rounds(shapes, repeats, once)
     return [PrefillSample(new, REPEAT_STAT(t), context)
             for (context, new), t in zip(shapes, ttfts, strict=True)]
 
@@ -379,24 +396,23 @@ async def measure_decode(p: Prober, shapes: Sequence[tuple[int, int]], tokens: i
     output tokens (streamed, as agents read them, so the server's per-chunk cost is in it):
     prefill and request costs cancel, and single chunk gaps are not needed (vLLM holds text back
     while it is not valid UTF-8, as a random model's often is not, and sends it in bursts).
-
-    The shapes are taken in rounds, each round measuring every shape once: a slow spell of the
-    machine (this one's speed moves by a third between minutes) then slows every shape's
-    samples alike instead of one shape's, so it distorts the fitted rates' proportions less.
     """
-    walls: list[dict[int, list[float]]] = [{SHORT_OUTPUT: [], SHORT_OUTPUT + tokens: []}
-                                           for _ in shapes]
-    for _ in range(repeats):
-        for (batch, context), shape_walls in zip(shapes, walls, strict=True):
-            for n, times in shape_walls.items():
-                await p.reset_cache()
-                start = time.perf_counter()
-                await asyncio.gather(*(p.stream(p.prompt(context), n) for _ in range(batch)))
-                times.append(time.perf_counter() - start)
+
+    async def wall(batch: int, context: int, n: int) -> float:
+        await p.reset_cache()
+        start = time.perf_counter()
+        await asyncio.gather(*(p.stream(p.prompt(context), n) for _ in range(batch)))
+        return time.perf_counter() - start
+
+    async def once(shape: tuple[int, int]) -> tuple[float, float]:
+        short = await wall(*shape, SHORT_OUTPUT)
+        return short, await wall(*shape, SHORT_OUTPUT + tokens)
+
+    walls = await in_rounds(shapes, repeats, once)
     return [DecodeSample(batch, context + SHORT_OUTPUT + tokens // 2,
-                         (REPEAT_STAT(w[SHORT_OUTPUT + tokens]) - REPEAT_STAT(w[SHORT_OUTPUT]))
+                         (REPEAT_STAT([w[1] for w in ws]) - REPEAT_STAT([w[0] for w in ws]))
                          / tokens)
-            for (batch, context), w in zip(shapes, walls, strict=True)]
+            for (batch, context), ws in zip(shapes, walls, strict=True)]
 
 
 async def measure_prefix_hits(p: Prober, tokens: int) -> int:
