@@ -1,4 +1,8 @@
-"""Cache-blind baselines: round-robin and least-loaded."""
+"""Cache-blind baselines: round-robin and least-loaded.
+
+Yardsticks, not a peer's router: neither reads prompts or KV state. Round-robin is what vLLM
+production-stack's `RoundRobinRouter` does (`src/vllm_router/routers/routing_logic.py`, main
+008a23b: the next endpoint in turn), here in pool order over the eligible engines."""
 
 from __future__ import annotations
 

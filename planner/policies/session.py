@@ -1,12 +1,14 @@
 """`session`: vLLM production-stack's session router, a consistent hash ring keyed by session.
 
-Peer rule (production-stack `SessionRouter`): the ring holds the engines currently eligible; a
-request with a session id goes to the ring node owning the id's hash, so a session sticks to one
-engine and an engine joining or leaving moves only ~1/N of the sessions. A request without a
-session id goes to the engine with the lowest QPS over the router's request-stats window
-(`--request-stats-window`, default 60 s), an engine that never received a request first.
-The peer's ring is `uhashring.HashRing` (160 virtual nodes per engine); here the same shape with
-xxh64 points, so placement is stable across processes and runs.
+Peer rule (production-stack `SessionRouter` and `RoutingInterface._qps_routing` in
+`src/vllm_router/routers/routing_logic.py`, read at main 008a23b, 2026-11-27): the ring holds
+the engines currently eligible; a request with a session id goes to the ring node owning the
+id's hash, so a session sticks to one engine and an engine joining or leaving moves only ~1/N
+of the sessions. A request without a session id goes to the engine with the lowest QPS over
+the router's request-stats window (`--request-stats-window`, default 60 s), an engine that
+never received a request first. The peer's ring is `uhashring.HashRing` (160 virtual nodes
+per engine); here the same shape with xxh64 points, so placement is stable across processes
+and runs.
 """
 
 from __future__ import annotations

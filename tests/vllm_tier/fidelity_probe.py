@@ -8,7 +8,9 @@ and runs the agent workload (tests/vllm_tier/agent_workload.py) on both at concu
 alternating, two rounds each (medians): sim / real mean TTFT, mean e2e and makespan, then the
 client and engine-side breakdown. With `--mixed`, it also probes steps that mix a new prompt
 with other requests' decodes: three requests decode over 1,024-token prompts while a 512- or
-1,024-token prompt arrives; the newcomer's TTFT, alone and mixed, on both engines.
+1,024-token prompt arrives; the newcomer's TTFT, alone and mixed, on both engines. With
+`--shipped`, the built-in profile for this CPU (`cpu-tiny` or `cpu-tiny-avx2`) is compared the
+same way after the fit.
 """
 
 from __future__ import annotations
@@ -59,12 +61,23 @@ async def mixed_ttft(url: str, decoders: int, context: int, new_tokens: int,
     return statistics.median(alone), statistics.median(mixed)
 
 
+def side_by_side(sim_url: str, real_url: str, label: str, runs: int) -> None:
+    """The agent workload on the sim and the real engine, alternating, at concurrency 1 and 4."""
+    for concurrency in (1, 4):
+        s, r = asyncio.run(compare([sim_url, real_url], SERVED, concurrency, runs))
+        print(f"{label}, concurrency {concurrency}: sim/real TTFT "
+              f"{s.mean_ttft_s / r.mean_ttft_s:.2f}, e2e {s.mean_e2e_s / r.mean_e2e_s:.2f}, "
+              f"makespan {s.makespan_s / r.makespan_s:.2f}; {breakdown(s, r)}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--core", default="1", help="the real engine's core (default 1)")
     ap.add_argument("--repeats", type=int, default=5, help="calibration repeats per probe")
     ap.add_argument("--runs", type=int, default=2, help="alternating rounds per concurrency")
     ap.add_argument("--mixed", action="store_true", help="also probe mixed steps")
+    ap.add_argument("--shipped", action="store_true",
+                    help="also compare the built-in profile for this CPU")
     args = ap.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-fidelity-"))
     venv = ensure_vllm_venv()
@@ -88,15 +101,17 @@ def main() -> None:
                 print(f"mixed {shape}: newcomer TTFT alone / mixed, real "
                       f"{real[0] * 1e3:.0f} / {real[1] * 1e3:.0f} ms, sim "
                       f"{simulated[0] * 1e3:.0f} / {simulated[1] * 1e3:.0f} ms", flush=True)
-        for concurrency in (1, 4):
-            s, r = asyncio.run(compare([sim.url, engine.url], SERVED, concurrency, args.runs))
-            print(f"concurrency {concurrency}: sim/real TTFT {s.mean_ttft_s / r.mean_ttft_s:.2f}"
-                  f", e2e {s.mean_e2e_s / r.mean_e2e_s:.2f}, makespan "
-                  f"{s.makespan_s / r.makespan_s:.2f}; {breakdown(s, r)}", flush=True)
+        side_by_side(sim.url, engine.url, "fitted", args.runs)
     finally:
         sim.stop()
-        engine.stop()
-        atexit.unregister(engine.kill)
+    if args.shipped:
+        sim = start_sim("probe-shipped", log_dir, ["--profile", shipped, "--model", SERVED])
+        try:
+            side_by_side(sim.url, engine.url, shipped, args.runs)
+        finally:
+            sim.stop()
+    engine.stop()
+    atexit.unregister(engine.kill)
 
 
 if __name__ == "__main__":
