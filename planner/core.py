@@ -20,16 +20,10 @@ Two release policies:
   dispatched unless the policy holds it; held requests are offered again, oldest first, whenever
   load changes (a first token, a finish, a scrape, an engine's health). That reproduces every
   per-request router exactly (the seeded-report gate, tests/test_seeded_reports.py).
-- `batch` (SBS, ANCHORS.md): calls wait in the gateway's buffer, ranked by priority
-  (planner/priorities.py), and each release offers them in that order to the routing policy; a
-  call goes out when the engine the policy picks can take it: a small uncached prompt always,
-  a larger one while the engine's queue of the gateway's prompts awaiting a first token stays
-  within `PREFILL_STEPS_QUEUED` full prefill steps (work-conserving: an engine with nothing
-  queued always takes the next call). Releases run on every admission and load change and at
-  least once per interval (the engines' observed gap between first tokens while backed up, a
-  full prefill step of the profile until observed). A buffered call is placed with the
-  prefixes the planner sent while it waited counted as held (its index matches date from its
-  admission), so siblings that share a prefix follow each other onto the engine that holds it.
+- `batch` (SBS, ANCHORS.md): calls wait in the gateway's buffer (planner/release.py), ranked by
+  priority (planner/priorities.py), and each release offers them in that order to the routing
+  policy; a call goes out when the engine the policy picks has headroom, else it waits for the
+  next release (on every admission and load change, and at least once per interval).
 
 KV movement (policies whose peer moves KV, `moves_kv`; README "Moving KV between engines"):
 a placement may ask for a pull (or a disaggregated prefill), and the request then waits in
@@ -44,7 +38,7 @@ Each request's state moves only along `TRANSITIONS`; anything else raises `Illeg
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -84,29 +78,11 @@ from planner.policy import (
 )
 from planner.priorities import WorkflowPriorities
 from planner.profiles import EngineProfile
+from planner.release import BatchRelease
 from planner.replication import MIN_BLOCKS as REPLICATE_MIN_BLOCKS
 from planner.replication import StaticDemand
 from planner.segments import NO_SEGMENTS, Segments, common_prefix, tag_blocks
 from planner.transfer import NO_LINK, TransferLink
-
-PREFILL_STEPS_QUEUED = 2.0
-"""Under `batch` release, an engine has headroom while the gateway's prompts waiting there for
-their first token add up to fewer than this many full prefill steps (`max_num_batched_tokens`):
-enough queued to keep its batches full, no more committed to it ahead of time."""
-
-RECENT_PLACEMENT_S = 2.0
-"""How long a placement counts as holding its prompt for buffered requests (the index's own
-speculative entries live as long, by default)."""
-
-RECENT_PLACEMENTS = 256
-"""At most this many recent placements are compared with each buffered call (a bound on the
-work of a release at high rates)."""
-
-SMALL_PREFILL = 1 / 16
-"""A prompt whose uncached part is at most this share of a prefill step never waits: it adds
-next to nothing to the engine's prefill queue (a cached continuation, a short question)."""
-
-EWMA_ALPHA = 0.2
 
 
 @dataclass(frozen=True)
@@ -326,14 +302,9 @@ class Planner:
         tagging needs of a call's parents."""
         self._seq = 0
         self._order: dict[str, int] = {}
-        self._buffer: list[str] = []
-        self._wakeup: float | None = None
-        self._step_gap: dict[str, float] = {}
-        self._placed: deque[tuple[float, str, tuple[BlockKey, ...]]] = deque()
-        """Under batch release, the prompts placed lately: (when, engine, block keys)."""
-        self._placed_engines: dict[str, int] = {}
-        """How many of `_placed` went to each engine."""
-        self._last_first_token: dict[str, float] = {}
+        self._batch = BatchRelease(profile_of) if profile_of is not None and release == "batch" \
+            else None
+        """The buffer and its interval under `batch` release (planner/release.py)."""
         self.speculative_ttl_s = speculative_ttl_s if policy.speculative_entries else 0.0
         """Index entries for dispatched prompts live this long; only for policies whose peer
         records its routing decisions (a baseline never gets a mechanism its peer lacks)."""
@@ -407,7 +378,7 @@ class Planner:
     def pending(self) -> bool:
         """`release` may have something to do."""
         return (bool(self._queued) or bool(self._ready)
-                or (self._load_changed and bool(self._held or self._buffer)))
+                or (self._load_changed and bool(self._held or self.buffered)))
 
     @property
     def wants_workflows(self) -> bool:
@@ -418,7 +389,7 @@ class Planner:
     @property
     def buffered(self) -> int:
         """Requests waiting in the gateway's buffer (batch release)."""
-        return len(self._buffer)
+        return len(self._batch) if self._batch is not None else 0
 
     # -- the interface --------------------------------------------------------------------------
 
@@ -443,7 +414,8 @@ class Planner:
                     return
                 if prefill_done(req.outstanding):
                     req.move(RequestState.PREFILLED)
-                    self._observe_step(req.outstanding, now)
+                    if self._batch is not None:
+                        self._batch.observe_step(req.outstanding, now)
                     if observed:
                         self.policy.on_first_token(rid, req.outstanding.engine, now)
                     self._load_changed = True
@@ -578,8 +550,8 @@ class Planner:
             for record in self.moves.overdue(now):
                 self.moves.stats.late += 1
                 self._dispatch_waiters(record, ready)
-        if self.release_mode == "batch":
-            return ready + self._release_batch(now)
+        if self._batch is not None:
+            return ready + self._release_batch(self._batch, now)
         actions: list[Action] = ready
         if self._load_changed:
             self._load_changed = False
@@ -597,7 +569,7 @@ class Planner:
         """When `release` must run again without an event: the next batch interval while
         requests wait in the buffer (`batch` release), and the deadline of a move requests
         wait for (they stop waiting then)."""
-        wake = self._wakeup
+        wake = self._batch.wakeup if self._batch is not None else None
         for record in self.moves:
             if record.waiters:
                 d = record.deadline()
@@ -606,103 +578,22 @@ class Planner:
 
     # -- batch release (SBS) --------------------------------------------------------------------
 
-    def _release_batch(self, now: float) -> list[Action]:
-        due = self._wakeup is not None and now >= self._wakeup
-        if not (self._queued or due or (self._load_changed and self._buffer)):
+    def _release_batch(self, batch: BatchRelease, now: float) -> list[Action]:
+        if not (self._queued or batch.due(now) or (self._load_changed and batch.buffer)):
             return []
         self._load_changed = False
-        self._buffer.extend(self._queued)
+        ranked = batch.buffer + self._queued
         self._queued = []
         order = self._order
         if self.priorities is not None:
             rank = self.priorities.rank
             reqs = self._requests
-            self._buffer.sort(key=lambda r: (rank(reqs[r].call.hints), order[r]))
+            ranked.sort(key=lambda r: (rank(reqs[r].call.hints), order[r]))
         actions: list[Action] = []
-        waiting: list[str] = []
-        for rid in self._buffer:
-            if not self._offer(rid, now, actions, fits=self._fits, fresh=True):
-                waiting.append(rid)
-        self._buffer = waiting
-        self._wakeup = now + self._interval() if waiting else None
+        batch.release(
+            ranked, lambda rid: self._offer(rid, now, actions, fits=batch.fits, fresh=True),
+            now, next(iter(self.engines), ""))
         return actions
-
-    def _with_recent_placements(self, route: RouteRequest, now: float) -> RouteRequest:
-        """The request's index matches as of now: a request that waited in the buffer was
-        matched when it was admitted, before the planner placed its siblings; the prefixes
-        the planner sent since (`RECENT_PLACEMENT_S`) count as held where they went, as the
-        index's speculative entries would."""
-        placed = self._placed
-        counts = self._placed_engines
-        while placed and (placed[0][0] < now - RECENT_PLACEMENT_S
-                          or len(placed) > RECENT_PLACEMENTS):
-            gone = placed.popleft()[1]
-            counts[gone] -= 1
-            if not counts[gone]:
-                del counts[gone]
-        if not placed or not route.block_keys:
-            return route
-        keys = route.block_keys
-        first, whole = keys[0], len(keys)
-        best: dict[str, int] = {}
-        full = 0
-        engines = len(counts)
-        for _, engine, sent in placed:
-            # Cheap exits (most recent prompts differ from the first block on; an engine
-            # matched in full can not match more; once every engine placed to is, nothing
-            # can change): the same result as comparing every placement, faster.
-            if not sent or sent[0] != first or best.get(engine) == whole:
-                continue
-            n = common_prefix(keys, sent)
-            if n > best.get(engine, 0):
-                best[engine] = n
-                if n == whole:
-                    full += 1
-                    if full == engines:
-                        break
-        matches = dict(route.matches)
-        changed = False
-        for engine, n in best.items():
-            m = matches.get(engine)
-            if m is None or m.blocks < n:
-                matches[engine] = EngineMatch(engine, n, m.confirmed_blocks if m else 0,
-                                              float(max(n, m.weighted_blocks if m else 0)))
-                changed = True
-        return replace(route, matches=matches) if changed else route
-
-    def _fits(self, route: RouteRequest, engine: EngineView) -> bool:
-        """The request may go to `engine` now: the engine takes another sequence, and the
-        request's uncached prompt is small or still fits in the engine's prefill headroom
-        (`PREFILL_STEPS_QUEUED` full steps of the gateway's prompts awaiting a first token)."""
-        assert self._profile_of is not None
-        profile = self._profile_of(engine.name)
-        if engine.in_flight >= profile.max_num_seqs:
-            return False
-        uncached = route.prompt_tokens - route.cached_tokens(engine.name, engine.block_size)
-        budget = profile.max_num_batched_tokens
-        return (engine.queued_prefill_tokens == 0 or uncached <= SMALL_PREFILL * budget
-                or engine.queued_prefill_tokens + uncached <= PREFILL_STEPS_QUEUED * budget)
-
-    def _interval(self) -> float:
-        """The batch interval: the engines' observed gap between first tokens while backed up
-        (their prefill step, in effect), else one full prefill step of the first profile."""
-        if self._step_gap:
-            return min(self._step_gap.values())
-        assert self._profile_of is not None
-        first = next(iter(self.engines), "")
-        profile = self._profile_of(first)
-        return profile.prefill_time(profile.max_num_batched_tokens)
-
-    def _observe_step(self, out: Outstanding, now: float) -> None:
-        """Learn the engine's pace from first tokens that arrive while more prefills wait."""
-        engine = out.engine
-        last = self._last_first_token.get(engine)
-        self._last_first_token[engine] = now
-        if last is None or out.load.prefilling <= 0 or now <= last:
-            return
-        gap = now - last
-        old = self._step_gap.get(engine)
-        self._step_gap[engine] = gap if old is None else (1 - EWMA_ALPHA) * old + EWMA_ALPHA * gap
 
     # -- placing --------------------------------------------------------------------------------
 
@@ -718,8 +609,8 @@ class Planner:
         route = req.call.route
         if views is None:
             views = self.views(req.call.exclude)
-        if fresh:
-            route = self._with_recent_placements(route, now)
+        if fresh and self._batch is not None:
+            route = self._batch.with_recent_placements(route, now)
         group = self._sibling_group(req.call.hints)
         if group is not None:
             members = self._groups.get(group)
@@ -783,9 +674,8 @@ class Planner:
             at_engine = self._groups_at.setdefault(engine, {})
             at_engine[group] = at_engine.get(group, 0) + 1
         ttl = self.speculative_ttl_s
-        if self.release_mode == "batch" and route.block_keys:
-            self._placed.append((now, engine, route.block_keys))
-            self._placed_engines[engine] = self._placed_engines.get(engine, 0) + 1
+        if self._batch is not None and route.block_keys:
+            self._batch.placed(now, engine, route.block_keys)
         priority = (self.priorities.engine_priority(req.call.hints)
                     if self.priorities is not None else None)
         dispatch = Dispatch(
@@ -1087,8 +977,8 @@ class Planner:
         rid = req.call.request_id
         if req.state is RequestState.HELD:
             self._held.discard(rid)
-        elif rid in self._buffer:
-            self._buffer.remove(rid)
+        elif self._batch is not None and self._batch.discard(rid):
+            pass
         elif req.state is RequestState.QUEUED:
             self._queued.remove(rid)
         req.move(RequestState.CANCELLED)
