@@ -50,9 +50,13 @@ class EnginePool:
         health_interval_s: float,
         notify: Callable[[Event], None] = lambda _: None,
         health_failure_threshold: int = 3,
+        finished_at: Callable[[str], int | None] = lambda _: None,
     ) -> None:
         self.notify = notify
         """Where what the pool learns goes (the planner, through the gateway state)."""
+        self.finished_at = finished_at
+        """The planner's count of the gateway's requests finished at an engine, read as a
+        scrape is sent (`EngineScraped.finished_before`)."""
         self.engines = {e.engine_name: EngineState(e.engine_name, e.url) for e in engines}
         for name in self.engines:
             notify(EngineJoined(name))
@@ -168,6 +172,7 @@ class EnginePool:
 
     async def _scrape(self, state: EngineState) -> None:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self._scrape_interval * 4))
+        finished_before = self.finished_at(state.name)
         try:
             async with self._session.get(f"{state.url}/metrics", timeout=timeout) as r:
                 text = await r.text()
@@ -185,7 +190,7 @@ class EnginePool:
         state.prefix_hits = load.prefix_cache_hits
         if self.engines.get(state.name) is state:
             self.notify(EngineScraped(state.name, load.num_running, load.num_waiting,
-                                      load.kv_usage))
+                                      load.kv_usage, finished_before))
         if restarted and self.on_restart is not None:
             log.warning("engine %s restarted: its prefix cache is empty again", state.name)
             await self.on_restart(state.name)

@@ -109,7 +109,8 @@ class GatewayState:
         self.pool = EnginePool(c.engines, self.session, scrape_interval(self.policy,
                                                                         c.scrape_interval_s),
                                c.health_interval_s, self.notify,
-                               health_failure_threshold=c.health_failure_threshold)
+                               health_failure_threshold=c.health_failure_threshold,
+                               finished_at=self.planner.finished_at)
         self.pool.on_restart = self.engine_restarted
         await self.pool.start()
 

@@ -226,6 +226,8 @@ class EngineRecord:
     """What the gateway has outstanding here (a fresh ledger when the engine rejoins)."""
     foreign: int = 0
     """Requests the last scrape counted beyond the gateway's own in flight at that moment."""
+    finished: int = 0
+    """The gateway's requests that finished here (`Planner.finished_at`)."""
 
 
 HOME_IDLE_S = 300.0
@@ -360,6 +362,13 @@ class Planner:
         """Models served by at least one healthy engine, sorted."""
         return sorted({m for e in self.engines.values() if e.healthy for m in e.models})
 
+    def finished_at(self, engine: str) -> int | None:
+        """How many of the gateway's requests have finished at `engine` (None: not in the
+        pool). A driver whose scrapes take a while reads it when it sends one and returns it
+        in `EngineScraped.finished_before`."""
+        rec = self.engines.get(engine)
+        return rec.finished if rec is not None else None
+
     def knows(self, request_id: str) -> bool:
         """The request is admitted and not over."""
         return request_id in self._requests
@@ -446,6 +455,9 @@ class Planner:
                     hints = req.call.hints
                     self.priorities.task_done(hints.workflow, hints.task, tokens)
                 if close_dispatch(req.outstanding):
+                    rec = self.engines.get(req.outstanding.engine)
+                    if rec is not None:
+                        rec.finished += 1
                     self.policy.on_finish(rid, req.outstanding.engine, now, tokens)
                     self._load_changed = True
             case Cancelled(request_id=rid):
@@ -538,7 +550,12 @@ class Planner:
                 rec.num_running = event.num_running
                 rec.num_waiting = event.num_waiting
                 rec.kv_usage = event.kv_usage
-                rec.foreign = max(0, event.num_running + event.num_waiting - rec.load.in_flight)
+                # Requests of the gateway's that finished while the scrape was on its way may
+                # still be counted in it: they are not other clients' load.
+                late = (max(0, rec.finished - event.finished_before)
+                        if event.finished_before is not None else 0)
+                rec.foreign = max(0, event.num_running + event.num_waiting
+                                  - rec.load.in_flight - late)
                 self._load_changed = True
 
     def release(self, now: float) -> list[Action]:

@@ -71,6 +71,11 @@ class EngineScraped:
     num_running: int
     num_waiting: int
     kv_usage: float
+    finished_before: int | None = None
+    """`Planner.finished_at(engine)` when the scrape was sent (a live driver's scrape takes a
+    round trip): the gateway's requests that finished there since may still be counted as
+    running in it, and are not taken for other clients' load. None: the figures are of this
+    instant (the virtual driver's)."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.config import EngineEntry
 from gateway.pool import EnginePool
 from kvgate.procs import free_port
-from planner.events import EngineHealth, Event
+from planner.events import EngineHealth, EngineScraped, Event
 
 
 class Stub:
@@ -27,6 +27,8 @@ class Stub:
         self.answer = "ok"  # "ok", "error" or "slow"
         self.port = free_port()
         self.runner: web.AppRunner | None = None
+        self.on_scrape: Callable[[], None] = lambda: None
+        """Runs while the engine answers a scrape (the test's gateway work in between)."""
 
     async def health(self, _: web.Request) -> web.Response:
         if self.answer == "slow":
@@ -36,10 +38,15 @@ class Stub:
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "m"}]})
 
+    async def metrics(self, _: web.Request) -> web.Response:
+        self.on_scrape()
+        return web.Response(text="vllm:num_requests_running 2\nvllm:num_requests_waiting 0\n")
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
@@ -108,3 +115,20 @@ async def test_a_threshold_of_one_takes_out_an_engine_on_its_first_miss(stub: St
         assert await checked(pool, 1) == [True]
         stub.answer = "error"
         assert await checked(pool, 1) == [False]
+
+
+async def test_a_scrape_carries_the_planners_finish_count_from_when_it_was_sent(
+        stub: Stub) -> None:
+    # A request of the gateway's that finishes while the scrape is on its way may still be
+    # counted as running in it; the planner tells it from other clients' load by the count
+    # of finishes read as the scrape went out (planner/core.py, EngineScraped).
+    finished = {"e": 3}
+    stub.on_scrape = lambda: finished.update(e=4)
+    events: list[EngineScraped] = []
+    async with aiohttp.ClientSession() as session:
+        pool = EnginePool([EngineEntry(url=f"http://127.0.0.1:{stub.port}", name="e")], session,
+                          scrape_interval_s=10.0, health_interval_s=0.5,
+                          notify=lambda e: events.append(e) if isinstance(e, EngineScraped)
+                          else None, finished_at=finished.get)
+        await pool.refresh("e")
+    assert [(e.num_running, e.finished_before) for e in events] == [(2, 3)]

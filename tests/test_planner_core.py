@@ -124,6 +124,28 @@ def test_cancel_after_dispatch_is_an_illegal_transition() -> None:
         p.on_event(Cancelled("r"), 1.0)
 
 
+def test_a_scrape_sent_before_the_gateways_own_requests_finished_shows_no_foreign_load() -> None:
+    # A live scrape takes a round trip: the engine may count a request of the gateway's as
+    # running that the gateway has seen finish by the time the figures arrive. That request
+    # is not another client's: the engine must not look busier than it is.
+    p = planner(engines=("a",))
+    p.admit(call("r1"), 0.0)
+    p.admit(call("r2"), 0.0)
+    p.release(0.0)
+    before = p.finished_at("a")
+    assert before == 0 and p.finished_at("nowhere") is None
+    p.on_event(Finished("r1", 4), 0.5)  # while the scrape is on its way
+    assert p.finished_at("a") == 1
+    p.on_event(EngineScraped("a", 2, 0, 0.1, finished_before=before), 0.6)
+    assert p.views()[0].foreign == 0
+    # Figures of the instant (no finished_before), or a request the gateway never sent, do
+    # count.
+    p.on_event(EngineScraped("a", 2, 0, 0.1), 0.7)
+    assert p.views()[0].foreign == 1
+    p.on_event(EngineScraped("a", 3, 0, 0.1, finished_before=before), 0.8)
+    assert p.views()[0].foreign == 1
+
+
 def test_duplicate_request_ids_are_refused() -> None:
     p = planner()
     p.admit(call("r"), 0.0)
