@@ -456,8 +456,8 @@ class Planner:
                     self.priorities.task_done(hints.workflow, hints.task, tokens)
                 if close_dispatch(req.outstanding):
                     rec = self.engines.get(req.outstanding.engine)
-                    if rec is not None:
-                        rec.finished += 1
+                    if rec is not None and rec.load is req.outstanding.load:
+                        rec.finished += 1  # counted against this ledger (not a rejoined one)
                     self.policy.on_finish(rid, req.outstanding.engine, now, tokens)
                     self._load_changed = True
             case Cancelled(request_id=rid):
