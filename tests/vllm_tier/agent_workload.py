@@ -158,6 +158,13 @@ def median_stats(runs: list[RunStats]) -> RunStats:
                     {p: statistics.median(r.engine[p] for r in runs) for p in sorted(phases)})
 
 
+def ratios(sim: RunStats, real: RunStats) -> dict[str, float]:
+    """The sim's mean TTFT, mean end-to-end latency and makespan over the real engine's."""
+    return {"mean TTFT": sim.mean_ttft_s / real.mean_ttft_s,
+            "mean e2e": sim.mean_e2e_s / real.mean_e2e_s,
+            "makespan": sim.makespan_s / real.makespan_s}
+
+
 def breakdown(sim: RunStats, real: RunStats) -> str:
     """Client and engine-side means, sim against real, in ms: where a gap comes from."""
     rows = [("client TTFT", sim.mean_ttft_s, real.mean_ttft_s),

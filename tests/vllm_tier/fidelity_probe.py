@@ -10,9 +10,8 @@ target in 4 of 10 runs on 2026-11-27, with four in none of 7): sim / real mean T
 and makespan, then the client and engine-side breakdown. With `--mixed`, it also probes steps
 that mix a new prompt with other requests' decodes: three requests decode over 1,024-token
 prompts while a 512- or 1,024-token prompt arrives; the newcomer's TTFT, alone and mixed, on
-both engines. With
-`--shipped`, the built-in profile for this CPU (`cpu-tiny` or `cpu-tiny-avx2`) is compared the
-same way after the fit.
+both engines. With `--shipped`, the built-in profile for this CPU (`cpu-tiny` or
+`cpu-tiny-avx2`) is compared the same way after the fit.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from kvgate.vllm_engines import (
 )
 from planner.profile_file import profile_to_yaml
 from planner.profiles import get_profile
-from tests.vllm_tier.agent_workload import breakdown, compare
+from tests.vllm_tier.agent_workload import breakdown, compare, ratios
 
 SERVED = "kvgate-tiny"
 MIXED_SHAPES = ((3, 1024, 512), (3, 1024, 1024))
@@ -67,9 +66,9 @@ def side_by_side(sim_url: str, real_url: str, label: str, runs: int) -> None:
     """The agent workload on the sim and the real engine, alternating, at concurrency 1 and 4."""
     for concurrency in (1, 4):
         s, r = asyncio.run(compare([sim_url, real_url], SERVED, concurrency, runs))
-        print(f"{label}, concurrency {concurrency}: sim/real TTFT "
-              f"{s.mean_ttft_s / r.mean_ttft_s:.2f}, e2e {s.mean_e2e_s / r.mean_e2e_s:.2f}, "
-              f"makespan {s.makespan_s / r.makespan_s:.2f}; {breakdown(s, r)}", flush=True)
+        figures = ", ".join(f"{k} {v:.2f}" for k, v in ratios(s, r).items())
+        print(f"{label}, concurrency {concurrency}: sim/real {figures}; {breakdown(s, r)}",
+              flush=True)
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from kvgate.vllm_engines import (
 )
 from planner.profile_file import profile_to_yaml
 from planner.profiles import EngineProfile, get_profile
-from tests.vllm_tier.agent_workload import RunStats, breakdown, compare
+from tests.vllm_tier.agent_workload import breakdown, compare, ratios
 from tests.vllm_tier.conftest import SERVED_MODEL as SERVED
 from tests.vllm_tier.conftest import RealEngine
 
@@ -119,12 +119,6 @@ def fidelity(real_engine: RealEngine, tmp_path_factory: pytest.TempPathFactory
     finally:
         if f.sim is not None:
             f.sim.stop()
-
-
-def ratios(sim: RunStats, real: RunStats) -> dict[str, float]:
-    return {"mean TTFT": sim.mean_ttft_s / real.mean_ttft_s,
-            "mean e2e": sim.mean_e2e_s / real.mean_e2e_s,
-            "makespan": sim.makespan_s / real.makespan_s}
 
 
 @pytest.mark.parametrize("concurrency", [1, 4])
