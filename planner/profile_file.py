@@ -8,6 +8,7 @@ does not change the profile.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,17 @@ class ProfileFileError(ValueError):
     """A profile file that cannot be used; the message names the file, the key and the problem."""
 
 
+def _number_text(text: str) -> str | float:
+    """A number YAML 1.1 left as text, as a float: `9.89e17` (PyYAML reads an exponent as a
+    number only with a dot and a sign, `9.89e+17`). Other text, and non-finite numbers, stay
+    text, so the caller names them."""
+    try:
+        number = float(text.strip().replace("_", ""))
+    except ValueError:
+        return text
+    return number if math.isfinite(number) else text
+
+
 def _check_value(key: str, value: Any, source: str) -> Any:
     want = FIELDS[key]
     if value is None and key in OPTIONAL:
@@ -38,6 +50,8 @@ def _check_value(key: str, value: Any, source: str) -> Any:
         if not isinstance(value, str) or not value:
             raise ProfileFileError(f"{source}: {key}: expected a non-empty string, got {value!r}")
         return value
+    if isinstance(value, str):
+        value = _number_text(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProfileFileError(f"{source}: {key}: expected a number, got {value!r}")
     if want is int and value != int(value):

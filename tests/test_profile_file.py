@@ -65,6 +65,18 @@ def test_bad_value_is_named(key: str, value: object, problem: str) -> None:
         parse_profile({"base": "cpu-tiny", key: value})
 
 
+def test_exponent_written_without_a_dot_is_a_number() -> None:
+    # PyYAML (YAML 1.1) loads `9.89e17` as text; the profile reads it as the number it means.
+    data = yaml.safe_load("base: cpu-tiny\npeak_flops: 9.89e17\nlayers: 4\n")
+    assert data["peak_flops"] == "9.89e17"
+    p = parse_profile(data)
+    assert p.peak_flops == 9.89e17 and p.layers == 4
+    with pytest.raises(ProfileFileError, match="peak_flops: expected a number, got 'inf'"):
+        parse_profile({"base": "cpu-tiny", "peak_flops": "inf"})
+    with pytest.raises(ProfileFileError, match="layers: expected an integer"):
+        parse_profile({"base": "cpu-tiny", "layers": "2.5e0"})
+
+
 def test_unknown_base_lists_known_profiles() -> None:
     with pytest.raises(ProfileFileError, match=r"base: unknown engine profile.*cpu-tiny"):
         parse_profile({"base": "tpu-giant"})
