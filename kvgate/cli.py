@@ -230,6 +230,7 @@ def _bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
         workflow_trace=args.workflow_trace, goodput=args.goodput, slo_jct=args.slo_jct,
         goodput_precision=args.goodput_precision, link=args.link, tasks=args.tasks,
+        tasks_fold=args.tasks_fold,
         engine_urls=([u.strip() for u in args.engine_urls.split(",") if u.strip()]
                      if args.engine_urls is not None else None),
         engine_config=args.engine_config,
@@ -467,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "numbers folded: research0..7 -> research#): mean gateway wait, "
                             "TTFT after dispatch, inter-token latency, prompt/cached/output "
                             "tokens (JSON: results.<policy>.tasks)")
+    bench.add_argument("--tasks-fold", default=r"\d+", metavar="REGEX",
+                       help="with --tasks: fold only the numbers inside this regex's matches "
+                            "(default every number; 'a\\d+' keeps debate rounds apart: r1a#)")
     bench.add_argument("--goodput", action="store_true",
                        help="also search each policy's goodput: the highest Poisson workflow "
                             "rate whose mean JCT stays within --slo-jct x the lower bound")

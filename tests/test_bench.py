@@ -383,6 +383,23 @@ def test_tasks_breaks_each_run_down_by_task_kind() -> None:
                   policies=["kvgate"], engines=2)
     assert "tasks" not in plain["results"]["kvgate"]
     assert task_kind("n.0.12") == "n.#.#" and task_kind("r1a2") == "r#a#"
+    assert task_kind("r1a2", r"a\d+") == "r1a#" and task_kind("n.0.12", r"\.\d+$") == "n.0.#"
+
+
+def test_tasks_fold_keeps_debate_rounds_apart() -> None:
+    args = {"agents": "2", "rounds": "2", "static_tokens": "64", "topic_tokens": "16",
+            "persona_tokens": "8", "turn_tokens": "4", "judge_tokens": "4"}
+    report = bench(workload="debate", workload_args=args, workflows=3, rate=2.0,
+                   policies=["round-robin"], engines=2, tasks=True, tasks_fold=r"a\d+")
+    tasks = report["results"]["round-robin"]["tasks"]
+    assert sorted(tasks) == ["judge", "r0a#", "r1a#"]
+    assert [tasks[k]["requests"] for k in ("r0a#", "r1a#", "judge")] == [6, 6, 3]
+    # A later round's prompt holds the earlier rounds' transcript.
+    assert tasks["r1a#"]["prompt_tokens_mean"] > tasks["r0a#"]["prompt_tokens_mean"]
+    for bad, problem in ((r"a\d+", "use it with --tasks"), ("(", "not a regular expression")):
+        with pytest.raises(WorkloadError, match=problem):
+            bench(workload="debate", workload_args=args, workflows=1, policies=["round-robin"],
+                  engines=1, tasks=bad != r"a\d+", tasks_fold=bad)
 
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:

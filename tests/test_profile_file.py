@@ -135,3 +135,14 @@ def test_sim_cli_rejects_bad_profile_file_with_exit_2(tmp_path: Path) -> None:
 def test_shipped_cpu_tiny_files_match_the_built_in_profiles(name: str) -> None:
     shipped = Path(__file__).resolve().parent.parent / "configs" / "profiles" / f"{name}.yaml"
     assert load_profile_file(shipped) == PROFILES[name]
+
+
+def test_free_prefill_what_if_differs_from_its_base_only_in_compute() -> None:
+    # configs/profiles/h100-llama3-8b-free-prefill.yaml backs the README's goodput ceilings:
+    # the same engine in every way but the compute rate.
+    path = (Path(__file__).resolve().parent.parent
+            / "configs/profiles/h100-llama3-8b-free-prefill.yaml")
+    p = load_profile_file(path)
+    base = PROFILES["h100-llama3-8b"]
+    assert p.peak_flops == 1000 * base.peak_flops
+    assert dataclasses.replace(p, name=base.name, peak_flops=base.peak_flops) == base

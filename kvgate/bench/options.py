@@ -53,6 +53,8 @@ class BenchOptions:
     """Also search each policy's goodput (BENCHMARKS.md)."""
     tasks: bool = False
     """Add each policy's per-task-kind breakdown (`results.<policy>.tasks`) and its table."""
+    tasks_fold: str = r"\d+"
+    """With `tasks`: the digits inside this regex's matches are folded (`report.task_kind`)."""
     slo_jct: float | None = None
     """The goodput SLO: mean JCT at most this many times the bound (default 1.5)."""
     goodput_precision: float = DEFAULT_PRECISION

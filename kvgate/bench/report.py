@@ -62,20 +62,26 @@ def summarise(run: RunResult) -> dict[str, Any]:
     }
 
 
-def task_kind(task: str) -> str:
+FOLD_ALL = r"\d+"
+"""`task_kind`'s default: every number in a task id is folded."""
+
+
+def task_kind(task: str, fold: str = FOLD_ALL) -> str:
     """A task id with its numbers folded, so siblings read as one kind: `research3` and
-    `research7` are `research#`, `n.0.2` is `n.#.#`, `r1a2` is `r#a#`."""
-    return re.sub(r"\d+", "#", task)
+    `research7` are `research#`, `n.0.2` is `n.#.#`, `r1a2` is `r#a#`. With `fold`, only the
+    numbers inside that regex's matches: `a\\d+` keeps a debate's rounds apart (`r1a#`)."""
+    return re.sub(fold, lambda m: re.sub(r"\d+", "#", m.group()), task)
 
 
-def task_breakdown(run: RunResult) -> dict[str, dict[str, float]]:
-    """Per task kind (`task_kind`), over its requests that finished: how many, and the mean
-    gateway wait, time to first token after dispatch, inter-token latency, prompt, cached and
-    output tokens. Where a workflow's time goes, against the bound's unloaded engine."""
+def task_breakdown(run: RunResult, fold: str = FOLD_ALL) -> dict[str, dict[str, float]]:
+    """Per task kind (`task_kind` with `fold`), over its requests that finished: how many, and
+    the mean gateway wait, time to first token after dispatch, inter-token latency, prompt,
+    cached and output tokens. Where a workflow's time goes, against the bound's unloaded
+    engine."""
     kinds: dict[str, list[Any]] = {}
     for r in run.requests:
         if r.failed is None and r.finished_s is not None and r.first_token_s is not None:
-            kinds.setdefault(task_kind(r.task), []).append(r)
+            kinds.setdefault(task_kind(r.task, fold), []).append(r)
     out: dict[str, dict[str, float]] = {}
     for kind, rs in sorted(kinds.items()):
         n = len(rs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from kvgate.bench.goodput import (
 from kvgate.bench.options import BenchOptions, Prepared, StatusLine, progress_bar
 from kvgate.bench.prompts import ChatRenderer, Vocabulary
 from kvgate.bench.report import (
+    FOLD_ALL,
     build_report,
     format_goodput,
     format_table,
@@ -83,6 +85,14 @@ def check_options(o: BenchOptions) -> None:
         raise WorkloadError(f"--mode must be virtual or live, not {o.mode!r}")
     if o.fidelity and o.mode != "live":
         raise WorkloadError("--fidelity runs both modes: use it with --mode live")
+    if o.tasks_fold != FOLD_ALL:
+        if not o.tasks:
+            raise WorkloadError("--tasks-fold sets how --tasks folds task ids: use it with "
+                                "--tasks")
+        try:
+            re.compile(o.tasks_fold)
+        except re.error as e:
+            raise WorkloadError(f"--tasks-fold is not a regular expression: {e}") from None
     if o.slo_jct is not None and not o.goodput:
         raise WorkloadError("--slo-jct sets the goodput SLO: use it with --goodput")
     if o.slo_jct is not None and o.slo_jct <= 1.0:
@@ -357,7 +367,7 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
     results = {name: summarise(run) for name, run in runs.items()}
     if o.tasks:
         for name, run in runs.items():
-            results[name]["tasks"] = task_breakdown(run)
+            results[name]["tasks"] = task_breakdown(run, o.tasks_fold)
     report = build_report(
         workload=o.name, profile=o.engine_profile().name, engines=o.engines, seed=o.seed,
         mode=o.mode,
