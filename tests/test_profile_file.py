@@ -137,12 +137,14 @@ def test_shipped_cpu_tiny_files_match_the_built_in_profiles(name: str) -> None:
     assert load_profile_file(shipped) == PROFILES[name]
 
 
-def test_free_prefill_what_if_differs_from_its_base_only_in_compute() -> None:
-    # configs/profiles/h100-llama3-8b-free-prefill.yaml backs the README's goodput ceilings:
-    # the same engine in every way but the compute rate.
+@pytest.mark.parametrize("base_name", ["h100-llama3-8b", "h100x4-llama3-70b"])
+def test_free_prefill_what_ifs_differ_from_their_base_only_in_compute(base_name: str) -> None:
+    # configs/profiles/*-free-prefill.yaml back the README's goodput ceilings: the same engine
+    # in every way but the compute rate.
     path = (Path(__file__).resolve().parent.parent
-            / "configs/profiles/h100-llama3-8b-free-prefill.yaml")
+            / f"configs/profiles/{base_name}-free-prefill.yaml")
     p = load_profile_file(path)
-    base = PROFILES["h100-llama3-8b"]
-    assert p.peak_flops == 1000 * base.peak_flops
+    base = PROFILES[base_name]
+    assert p.name == f"{base_name}-free-prefill"
+    assert p.peak_flops == pytest.approx(1000 * base.peak_flops)
     assert dataclasses.replace(p, name=base.name, peak_flops=base.peak_flops) == base
