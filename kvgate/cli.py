@@ -230,7 +230,7 @@ def _bench(args: argparse.Namespace) -> int:
         progress=not args.no_progress, time_scale=args.time_scale, fidelity=args.fidelity,
         workflow_trace=args.workflow_trace, goodput=args.goodput, slo_jct=args.slo_jct,
         goodput_precision=args.goodput_precision, link=args.link, tasks=args.tasks,
-        tasks_fold=args.tasks_fold,
+        tasks_fold=args.tasks_fold, slo_bound_profile=args.slo_bound_profile,
         engine_urls=([u.strip() for u in args.engine_urls.split(",") if u.strip()]
                      if args.engine_urls is not None else None),
         engine_config=args.engine_config,
@@ -476,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "rate whose mean JCT stays within --slo-jct x the lower bound")
     bench.add_argument("--slo-jct", type=float, metavar="X",
                        help="goodput SLO: mean JCT <= X x lower bound (default 1.5)")
+    bench.add_argument("--slo-bound-profile", metavar="NAME|FILE.yaml",
+                       help="goodput: compute the SLO's lower bound for engines of this "
+                            "profile instead of the run's (what-ifs held to one JCT in seconds)")
     bench.add_argument("--goodput-precision", type=float, default=0.05, metavar="P",
                        help="stop bisecting when the rates are within P of each other "
                             "(relative; default 0.05)")

@@ -134,12 +134,42 @@ def test_compute_utilisation_is_a_fraction_that_grows_with_load() -> None:
     (["--goodput", "--slo-jct", "0"], "--slo-jct must be above 1"),
     (["--goodput", "--mode", "live"], "--goodput searches rates in virtual time"),
     (["--goodput", "--goodput-precision", "2"], "--goodput-precision must be between"),
+    (["--slo-bound-profile", "h100-llama3-8b"], "--slo-bound-profile sets the goodput SLO's"),
+    (["--goodput", "--slo-bound-profile", "tpu-giant"],
+     "--slo-bound-profile: unknown engine profile 'tpu-giant'"),
+    (["--goodput", "--slo-bound-profile", "/nonexistent/p.yaml"], "--slo-bound-profile: "),
 ])
 def test_goodput_option_errors_name_the_option_and_exit_2(args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "kvgate.cli", "bench", "--workload", "fanout",
                            "--no-progress", *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_slo_bound_profile_holds_a_what_if_to_another_profiles_jct_in_seconds() -> None:
+    # Engines with free prefill, held to the real profile's bound: the section names it, each
+    # probe's x is its JCT over that bound, and the figure is the one the SLO scaled by the
+    # two bounds' ratio gives (the search brackets by the engines' own bound either way).
+    what_if = Path(__file__).resolve().parent.parent / (
+        "configs/profiles/h100-llama3-8b-free-prefill.yaml")
+    real = small(policies=["round-robin"], rate=1.0)["lower_bound"]["jct_mean_s"]
+    free = small(policies=["round-robin"], rate=1.0, profile_file=str(what_if))
+    assert free["lower_bound"]["jct_mean_s"] < real
+    held = small(policies=["round-robin"], profile_file=str(what_if), goodput=True,
+                 goodput_precision=0.1, slo_bound_profile="h100-llama3-8b")["goodput"]
+    assert held["slo_bound_profile"] == "h100-llama3-8b"
+    assert held["slo_bound_jct_mean_s"] == pytest.approx(real)
+    for p in held["round-robin"]["points"]:
+        assert p["x_bound"] == pytest.approx(p["jct_mean_s"] / real)
+    scaled = small(policies=["round-robin"], profile_file=str(what_if), goodput=True,
+                   goodput_precision=0.1,
+                   slo_jct=1.5 * real / free["lower_bound"]["jct_mean_s"])["goodput"]
+    assert held["round-robin"]["rate"] == scaled["round-robin"]["rate"]
+    # Held to its own (smaller) bound the same engines meet the SLO at no higher a rate.
+    own = small(policies=["round-robin"], profile_file=str(what_if), goodput=True,
+                goodput_precision=0.1)["goodput"]
+    assert "slo_bound_profile" not in own
+    assert own["round-robin"]["rate"] <= held["round-robin"]["rate"]
 
 
 def test_search_in_a_run_meets_the_slo_and_the_lowest_failing_rate_above_does_not() -> None:

@@ -19,7 +19,7 @@ from kvgate.bench.goodput import DEFAULT_PRECISION
 from kvgate.bench.virtual import Load, PromptBuilder
 from kvgate.bench.workloads import BenchWorkflow
 from planner.profile_file import load_profile_file
-from planner.profiles import EngineProfile, get_profile
+from planner.profiles import PROFILES, EngineProfile, get_profile
 from planner.transfer import TransferLink, parse_link
 
 
@@ -57,6 +57,10 @@ class BenchOptions:
     """With `tasks`: the digits inside this regex's matches are folded (`report.task_kind`)."""
     slo_jct: float | None = None
     """The goodput SLO: mean JCT at most this many times the bound (default 1.5)."""
+    slo_bound_profile: str | None = None
+    """With `goodput`: the SLO's bound is computed for engines of this profile (a built-in
+    name or a profile YAML) instead of the run's, so every policy is held to the JCT in
+    seconds that profile's bound sets: what-ifs on other hardware or engine settings."""
     goodput_precision: float = DEFAULT_PRECISION
     """Bisect until the passing and failing rates are this close (relative)."""
     link: str = "none"
@@ -92,6 +96,16 @@ class BenchOptions:
         return load_profile_file(self.profile_file) if self.profile_file else get_profile(
             self.profile)
 
+    def slo_profile(self) -> EngineProfile | None:
+        """The profile the goodput SLO's bound is computed for (`slo_bound_profile`: a
+        built-in name, else a profile YAML); None: the engines' own."""
+        name = self.slo_bound_profile
+        if name is None:
+            return None
+        if name in PROFILES or not name.endswith((".yaml", ".yml")):
+            return get_profile(name)
+        return load_profile_file(name)
+
 
 @dataclass
 class Prepared:
@@ -104,6 +118,8 @@ class Prepared:
     rate: float | None
     concurrency: int | None
     clipped_requests: int = 0
+    slo_bound: LowerBound | None = None
+    """The goodput SLO's bound when it is another profile's (`slo_bound_profile`)."""
 
 
 def progress_bar(label: str, stream: Any = sys.stderr) -> Callable[[int, int], None]:

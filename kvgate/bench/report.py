@@ -250,8 +250,10 @@ def format_goodput(report: dict[str, Any]) -> str:
     slo = section["slo_jct_x_bound"]
     policies = {k: v for k, v in section.items() if isinstance(v, dict)}
     w = max([20, *(len(name) + 2 for name in policies)])
-    lines = [f"goodput: highest Poisson workflow rate with mean JCT <= {slo:g} x bound and no "
-             "failed workflow",
+    of = (f" ({section['slo_bound_profile']}'s, {section['slo_bound_jct_mean_s']:.3f} s)"
+          if "slo_bound_profile" in section else "")
+    lines = [f"goodput: highest Poisson workflow rate with mean JCT <= {slo:g} x bound{of} and "
+             "no failed workflow",
              f"{'policy':<{w}}{'workflows/s':>12}{'vs best rival':>15}{'x bound':>9}"
              f"{'probes':>8}"]
     for name, g in sorted(policies.items(), key=lambda kv: -kv[1]["rate"]):
