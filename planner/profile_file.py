@@ -36,7 +36,7 @@ def _number_text(text: str) -> str | float:
     number only with a dot and a sign, `9.89e+17`). Other text, and non-finite numbers, stay
     text, so the caller names them."""
     try:
-        number = float(text.strip().replace("_", ""))
+        number = float(text)
     except ValueError:
         return text
     return number if math.isfinite(number) else text
