@@ -16,6 +16,7 @@ from typing import Any
 
 from kvgate.bench.bound import LowerBound
 from kvgate.bench.goodput import DEFAULT_PRECISION
+from kvgate.bench.report import FOLD_ALL
 from kvgate.bench.virtual import Load, PromptBuilder
 from kvgate.bench.workloads import BenchWorkflow
 from planner.profile_file import load_profile_file
@@ -53,7 +54,7 @@ class BenchOptions:
     """Also search each policy's goodput (BENCHMARKS.md)."""
     tasks: bool = False
     """Add each policy's per-task-kind breakdown (`results.<policy>.tasks`) and its table."""
-    tasks_fold: str = r"\d+"
+    tasks_fold: str = FOLD_ALL
     """With `tasks`: the digits inside this regex's matches are folded (`report.task_kind`)."""
     slo_jct: float | None = None
     """The goodput SLO: mean JCT at most this many times the bound (default 1.5)."""
