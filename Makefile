@@ -47,7 +47,7 @@ $(VENV)/.native: $(VENV)/.dev adapters/sim/model.py adapters/sim/__init__.py
 # The README's result tables: every report under bench-results/, then the markdown tables.
 # Each report runs its policies side by side on the machine's cores (`kvgate bench --jobs`,
 # by default as many as the process may use), so plain `make bench-tables` keeps them busy.
-POLICIES := kvgate,kvgate-no-batch,kvgate-no-priority,kvgate-no-siblings,kvgate-routing-only,round-robin,least-loaded,session,sglang-like,llmd-like,llmd-approx-like,llmd-affinity-like,llmd-approx-affinity-like,llmd-p2p-tokenaware-like,dynamo-like
+POLICIES := kvgate,kvgate-no-pace,kvgate-no-batch,kvgate-no-priority,kvgate-no-siblings,kvgate-routing-only,round-robin,least-loaded,session,sglang-like,llmd-like,llmd-approx-like,llmd-affinity-like,llmd-approx-affinity-like,llmd-p2p-tokenaware-like,dynamo-like
 BENCH := $(VENV)/bin/kvgate bench --no-progress --policy $(POLICIES)
 LONG := --profile h100x4-llama3-70b --workload-arg context_tokens=32000 --workload-arg agent_types=4
 R := bench-results

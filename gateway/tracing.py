@@ -788,10 +788,36 @@ def otlp_http_url(endpoint: str | None) -> str:
     return endpoint
 
 
+_USAGE_KEY = b'"usage":'
+_DECODER = json.JSONDecoder()
+
+
+def _closes_object(text: str) -> bool:
+    """Whether `text` is one JSON object and nothing else."""
+    doc, end = _DECODER.raw_decode(text)
+    return isinstance(doc, dict) and end == len(text)
+
+
 def usage_of(answer: bytes | None) -> Mapping[str, Any] | None:
-    """The `usage` object of a whole JSON answer, if it has one."""
+    """The `usage` object of a whole JSON answer, if it has one.
+
+    OpenAI-style answers (vLLM's among them) write `usage` after `choices`, so the object is
+    read from its key's last occurrence without decoding the whole answer. (Inside a JSON
+    string a quote is escaped, so `"usage":` there is always a key.) What follows its value
+    must close exactly the top-level object, else the key was a nested object's and the whole
+    answer is parsed.
+    """
     if not answer:
         return None
+    at = answer.rfind(_USAGE_KEY)
+    if at > 0:
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            tail = answer[at + len(_USAGE_KEY):].decode()
+            usage, end = _DECODER.raw_decode(tail, len(tail) - len(tail.lstrip()))
+            rest = tail[end:].strip()
+            if isinstance(usage, dict) and (rest == "}" or (
+                    rest.startswith(",") and _closes_object("{" + rest[1:]))):
+                return usage
     with contextlib.suppress(ValueError, TypeError):
         doc = json.loads(answer)
         usage = doc.get("usage") if isinstance(doc, dict) else None

@@ -62,7 +62,14 @@ from planner.events import (
 )
 from planner.hints import RequestHints
 from planner.holding import HoldQueue
-from planner.ledger import GatewayLoad, Outstanding, close_dispatch, open_dispatch, prefill_done
+from planner.ledger import (
+    GatewayLoad,
+    Outstanding,
+    close_dispatch,
+    computed_ahead,
+    open_dispatch,
+    prefill_done,
+)
 from planner.movement import MoveRecord, Moves, warm_of
 from planner.policy import (
     EngineView,
@@ -111,26 +118,34 @@ class PlannerSettings:
     """Policies with a cost model (`kvgate`) also price, with a link, pulling a request's
     prefix from a peer as it is placed and splitting a long prefill from its decode
     (`CostSettings.pulls`, `disaggregate_min_steps`)."""
+    pace: bool = False
+    """Stall-free prefill: a prompt whose uncached part is longer than what one step of its
+    engine's decode batch computes for free (`EngineProfile.free_prefill_tokens`) is
+    computed in such pieces, each a warm-up of a longer prefix (`Warm`, reason `pace`), so
+    no step of the engine turns compute-bound and stalls the sequences decoding there; the
+    request goes out with the last piece (`Planner._pace`)."""
 
 
 VARIANTS: dict[str, PlannerSettings] = {
     "kvgate": PlannerSettings("kvgate", release="batch", priorities=True, siblings=True,
-                              prefetch=True, replicate=True),
+                              prefetch=True, replicate=True, pace=True),
     "kvgate-no-prefetch": PlannerSettings("kvgate", release="batch", priorities=True,
-                                          siblings=True, replicate=True),
+                                          siblings=True, replicate=True, pace=True),
     "kvgate-no-replicate": PlannerSettings("kvgate", release="batch", priorities=True,
-                                           siblings=True, prefetch=True),
+                                           siblings=True, prefetch=True, pace=True),
     "kvgate-no-batch": PlannerSettings("kvgate", release="immediate", priorities=True,
-                                       siblings=True, prefetch=True, replicate=True),
+                                       siblings=True, prefetch=True, replicate=True, pace=True),
     "kvgate-no-priority": PlannerSettings("kvgate", release="batch", siblings=True,
-                                          prefetch=True, replicate=True),
+                                          prefetch=True, replicate=True, pace=True),
     "kvgate-no-siblings": PlannerSettings("kvgate", release="batch", priorities=True,
-                                          prefetch=True, replicate=True),
+                                          prefetch=True, replicate=True, pace=True),
     "kvgate-no-homes": PlannerSettings("kvgate", release="batch", priorities=True,
                                        siblings=True, prefetch=True, replicate=True,
-                                       homes=False),
+                                       homes=False, pace=True),
+    "kvgate-no-pace": PlannerSettings("kvgate", release="batch", priorities=True,
+                                      siblings=True, prefetch=True, replicate=True),
     "kvgate-pulls": PlannerSettings("kvgate", release="batch", priorities=True, siblings=True,
-                                    prefetch=True, replicate=True, pulls=True),
+                                    prefetch=True, replicate=True, pulls=True, pace=True),
     "kvgate-routing-only": PlannerSettings("kvgate"),
 }
 """The full planner and its ablations; every other name is a routing policy under `immediate`
@@ -230,6 +245,13 @@ class EngineRecord:
     """The gateway's requests that finished here (`Planner.finished_at`)."""
 
 
+PACE = "pace"
+"""The reason of a stall-free prefill's warm-ups (`Planner._pace`)."""
+
+PACE_MIN_BLOCKS = 2
+"""A free piece shorter than this is not worth a warm-up's round trip: the request computes its
+prompt in one go."""
+
 HOME_IDLE_S = 300.0
 """A workflow with no call for this long no longer counts as homed anywhere (hint-mode
 workflows never say they are over)."""
@@ -283,6 +305,7 @@ class Planner:
         link: TransferLink = NO_LINK,
         prefetch: bool = False,
         replicate: bool = False,
+        pace: bool = False,
     ) -> None:
         if release not in ("immediate", "batch"):
             raise ValueError(f"unknown release policy {release!r}; known: immediate, batch")
@@ -323,6 +346,8 @@ class Planner:
         self.moves = Moves(link)
         self.prefetch = prefetch and self.moves_kv and profile_of is not None
         self.replicate = replicate and self.moves_kv and link.enabled and profile_of is not None
+        self.pace = pace and self.moves_kv and profile_of is not None
+        """Stall-free prefill (`PlannerSettings.pace`)."""
         self.static_demand = StaticDemand()
         self._static_of: dict[str, dict[str, str]] = {}
         """Per submitted workflow, its tasks' static segment names (replication demand)."""
@@ -665,6 +690,10 @@ class Planner:
                 return False
         rec = self.engines[engine]
         wait = self._kv_move_for(rid, route, placement, now, actions)
+        if wait is None and self.pace:
+            held = req.call.route.matches.get(engine)
+            wait = self._pace(rid, route, engine, held.blocks if held is not None else 0,
+                              now, actions)
         placed_route = route
         if wait is not None:
             # The ledger counts the prefix as held there: it will be by the time it runs.
@@ -840,6 +869,35 @@ class Planner:
                 self._ready.append(warm)
                 self.moves.start(warm, now, eta, eta - now)
 
+    def _pace(self, rid: str, route: RouteRequest, engine: str, held_blocks: int, now: float,
+              actions: list[Action]) -> MoveRecord | None:
+        """Stall-free prefill (`PlannerSettings.pace`): the warm-up of the next piece of the
+        request's prompt at `engine`, which holds its first `held_blocks`, when the rest is
+        more than one step of the engine's decode batch computes for free; None to send the
+        request now (an idle engine has no decode to stall; a compute-bound step has nothing
+        free). The request waits for the piece; a piece that fails or is late sends it as it
+        is, to compute the rest itself."""
+        rec = self.engines.get(engine)
+        if rec is None or self._profile_of is None or not route.block_keys:
+            return None
+        bs = route.block_size
+        load = rec.load
+        batch = load.in_flight - load.prefilling + rec.foreign  # the sequences decoding there
+        if batch <= 0 or route.prompt_tokens - held_blocks * bs <= bs:
+            return None
+        profile = self._profile_of(engine)
+        context = load.active_blocks * bs // max(1, load.in_flight)
+        free = profile.free_prefill_tokens(batch, context, held_blocks * bs, granule=bs) // bs
+        end = held_blocks + free
+        # The last piece goes with the request itself (its last block may be partial).
+        if free < PACE_MIN_BLOCKS or route.prompt_tokens - end * bs <= 0 \
+                or end >= len(route.block_keys):
+            return None
+        warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys[:end], bs, PACE)
+        actions.append(warm)
+        step = profile.decode_step_time(batch + 1, context)
+        return self.moves.start(warm, now, now + step, step)
+
     def _replicate(self, req: _Request, now: float) -> None:
         """Count the call's static segment as demanded, and copy it to one more engine if
         fewer hold it than its share of demand calls for (planner/replication.py)."""
@@ -893,17 +951,32 @@ class Planner:
             return
         if record.source_load is not None:
             close_dispatch(record.source_load)
-        self._dispatch_waiters(record, self._ready)
+        self._dispatch_waiters(record, self._ready, now if ok else None)
         self._load_changed = True
 
-    def _dispatch_waiters(self, record: MoveRecord, actions: list[Action]) -> None:
+    def _dispatch_waiters(self, record: MoveRecord, actions: list[Action],
+                          now: float | None = None) -> None:
         """Send the requests that waited for a move (done, failed or late: a request whose
-        prefix did not arrive recomputes it)."""
+        prefix did not arrive recomputes it). With `now` (the move is done), a paced request
+        whose rest is still more than a free piece waits for its next piece instead."""
         for rid in record.waiters:
             req = self._requests.get(rid)
             if req is None or req.state is not RequestState.AWAITING_KV:
                 continue
             assert req.dispatch is not None
+            if now is not None and record.action.reason == PACE:
+                route = req.call.route
+                held = common_prefix(route.block_keys, record.keys)
+                tokens = min(held * route.block_size, route.prompt_tokens - 1)
+                if req.outstanding is not None:
+                    computed_ahead(req.outstanding, tokens)
+                if tokens > req.dispatch.cached_tokens:
+                    req.dispatch = replace(req.dispatch, cached_tokens=tokens)
+                following = self._pace(rid, route, record.destination, held, now, actions)
+                if following is not None:
+                    following.waiters.append(rid)
+                    req.move_id = following.action.move_id
+                    continue
             req.move(RequestState.DISPATCHED)
             actions.append(req.dispatch)
             req.dispatch = None
@@ -1027,4 +1100,4 @@ def make_planner(
                    engine_block_size=engine_block_size, release=settings.release,
                    priorities=priorities, profile_of=context.profile,
                    siblings=settings.siblings, link=context.link, prefetch=settings.prefetch,
-                   replicate=settings.replicate)
+                   replicate=settings.replicate, pace=settings.pace)

@@ -62,6 +62,18 @@ def prefill_done(d: Outstanding) -> bool:
     return True
 
 
+def computed_ahead(d: Outstanding, cached_tokens: int) -> None:
+    """The engine now holds the request's first `cached_tokens` (its paced prefill's pieces
+    are done): only the rest is still to prefill."""
+    gained = min(d.uncached_tokens, cached_tokens - d.cached_tokens)
+    if gained <= 0 or not d.open:
+        return
+    d.cached_tokens += gained
+    d.uncached_tokens -= gained
+    if d.prefilling:
+        d.load.queued_prefill_tokens -= gained
+
+
 def close_dispatch(d: Outstanding) -> bool:
     """The request finished or failed; False if it was already closed."""
     if not d.open:

@@ -8,6 +8,7 @@ a profile sets one, a cost per sequence it schedules). Hardware and model figure
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -158,6 +159,53 @@ class EngineProfile:
         compute_s = self.compute_time(flops, batch * attention)
         memory_s = (self.weight_bytes + kv_read) / (self.mem_bandwidth * self.mbu)
         return self.step_overhead_s + batch * self.seq_overhead_s + max(compute_s, memory_s)
+
+    def free_prefill_tokens(self, batch: int, context_tokens: int, at_context: int,
+                            granule: int = 1) -> int:
+        """Prompt tokens (a multiple of `granule`, after `at_context` tokens of context) that
+        ride along with a decode step of `batch` sequences of `context_tokens` each without
+        making it compute-bound: while the step's memory reads outlast its compute, the chunk
+        costs only its own KV reads, which computing those tokens costs anywhere (Sarathi-Serve's
+        stall-free batching). 0 for an idle engine, or a step that is compute-bound already."""
+        if batch <= 0 or granule <= 0:
+            return 0
+        per_token, per_attended, rate, weights, kv_bytes, bandwidth = self._step_factors
+        decode_flops = per_token * batch + per_attended * batch * (context_tokens + 1.0)
+        decode_kv = batch * (context_tokens + 1.0)
+
+        def fits(t: int) -> bool:
+            flops = decode_flops + per_token * t + per_attended * t * (at_context + (t + 1) / 2)
+            if self.attention_mfu is None:
+                compute_s = flops / rate
+            else:
+                compute_s = self.compute_time(
+                    flops, per_attended * (batch * (context_tokens + 1.0)
+                                           + t * (at_context + (t + 1) / 2)))
+            return compute_s <= (weights + (decode_kv + at_context + t) * kv_bytes) / bandwidth
+
+        lo, hi = 0, max(0, (self.max_num_batched_tokens - batch) // granule)
+        if self.attention_mfu is None:
+            # fits(t) is a quadratic in t, A t^2 + B t + C <= 0 (both sides times the rate):
+            # its larger root, rounded down to the granule, then checked against fits itself.
+            a2 = per_attended / 2
+            b1 = per_token + per_attended * (at_context + 0.5) - rate * kv_bytes / bandwidth
+            c0 = decode_flops - rate * (weights + (decode_kv + at_context) * kv_bytes) / bandwidth
+            if c0 > 0:
+                return 0
+            root = (-b1 + math.sqrt(b1 * b1 - 4 * a2 * c0)) / (2 * a2)
+            t = min(hi, int(root // granule))
+            while t > 0 and not fits(t * granule):
+                t -= 1
+            while t < hi and fits((t + 1) * granule):
+                t += 1
+            return t * granule
+        while lo < hi:  # the largest multiple of `granule` that fits (fits is monotone)
+            mid = (lo + hi + 1) // 2
+            if fits(mid * granule):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * granule
 
     def prefill_time(self, new_tokens: int, context_tokens: int = 0) -> float:
         """Seconds to prefill `new_tokens` alone on an idle engine (used by cost models)."""

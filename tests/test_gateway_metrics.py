@@ -141,7 +141,7 @@ def test_every_placement_is_counted_once_by_its_reason(pool: Pool,
     assert by_reason.get("load", 0) >= 1  # the first call: nothing cached anywhere
     assert by_reason.get("prefix_hit", 0) >= 1  # later ones: the system prompt is cached
     assert set(by_reason) <= {"load", "prefix_hit", "pull", "disaggregate", "prefetch",
-                              "replicate", "rejected"}
+                              "replicate", "pace", "rejected"}
 
 
 def test_planner_wait_is_observed_for_every_placed_request(pool: Pool,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvindex.index import EngineMatch
-from planner.actions import Dispatch, Reject
+from planner.actions import Dispatch, Reject, Warm
 from planner.core import TRANSITIONS, Call, Planner, RequestState, make_planner, planner_settings
 from planner.dag import IllegalTransition
 from planner.events import (
@@ -419,11 +419,14 @@ def test_a_buffered_call_sees_the_prefixes_placed_while_it_waited() -> None:
                                   max_tokens=16)), 0.1)
     assert p.release(0.1) == [] and p.buffered == 2
     p.on_event(FirstToken("f0"), 0.5)
-    sent = [a for a in p.release(0.5) if isinstance(a, Dispatch)]
-    assert [a.request_id for a in sent][:1] == ["s1"]
+    # s1 goes out first: dispatched, or its prompt's first piece (paced prefill: f0 decodes
+    # there).
+    placed = [(a.request_id, a.engine) if isinstance(a, Dispatch) else (a.origin, a.engine)
+              for a in p.release(0.5) if isinstance(a, Dispatch | Warm)]
+    assert [rid for rid, _ in placed][:1] == ["s1"]
     # Matched when admitted, s2 knew of no holder; offered after s1 went out, it sees s1's
     # engine as holding the whole prefix, as the index's speculative entries would.
-    match = seen["s2"].matches.get(sent[0].engine)
+    match = seen["s2"].matches.get(placed[0][1])
     assert match is not None and match.blocks == len(keys)
 
 

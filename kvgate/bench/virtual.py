@@ -41,7 +41,7 @@ from kvindex.index import InMemoryIndex
 from kvindex.ingest import EventIngestor, apply_ops_sync
 from kvindex.keys import KeyExtras, PromptKeyer, block_key
 from planner.actions import Action, Reject, Transfer, Warm
-from planner.core import Call, make_planner, planner_settings, reject_message
+from planner.core import PACE, Call, make_planner, planner_settings, reject_message
 from planner.dag import DagNode, DagRun, Wakeup
 from planner.events import (
     EngineJoined,
@@ -576,6 +576,9 @@ class VirtualRun:
         self._live: dict[str, _Live] = {}
         self._waiting: dict[str, _Waiting] = {}
         self._legs: dict[str, _Leg] = {}
+        self._paced: dict[str, int] = {}
+        """Per request, prompt tokens its own paced-prefill warm-ups computed (they are its
+        prefill, not cache hits: its record's cached tokens leave them out)."""
         self._recent: OrderedDict[str, tuple[Sequence[int], str | None]] = OrderedDict()
         """Prompts of the last RECENT_ORIGINS finished requests: a later move may copy one
         (a join's prefetch names a parent that has finished)."""
@@ -874,6 +877,9 @@ class VirtualRun:
     def _leg_done(self, req: SimRequest) -> None:
         leg = self._legs.pop(req.request_id)
         move = leg.move
+        if isinstance(move, Warm) and move.reason == PACE:
+            self._paced[move.origin] = self._paced.get(move.origin, 0) + max(
+                0, len(req.prompt_token_ids) - max(0, req.num_cached_tokens))
         if isinstance(move, Transfer) and req.remote_decode:
             if req.finish_reason is None or not req.exported_block_ids:
                 self.planner.on_event(TransferFailed(move.move_id, "producer leg failed"),
@@ -892,7 +898,8 @@ class VirtualRun:
         for req in out.finished:
             live = self._live.get(req.request_id)
             if live is not None:
-                live.record.cached_tokens = max(0, req.num_cached_tokens)
+                live.record.cached_tokens = max(
+                    0, req.num_cached_tokens - self._paced.pop(req.request_id, 0))
                 live.record.output_tokens = len(req.output_token_ids)
             elif req.request_id in self._legs:
                 self._leg_done(req)

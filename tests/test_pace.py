@@ -1,0 +1,211 @@
+"""Paced prefill: on an engine with sequences decoding, a long uncached prompt is computed in
+pieces that each ride along with one decode step for free (warm-ups of longer and longer
+prefixes), and the request goes out with the last piece; the engine model's roofline says
+what is free, and the virtual driver carries the pieces out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgate.bench.options import BenchOptions
+from kvgate.bench.runner import prepare
+from kvgate.bench.virtual import RunResult, VirtualRun
+from planner.actions import Dispatch, Warm
+from planner.core import PACE, PACE_MIN_BLOCKS, Call, Planner, RequestState, make_planner
+from planner.events import EngineJoined, FirstToken, TransferDone, TransferFailed
+from planner.policy import PolicyContext, RouteRequest
+from planner.profiles import get_profile
+from planner.transfer import TransferLink
+
+PROFILE = get_profile("h100-llama3-8b")
+BS = 16
+
+
+def planner(name: str = "kvgate-no-batch") -> Planner:
+    """The planner with immediate release (the virtual runs below show `kvgate`'s batch release
+    pacing too)."""
+    ctx = PolicyContext(profiles={}, default_profile=PROFILE, block_size=BS,
+                        link=TransferLink())
+    p = make_planner(name, ctx, engine_block_size=lambda _: BS)
+    p.on_event(EngineJoined("a", healthy=True, models=frozenset({"m"})), 0.0)
+    return p
+
+
+def decoding(p: Planner, n: int, context_blocks: int = 250) -> float:
+    """`n` requests with `context_blocks`-block prompts, dispatched (each piece of a paced one
+    done a millisecond after it is sent) and decoding; the time when they all are."""
+    now = 0.0
+    for i in range(n):
+        keys = tuple(range(10**6 * (i + 1), 10**6 * (i + 1) + context_blocks))
+        p.admit(Call(RouteRequest(f"d{i}", "m", prompt_tokens=context_blocks * BS,
+                                  block_keys=keys, max_tokens=512)), now)
+        while p.state(f"d{i}") is not RequestState.DISPATCHED:
+            now += 0.001
+            for a in p.release(now):
+                if isinstance(a, Warm):
+                    p.on_event(TransferDone(a.move_id), now)
+        p.on_event(FirstToken(f"d{i}"), now)
+    p.release(now)
+    return now
+
+
+def long_call(blocks: int = 250, rid: str = "r") -> Call:
+    return Call(RouteRequest(rid, "m", prompt_tokens=blocks * BS, block_keys=tuple(range(blocks)),
+                             max_tokens=64))
+
+
+def test_a_long_prompt_on_a_busy_engine_goes_in_free_pieces_then_the_request() -> None:
+    p = planner()
+    now = decoding(p, 20)
+    before = p.moves.stats.started["warm:pace"]  # the decoding requests' own pieces
+    p.admit(long_call(), now)
+    done, pieces = 0, []
+    actions = p.release(now)
+    while actions and isinstance(actions[0], Warm):
+        (warm,) = actions
+        assert (warm.engine, warm.origin, warm.reason) == ("a", "r", PACE)
+        assert warm.block_keys == tuple(range(len(warm.block_keys)))
+        assert p.state("r") is RequestState.AWAITING_KV
+        # Each piece is what one step of the 20 decoding sequences computes for free.
+        free = PROFILE.free_prefill_tokens(20, 250 * BS, done * BS, granule=BS) // BS
+        assert len(warm.block_keys) - done == free >= PACE_MIN_BLOCKS
+        pieces.append(free)
+        done = len(warm.block_keys)
+        now += 0.02
+        p.on_event(TransferDone(warm.move_id), now)
+        actions = p.release(now)
+    (d,) = actions
+    assert isinstance(d, Dispatch) and d.engine == "a" and d.reason == PACE
+    assert d.cached_tokens == done * BS
+    assert len(pieces) >= 2 and 250 - done <= pieces[-1]
+    assert p.state("r") is RequestState.DISPATCHED
+    assert p.moves.stats.started == {"warm:pace": before + len(pieces)}
+
+
+def test_an_idle_engine_gets_the_prompt_whole() -> None:
+    p = planner()
+    p.admit(long_call(), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch) and d.reason == "load" and not p.moves.stats.started
+
+
+def test_a_prompt_within_one_free_piece_goes_at_once() -> None:
+    p = planner()
+    now = decoding(p, 20)
+    free = PROFILE.free_prefill_tokens(20, 250 * BS, 0, granule=BS) // BS
+    p.admit(long_call(free), now)
+    before = dict(p.moves.stats.started)
+    (d,) = p.release(now)
+    assert isinstance(d, Dispatch) and p.moves.stats.started == before
+
+
+def test_requests_still_prefilling_are_not_the_decode_batch() -> None:
+    p = planner()
+    for i in range(3):
+        p.admit(long_call(250, f"p{i}"), 0.0)
+    assert all(isinstance(a, Dispatch) for a in p.release(0.0))
+    p.admit(long_call(250, "r"), 0.0)
+    (d,) = p.release(0.0)  # nothing decodes there yet: nothing to stall, nothing free
+    assert isinstance(d, Dispatch) and d.request_id == "r"
+
+
+def test_a_failed_piece_sends_the_request_to_compute_the_rest() -> None:
+    p = planner()
+    now = decoding(p, 20)
+    p.admit(long_call(), now)
+    (warm,) = p.release(now)
+    assert isinstance(warm, Warm)
+    p.on_event(TransferFailed(warm.move_id, "engine gone"), now + 0.05)
+    (d,) = p.release(now + 0.05)
+    assert isinstance(d, Dispatch) and d.request_id == "r"
+    assert p.moves.stats.failed == 1
+
+
+def test_a_late_piece_is_given_up_at_its_deadline() -> None:
+    p = planner()
+    now = decoding(p, 20)
+    p.admit(long_call(), now)
+    (warm,) = p.release(now)
+    deadline = p.next_wakeup()
+    assert deadline is not None and deadline > now
+    (d,) = [a for a in p.release(deadline) if isinstance(a, Dispatch)]
+    assert d.request_id == "r" and p.moves.stats.late == 1
+    p.on_event(TransferDone(warm.move_id), deadline + 0.1)
+    assert p.release(deadline + 0.1) == []  # neither sent twice nor paced on
+
+
+@pytest.mark.parametrize("name", ["kvgate-no-pace", "least-loaded", "dynamo-like"])
+def test_the_ablation_and_the_baselines_do_not_pace(name: str) -> None:
+    p = planner(name)
+    now = decoding(p, 20)
+    p.admit(long_call(), now)
+    (d,) = p.release(now)
+    assert isinstance(d, Dispatch) and not p.moves.stats.started
+
+
+# -- the roofline ----------------------------------------------------------------------------------
+
+
+def step_is_memory_bound(batch: int, context: int, at: int, t: int) -> bool:
+    per_token, per_attended, rate, weights, kv_bytes, bandwidth = PROFILE.step_factors
+    flops = (per_token * (batch + t) + per_attended * batch * (context + 1.0)
+             + per_attended * t * (at + (t + 1) / 2))
+    return flops / rate <= (weights + (batch * (context + 1.0) + at + t) * kv_bytes) / bandwidth
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 200), st.integers(0, 60_000), st.integers(0, 60_000),
+       st.sampled_from([1, 16, 32]))
+def test_free_tokens_are_the_most_a_memory_bound_step_takes(batch: int, context: int, at: int,
+                                                           granule: int) -> None:
+    t = PROFILE.free_prefill_tokens(batch, context, at, granule)
+    assert t % granule == 0 and t <= PROFILE.max_num_batched_tokens
+    if batch == 0:
+        assert t == 0
+        return
+    assert t == 0 or step_is_memory_bound(batch, context, at, t)
+    assert t + granule > PROFILE.max_num_batched_tokens - batch or \
+        not step_is_memory_bound(batch, context, at, t + granule)
+    # Riding along with the decodes, such a piece leaves the step as long as the piece's own
+    # KV reads make it (what computing the piece reads anywhere).
+    if t:
+        with_piece = PROFILE.step_time_of(batch + t, batch * (context + 1.0) + t * (at + (t + 1) / 2),
+                                          batch * (context + 1.0) + at + t, batch + 1)
+        alone = PROFILE.decode_step_time(batch, context)
+        reads = (at + t) * PROFILE.kv_bytes_per_token / (PROFILE.mem_bandwidth * PROFILE.mbu)
+        assert math.isclose(with_piece, alone + reads, rel_tol=1e-9)
+
+
+def test_a_busier_engine_has_more_free_compute_per_step() -> None:
+    free = [PROFILE.free_prefill_tokens(b, 4500, 3500, 16) for b in (1, 8, 32, 64)]
+    assert free == sorted(free) and free[0] > 0 and free[-1] > free[0]
+
+
+# -- the virtual driver ----------------------------------------------------------------------------
+
+
+def run_debate(policy: str) -> tuple[RunResult, Planner]:
+    o = BenchOptions(workload="debate", rate=4.0, workflows=12, engines=2, progress=False)
+    prepared = prepare(o)
+    run = VirtualRun(policy, prepared.workflows, prepared.load,  # type: ignore[attr-defined]
+                     o.engine_profile(), o.engines, prepared.builder)  # type: ignore[attr-defined]
+    result = run.run()
+    assert not any(w.failed or w.finished_s is None for w in result.workflows)
+    return result, run.planner
+
+
+@pytest.mark.parametrize("policy", ["kvgate", "kvgate-no-pace"])
+def test_virtual_runs_carry_the_pieces_out_as_the_requests_own_prefill(policy: str) -> None:
+    result, p = run_debate(policy)
+    stats = p.moves.stats
+    assert (stats.started.get("warm:pace", 0) > 0) == (policy == "kvgate")
+    assert stats.failed == 0 and stats.done == sum(stats.started.values())
+    assert set(stats.started) <= {"warm:pace"}
+    # What the engines computed is what the requests' records say they computed: a request's
+    # own pieces count as its prefill, not as cache hits.
+    assert result.computed_prompt_tokens == sum(r.prompt_tokens - r.cached_tokens
+                                                for r in result.requests)
