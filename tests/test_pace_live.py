@@ -64,7 +64,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                     max_tokens=300, stream=True, extra_body={"ignore_eos": True})
                 for _ in stream:
                     first.set()
-            except BaseException as e:  # noqa: BLE001 - reported below
+            except BaseException as e:
                 errors.append(e)
                 first.set()
 
