@@ -173,7 +173,8 @@ def test_free_tokens_are_the_most_a_memory_bound_step_takes(batch: int, context:
     # Riding along with the decodes, such a piece leaves the step as long as the piece's own
     # KV reads make it (what computing the piece reads anywhere).
     if t:
-        with_piece = PROFILE.step_time_of(batch + t, batch * (context + 1.0) + t * (at + (t + 1) / 2),
+        attended = batch * (context + 1.0) + t * (at + (t + 1) / 2)
+        with_piece = PROFILE.step_time_of(batch + t, attended,
                                           batch * (context + 1.0) + at + t, batch + 1)
         alone = PROFILE.decode_step_time(batch, context)
         reads = (at + t) * PROFILE.kv_bytes_per_token / (PROFILE.mem_bandwidth * PROFILE.mbu)
