@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.procs import Child, free_port, spawn, wait_healthy
 from tests.conftest import MODEL
+from tests.test_kv_moves_live import metrics
 
 
 def start(logs: Path, policy: str) -> tuple[Child, Child]:
@@ -84,18 +83,6 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     finally:
         gateway.stop()
         sim.stop()
-
-
-def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items()
-                                  if k not in ("model_name", "engine")))
-            out[(s.name, labels)] = s.value
-    return out
 
 
 def test_a_long_prompt_beside_a_decode_is_computed_in_pieces_first(
