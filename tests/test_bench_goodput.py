@@ -117,7 +117,7 @@ def test_goodput_section_has_the_contract_shape_and_repeats_exactly(tmp_path: Pa
         assert g["rate"] > 0
         rates = [p["rate"] for p in g["points"]]
         assert rates == sorted(rates)
-        assert set(g["points"][0]) == {"rate", "jct_mean_s", "x_bound", "failed"}
+        assert set(g["points"][0]) == {"rate", "jct_mean_s", "x_bound", "failed", "cut_short"}
         passing = next(p for p in g["points"] if p["rate"] == g["rate"])
         assert passing["x_bound"] <= 1.5 and passing["failed"] == 0
     assert plot.exists() and (tmp_path / "run-goodput.png").stat().st_size > 0

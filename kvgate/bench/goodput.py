@@ -4,7 +4,10 @@ The SLO holds at a rate when the mean workflow completion time is at most `slo` 
 bound's mean and no workflow failed. The search brackets (doubling or halving from a start rate
 until one rate passes and a higher one fails) and then bisects to a relative precision. Every
 probe is a whole virtual run with the same seed and workflows, so the result is deterministic.
-Two ends stop the bracketing early: doubling past the burst rate (all workflows arrive at once,
+A probe stops as soon as its mean
+JCT can no longer meet the SLO (`virtual.GiveUp`): an overloaded rate costs about as much
+virtual time as a passing one, not the hours its queues would take to drain. Two ends stop the
+bracketing early: doubling past the burst rate (all workflows arrive at once,
 so no higher rate loads the pool more) and halving that no longer shrinks the JCT's excess over
 the bound nor failures (no rate meets the SLO).
 """
@@ -26,12 +29,15 @@ MAX_PROBES = 14
 @dataclass(frozen=True)
 class GoodputPoint:
     """One probe: the rate tried, the mean JCT it gave, that as a multiple of the bound, and
-    how many workflows failed."""
+    how many workflows failed. A probe `cut_short` stopped as soon as it could no longer meet
+    the SLO (`virtual.GiveUp`): its JCT and multiple are the least they could have been, and
+    its failures those seen by then."""
 
     rate: float
     jct_mean_s: float
     x_bound: float
     failed: int
+    cut_short: bool = False
 
     def meets(self, slo: float) -> bool:
         """The SLO holds at this rate."""
@@ -115,6 +121,8 @@ def _load_stopped_mattering(higher: GoodputPoint, lower: GoodputPoint, precision
     on tree-long (32k contexts, 24 workflows on 8 x `h100x4-llama3-70b`, seed 0), whose excess
     fell 6% from 0.21 to 0.10 workflows/s (1.579 to 1.545 x bound), was reported as meeting
     the SLO at no rate; it meets it at 0.085/s."""
+    if higher.cut_short:
+        return False  # its excess is a floor: a plateau cannot be told from it
     tolerance = min(precision, PLATEAU_TOLERANCE)
     return lower.failed >= higher.failed and (
         lower.x_bound - 1 >= (higher.x_bound - 1) * (1 - tolerance))

@@ -40,6 +40,7 @@ from kvgate.bench.report import (
 )
 from kvgate.bench.virtual import (
     MODEL,
+    GiveUp,
     Load,
     PromptBuilder,
     RunResult,
@@ -290,35 +291,48 @@ def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     return per_policy(o, run, status=True)
 
 
+def probe_goodput(o: BenchOptions, prepared: Prepared, policy: str, rate: float,
+                  give_up: bool = True) -> GoodputPoint:
+    """One probe of the goodput search: `policy` at Poisson `rate`, its mean JCT over the SLO's
+    bound. With `give_up`, the run stops as soon as it can no longer meet the SLO
+    (`virtual.GiveUp`; the point is then `cut_short`, its JCT the least it could have been)."""
+    slo = o.slo_jct if o.slo_jct is not None else DEFAULT_SLO
+    slo_bound = prepared.slo_bound or prepared.bound
+    load = Load(arrivals=poisson_arrivals(prepared.workflows, rate, o.seed))
+    run = VirtualRun(policy, prepared.workflows, load, o.engine_profile(), o.engines,
+                     prepared.builder, seed=o.seed, link=o.transfer_link(),
+                     give_up=GiveUp(prepared.bound.jct_s, slo * slo_bound.jct_mean_s)
+                     if give_up else None).run()
+    cut = run.cut_short_jct_mean_s
+    if cut is None:
+        jct = summarise(run)["jct_mean_s"]
+        failed = sum(1 for w in run.workflows if w.failed or w.finished_s is None)
+    else:
+        jct = cut
+        failed = sum(1 for w in run.workflows if w.failed)
+    x = jct / slo_bound.jct_mean_s if slo_bound.jct_mean_s > 0 else float("inf")
+    if o.progress:
+        print(f"goodput {policy}: rate {rate:.4g}/s -> {'>= ' if cut else ''}{x:.2f}"
+              f" x bound, {failed} failed", file=sys.stderr)
+    return GoodputPoint(rate, jct, x, failed, cut_short=cut is not None)
+
+
 def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
     """Each policy's goodput: the report's `goodput` section."""
-    profile = o.engine_profile()
     slo = o.slo_jct if o.slo_jct is not None else DEFAULT_SLO
     bound = prepared.bound
     first = start_rate(len(prepared.workflows), o.engines, sum(bound.jct_s.values()))
     burst = burst_rate(prepared.workflows, bound.jct_mean_s, o.seed, o.goodput_precision)
     section: dict[str, Any] = {"slo_jct_x_bound": slo}
     # The search brackets rates by the engines' own bound; the SLO may be another profile's.
-    slo_bound = prepared.slo_bound or bound
     if prepared.slo_bound is not None:
         section["slo_bound_profile"] = o.slo_bound_profile
-        section["slo_bound_jct_mean_s"] = slo_bound.jct_mean_s
+        section["slo_bound_jct_mean_s"] = prepared.slo_bound.jct_mean_s
 
     def search(policy: str) -> dict[str, Any]:
-        def probe(rate: float) -> GoodputPoint:
-            load = Load(arrivals=poisson_arrivals(prepared.workflows, rate, o.seed))
-            run = VirtualRun(policy, prepared.workflows, load, profile, o.engines,
-                             prepared.builder, seed=o.seed, link=o.transfer_link()).run()
-            jct = summarise(run)["jct_mean_s"]
-            failed = sum(1 for w in run.workflows if w.failed or w.finished_s is None)
-            x = jct / slo_bound.jct_mean_s if slo_bound.jct_mean_s > 0 else float("inf")
-            if o.progress:
-                print(f"goodput {policy}: rate {rate:.4g}/s -> {x:.2f} x bound, "
-                      f"{failed} failed", file=sys.stderr)
-            return GoodputPoint(rate, jct, x, failed)
-
         result: dict[str, Any] = search_goodput(
-            probe, first, slo, o.goodput_precision, max_rate=burst,
+            lambda rate: probe_goodput(o, prepared, policy, rate), first, slo,
+            o.goodput_precision, max_rate=burst,
             plateau_below=isolation_rate(bound.jct_mean_s)).as_json()
         return result
 

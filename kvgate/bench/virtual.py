@@ -114,6 +114,20 @@ class RunResult:
     """Model FLOPs the engines executed (None where the driver cannot see them: live mode)."""
     peak_flops: float = 0.0
     """One engine's peak FLOP/s, for compute utilisation."""
+    cut_short_jct_mean_s: float | None = None
+    """Set when the run stopped early (`GiveUp`): the least mean JCT it could still have had."""
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop a run once its mean JCT can no longer stay within `mean_jct_s` (a goodput probe
+    that has already missed its SLO). Each workflow's JCT is at least its lower bound
+    (`floor_s`, the workload's `Bound.jct_s`) and, while it runs, at least the time since it
+    arrived; the run stops when those floors and the JCTs of the finished ones sum to more
+    than `mean_jct_s` per workflow."""
+
+    floor_s: dict[str, float]
+    mean_jct_s: float
 
 
 @dataclass
@@ -535,8 +549,10 @@ class VirtualRun:
         bucket_s: float = 1.0,
         progress: Callable[[int, int], None] | None = None,
         link: TransferLink = NO_LINK,
+        give_up: GiveUp | None = None,
     ) -> None:
         self.workflows = workflows
+        self.give_up = give_up if load.arrivals is not None else None
         self.load = load
         self.profile = profile
         self.builder = builder
@@ -583,12 +599,18 @@ class VirtualRun:
         """Prompts of the last RECENT_ORIGINS finished requests: a later move may copy one
         (a join's prefetch names a parent that has finished)."""
         self._over = 0
+        self._jct_sum = 0.0
+        """Summed JCTs of the workflows over (`GiveUp`)."""
+        self._floor_to_come = (sum(self.give_up.floor_s.get(w.id, 0.0) for w in workflows)
+                               if self.give_up is not None else 0.0)
+        """Summed lower bounds of the workflows yet to arrive (`GiveUp`)."""
         self._runs: dict[str, DagRun] = {}
         self._rid = itertools.count()
         self.records: list[RequestRecord] = []
         self.wf_records: dict[str, WorkflowRecord] = {}
         self.computed_prompt_tokens = 0
         self.now = 0.0
+        self._cut_short: float | None = None
 
     # -- engine model hooks ---------------------------------------------------------------------
 
@@ -669,9 +691,30 @@ class VirtualRun:
                 # Keep scraping while any workflow is still to come or unfinished (engines may
                 # be idle during think time and busy again after it).
                 if self._over < total:
+                    if self._doomed():
+                        break
                     self._push(t + self.scrape_s, "scrape", None)
                 continue
             self._kick()
+        return self._result()
+
+    def _doomed(self) -> bool:
+        """The run's mean JCT can no longer stay within its `GiveUp`; records the least it
+        could be (`RunResult.cut_short_jct_mean_s`)."""
+        give_up = self.give_up
+        if give_up is None:
+            return False
+        floor = give_up.floor_s
+        least = self._jct_sum + self._floor_to_come + sum(
+            max(self.now - self.wf_records[wf].arrival_s, floor.get(wf, 0.0))
+            for wf in self._runs)
+        n = len(self.workflows)
+        if least <= give_up.mean_jct_s * n:
+            return False
+        self._cut_short = least / n
+        return True
+
+    def _result(self) -> RunResult:
         engines = self.fleet.engines
         busy = {n: e.model.stats.busy_time for n, e in engines.items()}
         # As live mode reads it from /metrics: prefix-cache queries minus hits.
@@ -684,7 +727,8 @@ class VirtualRun:
                          self.fleet.utilisation, self.bucket_s, self.computed_prompt_tokens,
                          transferred_bytes=self.fleet.transferred_bytes,
                          flops=sum(e.model.stats.flops for e in engines.values()),
-                         peak_flops=self.profile.peak_flops)
+                         peak_flops=self.profile.peak_flops,
+                         cut_short_jct_mean_s=self._cut_short)
 
     def _scrape(self) -> None:
         for event in self.fleet.scraped():
@@ -735,6 +779,8 @@ class VirtualRun:
 
     def _arrive(self, wf: BenchWorkflow) -> None:
         self.wf_records[wf.id] = WorkflowRecord(wf.id, self.now)
+        if self.give_up is not None:
+            self._floor_to_come -= self.give_up.floor_s.get(wf.id, 0.0)
         run = DagRun(wf.id, [DagNode(t.id, t.after, t.think_time_s) for t in wf.tasks])
         if self.planner.wants_workflows:
             self.planner.on_event(WorkflowSubmitted(wf.id, tuple(
@@ -946,7 +992,9 @@ class VirtualRun:
     def _workflow_over(self, wf: BenchWorkflow) -> int:
         del self._runs[wf.id]
         self.planner.on_event(WorkflowOver(wf.id), self.now)
-        self.wf_records[wf.id].finished_s = self.now
+        record = self.wf_records[wf.id]
+        record.finished_s = self.now
+        self._jct_sum += self.now - record.arrival_s
         self._over += 1
         if self._queue:
             self._push(self.now, "arrive", self._queue.pop())
