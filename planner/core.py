@@ -511,6 +511,10 @@ class Planner:
                         # A join's prompt extends several parents: no one parent's prompt
                         # is its prefix, so only single-parent children are counted; and a
                         # sub-agent of another kind (another static segment) starts afresh.
+                        # A tree node that runs after its whole path (it quotes every
+                        # ancestor) is not counted either: counting it by its nearest parent
+                        # was measured (2026-11-28, README "Eleventh session") to copy
+                        # contexts its children are then not placed beside.
                         if len(t.after) == 1 and opening.get(t.after[0]) == t.static_segment:
                             children[t.after[0]] = children.get(t.after[0], 0) + 1
                     self._children[wf] = children
