@@ -8,7 +8,7 @@ import pytest
 
 from kvgate.bench.goodput import Goodput, GoodputPoint, search_goodput
 from kvgate.bench.options import BenchOptions
-from kvgate.bench.report import summarise
+from kvgate.bench.report import format_goodput, summarise
 from kvgate.bench.runner import Prepared, prepare, probe_goodput, run_bench
 from kvgate.bench.virtual import GiveUp, Load, RunResult, VirtualRun, poisson_arrivals
 
@@ -94,3 +94,13 @@ def test_a_floor_is_no_plateau() -> None:
     without_floors = search_goodput(
         lambda r: GoodputPoint(r, *(2 * [probe(r).x_bound]), 0), 1.0, precision=0.05)
     assert without_floors.rate == 0.0  # the plateau rule stops that search at 0.25/s
+
+
+def test_a_search_that_met_no_rate_prints_a_cut_probe_as_a_floor() -> None:
+    point = GoodputPoint(0.5, 9.0, 1.8, 0, cut_short=True)
+    report = {"goodput": {"slo_jct_x_bound": 1.5, "kvgate": Goodput(0.0, (point,)).as_json()}}
+    assert "kvgate: no rate tried met the SLO (at 0.5/s: >= 1.800 x bound" in (
+        format_goodput(report))
+    whole = GoodputPoint(0.5, 9.0, 1.8, 0)
+    report["goodput"]["kvgate"] = Goodput(0.0, (whole,)).as_json()
+    assert "(at 0.5/s: 1.800 x bound" in format_goodput(report)

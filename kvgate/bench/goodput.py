@@ -3,13 +3,12 @@
 The SLO holds at a rate when the mean workflow completion time is at most `slo` times the lower
 bound's mean and no workflow failed. The search brackets (doubling or halving from a start rate
 until one rate passes and a higher one fails) and then bisects to a relative precision. Every
-probe is a whole virtual run with the same seed and workflows, so the result is deterministic.
-A probe stops as soon as its mean
-JCT can no longer meet the SLO (`virtual.GiveUp`): an overloaded rate costs about as much
-virtual time as a passing one, not the hours its queues would take to drain. Two ends stop the
-bracketing early: doubling past the burst rate (all workflows arrive at once,
-so no higher rate loads the pool more) and halving that no longer shrinks the JCT's excess over
-the bound nor failures (no rate meets the SLO).
+probe is a virtual run with the same seed and workflows, so the result is deterministic. A
+probe stops as soon as its mean JCT can no longer meet the SLO (`virtual.GiveUp`): an
+overloaded rate costs about as much virtual time as a passing one, not the hours its queues
+would take to drain. Two ends stop the bracketing early: doubling past the burst rate (all
+workflows arrive at once, so no higher rate loads the pool more) and halving that no longer
+shrinks the JCT's excess over the bound nor failures (no rate meets the SLO).
 """
 
 from __future__ import annotations

@@ -271,8 +271,9 @@ def _unbracketed(name: str, g: dict[str, Any], slo: float) -> str:
     """Why a policy's goodput is no bracketed figure ("" when it is)."""
     if g["rate"] <= 0:
         low = g["points"][0]
+        at_least = ">= " if low.get("cut_short") else ""
         return (f"{name}: no rate tried met the SLO (at {low['rate']:.3g}/s: "
-                f"{low['x_bound']:.3f} x bound, {low['failed']} failed workflows)")
+                f"{at_least}{low['x_bound']:.3f} x bound, {low['failed']} failed workflows)")
     if not any(p["rate"] > g["rate"] for p in g["points"]):
         return (f"{name}: every rate tried met the SLO, up to {g['rate']:.4g}/s where the "
                 "workflows arrive as one burst (or the probe cap): goodput is at least that; "
