@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +54,7 @@ def test_a_run_within_its_limit_is_the_same_run(prepared: Prepared) -> None:
     assert summarise(kept) == summarise(whole)
 
 
-def test_a_search_finds_the_same_goodput_and_marks_the_probes_it_cut() -> None:
+def test_a_search_finds_the_same_goodput_and_marks_the_probes_it_cut(tmp_path: Path) -> None:
     options = BenchOptions(workload="fanout", workflows=20, engines=2, progress=False,
                            workload_args={"width": "6", "static_tokens": "800"},
                            policies=["round-robin"], goodput=True, goodput_precision=0.05,
@@ -74,8 +76,12 @@ def test_a_search_finds_the_same_goodput_and_marks_the_probes_it_cut() -> None:
             assert 1.2 < c.x_bound <= w.x_bound and c.jct_mean_s <= w.jct_mean_s
         else:
             assert c == w
-    # The bench's own search (its start rate and burst cap) cuts probes too, and says so.
-    g = run_bench(options, out=io.StringIO())["goodput"]["round-robin"]
+    # The bench's own search (its start rate and burst cap) cuts probes too, says so, and
+    # draws them (as floors) in the goodput plot.
+    plot = tmp_path / "run.png"
+    g = run_bench(replace(options, plot_out=str(plot)),
+                  out=io.StringIO())["goodput"]["round-robin"]
+    assert (tmp_path / "run-goodput.png").stat().st_size > 0
     assert g["rate"] > 0 and any(p["cut_short"] for p in g["points"])
     assert all(p["x_bound"] > 1.2 for p in g["points"] if p["cut_short"])
 

@@ -288,7 +288,8 @@ def goodput_plot_path(plot_path: str) -> str:
 
 
 def plot_goodput(report: dict[str, Any], path: str) -> None:
-    """JCT / bound against the Poisson rate, one line per policy, with the SLO drawn."""
+    """JCT / bound against the Poisson rate, one line per policy, with the SLO drawn; probes
+    cut short (their multiple a floor) are open upward triangles beside the line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,9 +300,13 @@ def plot_goodput(report: dict[str, Any], path: str) -> None:
     for name, g in section.items():
         if not isinstance(g, dict):
             continue
-        points = [p for p in g["points"] if p["failed"] == 0]
-        ax.plot([p["rate"] for p in points], [p["x_bound"] for p in points], marker="o",
-                label=f"{name} ({g['rate']:.3g}/s)")
+        points = [p for p in g["points"] if p["failed"] == 0 and not p.get("cut_short")]
+        (line,) = ax.plot([p["rate"] for p in points], [p["x_bound"] for p in points],
+                          marker="o", label=f"{name} ({g['rate']:.3g}/s)")
+        floors = [p for p in g["points"] if p["failed"] == 0 and p.get("cut_short")]
+        if floors:
+            ax.scatter([p["rate"] for p in floors], [p["x_bound"] for p in floors],
+                       marker="^", facecolors="none", edgecolors=line.get_color())
     ax.axhline(section["slo_jct_x_bound"], color="grey", linestyle=":", label="SLO")
     ax.set(title=f"{report['workload']}: {report['engines']} x {report['profile']}",
            xlabel="workflows per second (Poisson)", ylabel="mean JCT / lower bound",
