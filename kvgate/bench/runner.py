@@ -291,12 +291,17 @@ def run_virtual(o: BenchOptions, prepared: Prepared) -> dict[str, RunResult]:
     return per_policy(o, run, status=True)
 
 
+def slo_of(o: BenchOptions) -> float:
+    """The goodput SLO: `--slo-jct`, else the default multiple of the bound."""
+    return o.slo_jct if o.slo_jct is not None else DEFAULT_SLO
+
+
 def probe_goodput(o: BenchOptions, prepared: Prepared, policy: str, rate: float,
                   give_up: bool = True) -> GoodputPoint:
     """One probe of the goodput search: `policy` at Poisson `rate`, its mean JCT over the SLO's
     bound. With `give_up`, the run stops as soon as it can no longer meet the SLO
     (`virtual.GiveUp`; the point is then `cut_short`, its JCT the least it could have been)."""
-    slo = o.slo_jct if o.slo_jct is not None else DEFAULT_SLO
+    slo = slo_of(o)
     slo_bound = prepared.slo_bound or prepared.bound
     load = Load(arrivals=poisson_arrivals(prepared.workflows, rate, o.seed))
     run = VirtualRun(policy, prepared.workflows, load, o.engine_profile(), o.engines,
@@ -319,7 +324,7 @@ def probe_goodput(o: BenchOptions, prepared: Prepared, policy: str, rate: float,
 
 def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
     """Each policy's goodput: the report's `goodput` section."""
-    slo = o.slo_jct if o.slo_jct is not None else DEFAULT_SLO
+    slo = slo_of(o)
     bound = prepared.bound
     first = start_rate(len(prepared.workflows), o.engines, sum(bound.jct_s.values()))
     burst = burst_rate(prepared.workflows, bound.jct_mean_s, o.seed, o.goodput_precision)
