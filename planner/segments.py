@@ -150,9 +150,29 @@ def static_lead(messages: Sequence[object]) -> list[dict[str, Any]]:
 
 
 def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
-    """Leading elements `a` and `b` share (chained block keys: the shared prefix in blocks)."""
+    """Leading elements `a` and `b` share (chained block keys: the shared prefix in blocks).
+
+    Two tuples (or two lists) are compared a slice at a time, bisecting towards the first
+    difference: a long context's keys (thousands per call) cost a few comparisons made in C
+    instead of one interpreted step per block. Anything else is walked element by element."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    lo, hi = 0, n
+    if n > _LINEAR_SCAN and type(a) is type(b) and isinstance(a, tuple | list):
+        if a[0] != b[0]:
+            return 0
+        if a[:n] == b[:n]:
+            return n
+        # a[:lo] == b[:lo], and they differ somewhere before hi.
+        while hi - lo > _LINEAR_SCAN:
+            mid = (lo + hi) // 2
+            if a[lo:mid] == b[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+    while lo < hi and a[lo] == b[lo]:
+        lo += 1
+    return lo
+
+
+_LINEAR_SCAN = 32
+"""Below this many candidates the first difference is found element by element."""
