@@ -899,7 +899,10 @@ class VirtualRun:
         if origin is None or len(origin[0]) < move.tokens or move.tokens <= 0:
             self.planner.on_event(TransferFailed(move.move_id, "origin request gone"), self.now)
             return
-        ids, salt = list(origin[0][:move.tokens]), origin[1]
+        ids = origin[0][:move.tokens]  # a prefix of up to a whole long context: copied once
+        if not isinstance(ids, list):
+            ids = list(ids)
+        salt = origin[1]
         leg = _Leg(move, ids, salt)
         if isinstance(move, Transfer):
             rid, engine = f"{move.move_id}:produce", move.source
