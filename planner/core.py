@@ -637,7 +637,7 @@ class Planner:
             ranked.sort(key=lambda r: (rank(reqs[r].call.hints), order[r]))
         actions: list[Action] = []
         batch.release(
-            ranked, lambda rid: self._offer(rid, now, actions, fits=batch.fits, fresh=True),
+            ranked, lambda rid: self._offer(rid, now, actions, batch=batch, fresh=True),
             now, next(iter(self.engines), ""))
         return actions
 
@@ -645,12 +645,12 @@ class Planner:
 
     def _offer(self, rid: str, now: float, actions: list[Action],
                views: list[EngineView] | None = None,
-               fits: Callable[[RouteRequest, EngineView], bool] | None = None,
+               batch: BatchRelease | None = None,
                fresh: bool = False) -> bool:
         """Let the policy place one request (among `views`, else every engine but those the
-        request excludes); False if it holds it, or if `fits` says the engine it chose cannot
-        take it yet (batch release; the policy's `choose` must then be free of side effects,
-        as the cost model's is)."""
+        request excludes); False if it holds it, or if under `batch` release neither the
+        engine it chose nor a stand-in (`BatchRelease.stand_ins`) can take it yet (the
+        policy's `choose` must then be free of side effects, as the cost model's is)."""
         req = self._requests[rid]
         route = req.call.route
         if views is None:
@@ -688,10 +688,19 @@ class Planner:
             return True
         placement = placement_of(choice)
         engine = placement.engine
-        if fits is not None:
+        if batch is not None:
             chosen = next(v for v in views if v.name == engine)
-            if not fits(route, chosen):
-                return False
+            if not batch.fits(route, chosen):
+                # Work-conserving: an engine that can take the call now and holds about as
+                # much of its prompt, the best of them by the policy, rather than the buffer.
+                stand_ins = batch.stand_ins(route, chosen, views)
+                if not stand_ins:
+                    return False
+                try:
+                    placement = placement_of(self.policy.choose(route, stand_ins, now))
+                except (Hold, NoEngineAvailable):
+                    return False
+                engine = placement.engine
         rec = self.engines[engine]
         wait = self._kv_move_for(rid, route, placement, now, actions)
         if wait is None and self.pace:

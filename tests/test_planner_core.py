@@ -226,6 +226,35 @@ def test_batch_release_is_work_conserving_then_buffers_when_every_engine_is_back
     assert p.buffered == 0 and p.next_wakeup() is None
 
 
+def test_a_call_its_engine_cannot_take_goes_to_a_stand_in_that_holds_as_much_of_it() -> None:
+    p = batch_planner()
+    choose = p.policy.choose
+
+    def prefer_a(route: RouteRequest, engines: Any, now: float) -> Any:
+        return choose(route, [v for v in engines if v.name == "a"] or engines, now)
+
+    p.policy.choose = prefer_a  # type: ignore[method-assign]
+    for i in range(2):
+        p.admit(long_call(f"f{i}"), 0.0)
+    assert {d.engine for d in p.release(0.0) if isinstance(d, Dispatch)} == {"a"}
+    # Three steps of prompt, two and a half cached on a alone: a is backed up, and b would
+    # compute what a holds, so the call waits for a.
+    blocks = BUDGET * 5 // 2 // 16
+    p.admit(Call(RouteRequest("held", "m", prompt_tokens=3 * BUDGET, max_tokens=16,
+                              matches={"a": EngineMatch("a", blocks, blocks, float(blocks))})),
+            0.1)
+    assert p.release(0.1) == [] and p.buffered == 1
+    # A prompt no engine holds goes to b, which has room, instead of waiting for a.
+    p.admit(long_call("new"), 0.2)
+    (d,) = p.release(0.2)
+    assert isinstance(d, Dispatch) and (d.request_id, d.engine) == ("new", "b")
+    assert p.buffered == 1 and p.state("held") is RequestState.QUEUED
+    p.on_event(FirstToken("f0"), 0.5)
+    p.on_event(FirstToken("f1"), 0.6)
+    (d2,) = p.release(0.6)
+    assert isinstance(d2, Dispatch) and (d2.request_id, d2.engine) == ("held", "a")
+
+
 def test_buffer_releases_the_workflow_closest_to_done_first() -> None:
     p = batch_planner(engines=("a",))
     short = (TaskSpec("t", (), 1000, 16),)
