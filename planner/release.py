@@ -8,11 +8,10 @@ to the best of the engines that have headroom and hold about as much of its prom
 Planner offers the buffer again, highest priority first, on every admission and load change
 and at least once per interval (`interval`: the engines' observed gap between first tokens
 while backed up, their prefill step in effect; a full prefill step of the profile until one is
-observed). Each call
-of a release is placed with the ledger its predecessors in that release left, so a release
-water-fills the engines by the cost model's estimates, and with the prompts placed lately
-counted as held where they went (`with_recent_placements`), so siblings that share a prefix
-follow each other onto the engine that holds it.
+observed). Each call of a release is placed with the ledger its predecessors in that release
+left, so a release water-fills the engines by the cost model's estimates, and with the prompts
+placed lately counted as held where they went (`with_recent_placements`), so siblings that
+share a prefix follow each other onto the engine that holds it.
 
 Sans-IO state only: the Planner (planner/core.py) owns the requests and the routing policy and
 calls in here; nothing here reads a clock.
@@ -159,7 +158,7 @@ class BatchRelease:
         those with headroom that hold as much of its prompt as `chosen` does, give or take one
         prefill step (`max_num_batched_tokens`). Where the call would lose more of its cache it
         waits for `chosen`; where it loses less, waiting would leave it idle while another
-        engine could be computing it. Measured (2026-11-29, fanout with 32k contexts on 8 x
+        engine could be computing it. Measured (2026-11-28, fanout with 32k contexts on 8 x
         `h100x4-llama3-70b`, RDMA, 48 workflows, rate 1.03/s): the roots, 32k tokens new
         everywhere, waited 1.1 s on average in the buffer for the engine chosen first while
         another engine had room; with stand-ins, 0 s."""
