@@ -113,18 +113,22 @@ class BatchRelease:
         if not placed or not route.block_keys:
             return route
         keys = route.block_keys
-        first, whole = keys[0], len(keys)
+        whole = len(keys)
         best: dict[str, int] = {}
         full = 0
         engines = len(counts)
         for _, engine, sent in placed:
-            # Cheap exits (most recent prompts differ from the first block on; an engine
-            # matched in full can not match more; once every engine placed to is, nothing
-            # can change): the same result as comparing every placement, faster.
-            if not sent or sent[0] != first or best.get(engine) == whole:
+            # Cheap exits, the same result as comparing every placement in full: a placement
+            # shares more than the `b` blocks its engine already matches only if it agrees
+            # with the prompt at block `b` (at block 0: most recent prompts differ from the
+            # first block on; prompts that open with one system prompt differ after it); an
+            # engine matched in full can not match more; once every engine placed to is,
+            # nothing can change.
+            b = best.get(engine, 0)
+            if b == whole or len(sent) <= b or sent[b] != keys[b]:
                 continue
             n = common_prefix(keys, sent)
-            if n > best.get(engine, 0):
+            if n > b:
                 best[engine] = n
                 if n == whole:
                     full += 1
