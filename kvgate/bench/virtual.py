@@ -234,6 +234,27 @@ class _ChunkIds(Sequence[Sequence[int]]):
         return self._chunk(i % self._count)
 
 
+class _Prefix(Sequence[int]):
+    """The first `n` of `ids`, without a copy (the engine model reads a prompt by `len` and
+    slices)."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: Sequence[int], n: int) -> None:
+        self._ids = ids
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return self._ids[slice(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        return self._ids[i % self._n]
+
+
 def _chunked(pieces: Sequence[Piece]) -> tuple[list[str], Sequence[Sequence[int]]]:
     """Names and ids of a trace prompt's chunks (`CHUNK_BLOCKS`)."""
     names = list(map(_PIECE_KEY, pieces))
@@ -269,7 +290,7 @@ class _Leg:
     """One engine request of a KV move: a transfer's producer or consumer leg, or a warm-up."""
 
     move: Transfer | Warm
-    token_ids: list[int]
+    token_ids: Sequence[int]
     cache_salt: str | None
 
 
@@ -899,9 +920,11 @@ class VirtualRun:
         if origin is None or len(origin[0]) < move.tokens or move.tokens <= 0:
             self.planner.on_event(TransferFailed(move.move_id, "origin request gone"), self.now)
             return
-        ids = origin[0][:move.tokens]  # a prefix of up to a whole long context: copied once
-        if not isinstance(ids, list):
-            ids = list(ids)
+        ids = origin[0]
+        if len(ids) > move.tokens:
+            # A prefix of up to a whole long context, read where it lies: a paced prompt's
+            # pieces would otherwise copy it once each.
+            ids = _Prefix(ids, move.tokens)
         salt = origin[1]
         leg = _Leg(move, ids, salt)
         if isinstance(move, Transfer):
