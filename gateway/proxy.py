@@ -188,9 +188,12 @@ class Proxy:
         self._placing: dict[str, tuple[asyncio.Future[Dispatch], RouteRequest]] = {}
         """Admitted requests whose handlers await the planner's decision."""
         self._timer: asyncio.TimerHandle | None = None
+        """The planner's next wakeup (`Planner.next_wakeup`): a batch interval while requests
+        wait in its buffer, a move's deadline, a paced request's next piece."""
+        self._timer_at = 0.0
+        """When `_timer` fires (the planner's clock)."""
         self._background: set[asyncio.Task[None]] = set()
         """Workflow-record writes of hint-mode calls, kept until done."""
-        """The planner's next batch interval, when requests wait in its buffer."""
         self._answered: dict[str, int] = {}
         """Streams whose client hung up after the last event, with the engine's status."""
         self._released_ns: dict[str, tuple[int, int]] = {}
@@ -409,7 +412,12 @@ class Proxy:
                         route_req.block_keys, state.now())
             placed.set_result(action)
         wake = state.planner.next_wakeup()
+        if wake is not None and self._timer is not None and wake < self._timer_at:
+            # Due sooner than the timer set (a paced request's next piece, say).
+            self._timer.cancel()
+            self._timer = None
         if wake is not None and self._timer is None:
+            self._timer_at = wake
             self._timer = asyncio.get_running_loop().call_later(
                 max(0.0, wake - state.now()), self._wake)
 

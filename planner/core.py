@@ -252,6 +252,13 @@ PACE_MIN_BLOCKS = 2
 """A free piece shorter than this is not worth a warm-up's round trip: the request computes its
 prompt in one go."""
 
+PACE_AHEAD_S = 0.001
+"""A paced request's next piece is sent this long after the engine has begun the step that
+computes the piece before it, so that it waits at the engine for the following step: a piece
+sent only once the previous one has answered reaches a real engine after its next step has
+begun (the answer's and the request's trips through the API server and the gateway) and waits
+a whole step, which halves the pace."""
+
 HOME_IDLE_S = 300.0
 """A workflow with no call for this long no longer counts as homed anywhere (hint-mode
 workflows never say they are over)."""
@@ -281,6 +288,8 @@ class _Request:
     dispatch: Dispatch | None = None
     """While AWAITING_KV: the dispatch to send once its move ends."""
     move_id: str | None = None
+    pace_next: MoveRecord | None = None
+    """While paced: the piece sent ahead of the one the request waits for (`PACE_AHEAD_S`)."""
 
     def move(self, to: RequestState) -> None:
         if to not in TRANSITIONS[self.state]:
@@ -348,6 +357,8 @@ class Planner:
         self.replicate = replicate and self.moves_kv and link.enabled and profile_of is not None
         self.pace = pace and self.moves_kv and profile_of is not None
         """Stall-free prefill (`PlannerSettings.pace`)."""
+        self._pace_due: dict[str, float] = {}
+        """Paced requests whose next piece goes out ahead at this time (`PACE_AHEAD_S`)."""
         self.static_demand = StaticDemand()
         self._static_of: dict[str, dict[str, str]] = {}
         """Per submitted workflow, its tasks' static segment names (replication demand)."""
@@ -596,6 +607,10 @@ class Planner:
             for record in self.moves.overdue(now):
                 self.moves.stats.late += 1
                 self._dispatch_waiters(record, ready)
+        if self._pace_due:
+            for rid in [r for r, t in self._pace_due.items() if t <= now]:
+                del self._pace_due[rid]
+                self._pace_ahead(rid, now, ready)
         if self._batch is not None:
             return ready + self._release_batch(self._batch, now)
         actions: list[Action] = ready
@@ -620,6 +635,9 @@ class Planner:
             if record.waiters:
                 d = record.deadline()
                 wake = d if wake is None or d < wake else wake
+        if self._pace_due:
+            d = min(self._pace_due.values())
+            wake = d if wake is None or d < wake else wake
         return wake
 
     # -- batch release (SBS) --------------------------------------------------------------------
@@ -746,6 +764,9 @@ class Planner:
             req.dispatch = replace(dispatch, kv_move=wait.action.reason)
             req.move_id = wait.action.move_id
             wait.waiters.append(rid)
+            if wait.action.reason == PACE:
+                # Its engine begins the piece's step within a step from now.
+                self._pace_due[rid] = wait.eta + PACE_AHEAD_S
         else:
             req.move(RequestState.DISPATCHED)
             actions.append(dispatch)
@@ -911,6 +932,20 @@ class Planner:
         step = profile.decode_step_time(batch + 1, context)
         return self.moves.start(warm, now, now + step, step)
 
+    def _pace_ahead(self, rid: str, now: float, actions: list[Action]) -> None:
+        """Send a paced request's next piece ahead (`PACE_AHEAD_S`): the prefix one free piece
+        past the piece it waits for, which its engine computes in the step before."""
+        req = self._requests.get(rid)
+        if (req is None or req.state is not RequestState.AWAITING_KV or req.move_id is None
+                or req.pace_next is not None):
+            return
+        current = self.moves.get(req.move_id)
+        if current is None or current.action.reason != PACE:
+            return
+        route = req.call.route
+        held = common_prefix(route.block_keys, current.keys)
+        req.pace_next = self._pace(rid, route, current.destination, held, now, actions)
+
     def _replicate(self, req: _Request, now: float) -> None:
         """Count the call's static segment as demanded, and copy it to one more engine if
         fewer hold it than its share of demand calls for (planner/replication.py)."""
@@ -985,11 +1020,22 @@ class Planner:
                     computed_ahead(req.outstanding, tokens)
                 if tokens > req.dispatch.cached_tokens:
                     req.dispatch = replace(req.dispatch, cached_tokens=tokens)
-                following = self._pace(rid, route, record.destination, held, now, actions)
+                ahead, req.pace_next = req.pace_next, None
+                if ahead is not None and self.moves.get(ahead.action.move_id) is ahead:
+                    # The piece sent ahead is at the engine and begins now, in the step
+                    # after this one: the one after it can go out.
+                    following: MoveRecord | None = ahead
+                    self._pace_due[rid] = now + PACE_AHEAD_S
+                else:
+                    following = self._pace(rid, route, record.destination, held, now, actions)
+                    if following is not None:
+                        self._pace_due[rid] = following.eta + PACE_AHEAD_S
                 if following is not None:
                     following.waiters.append(rid)
                     req.move_id = following.action.move_id
                     continue
+            self._pace_due.pop(rid, None)
+            req.pace_next = None
             req.move(RequestState.DISPATCHED)
             actions.append(req.dispatch)
             req.dispatch = None
@@ -998,6 +1044,8 @@ class Planner:
 
     def _stop_waiting(self, req: _Request) -> None:
         """A request awaiting KV leaves: it no longer waits, and its ledger entry closes."""
+        self._pace_due.pop(req.call.request_id, None)
+        req.pace_next = None
         if req.move_id is not None:
             record = self.moves.get(req.move_id)
             if record is not None and req.call.request_id in record.waiters:

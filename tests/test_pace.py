@@ -15,7 +15,15 @@ from kvgate.bench.options import BenchOptions
 from kvgate.bench.runner import prepare
 from kvgate.bench.virtual import RunResult, VirtualRun
 from planner.actions import Dispatch, Warm
-from planner.core import PACE, PACE_MIN_BLOCKS, Call, Planner, RequestState, make_planner
+from planner.core import (
+    PACE,
+    PACE_AHEAD_S,
+    PACE_MIN_BLOCKS,
+    Call,
+    Planner,
+    RequestState,
+    make_planner,
+)
 from planner.events import EngineJoined, FirstToken, TransferDone, TransferFailed
 from planner.policy import PolicyContext, RouteRequest
 from planner.profiles import get_profile
@@ -130,12 +138,46 @@ def test_a_late_piece_is_given_up_at_its_deadline() -> None:
     now = decoding(p, 20)
     p.admit(long_call(), now)
     (warm,) = p.release(now)
-    deadline = p.next_wakeup()
-    assert deadline is not None and deadline > now
-    (d,) = [a for a in p.release(deadline) if isinstance(a, Dispatch)]
+    record = p.moves.get(warm.move_id)
+    assert record is not None
+    deadline = record.deadline()
+    actions: list[object] = []
+    t = now
+    while not any(isinstance(a, Dispatch) for a in actions):
+        wake = p.next_wakeup()  # the next piece sent ahead, then the deadline
+        assert wake is not None and t < wake <= deadline
+        t = wake
+        actions = p.release(t)
+    (d,) = [a for a in actions if isinstance(a, Dispatch)]
+    assert t == deadline
     assert d.request_id == "r" and p.moves.stats.late == 1
     p.on_event(TransferDone(warm.move_id), deadline + 0.1)
     assert p.release(deadline + 0.1) == []  # neither sent twice nor paced on
+
+
+def test_the_next_piece_goes_out_while_the_engine_computes_the_one_before() -> None:
+    p = planner()
+    now = decoding(p, 20)
+    p.admit(long_call(), now)
+    (first,) = p.release(now)
+    record = p.moves.get(first.move_id)
+    assert isinstance(first, Warm) and record is not None
+    # By one decode step after the first piece was sent its engine has begun computing it.
+    ahead = p.next_wakeup()
+    assert ahead == pytest.approx(record.eta + PACE_AHEAD_S) and now < ahead < now + 0.1
+    (second,) = p.release(ahead)
+    assert isinstance(second, Warm) and second.reason == PACE
+    assert second.block_keys[:len(first.block_keys)] == first.block_keys
+    assert len(second.block_keys) > len(first.block_keys)
+    # The first answers: the request waits for the second, already at the engine, and the
+    # third goes out a moment later, while the engine computes the second.
+    t = ahead + 0.01
+    p.on_event(TransferDone(first.move_id), t)
+    assert p.release(t) == [] and p.state("r") is RequestState.AWAITING_KV
+    assert p.next_wakeup() == pytest.approx(t + PACE_AHEAD_S)
+    (third,) = p.release(t + PACE_AHEAD_S)
+    assert isinstance(third, Warm) and len(third.block_keys) > len(second.block_keys)
+    assert third.block_keys[:len(second.block_keys)] == second.block_keys
 
 
 @pytest.mark.parametrize("name", ["kvgate-no-pace", "least-loaded", "dynamo-like"])
