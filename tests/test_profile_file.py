@@ -148,3 +148,15 @@ def test_free_prefill_what_ifs_differ_from_their_base_only_in_compute(base_name:
     assert p.name == f"{base_name}-free-prefill"
     assert p.peak_flops == pytest.approx(1000 * base.peak_flops)
     assert dataclasses.replace(p, name=base.name, peak_flops=base.peak_flops) == base
+
+
+@pytest.mark.parametrize("base_name", ["h100-llama3-8b", "h100x4-llama3-70b"])
+def test_request_latency_what_ifs_differ_from_their_base_only_in_it(base_name: str) -> None:
+    # configs/profiles/*-request-latency.yaml back the README's request-latency what-if.
+    path = (Path(__file__).resolve().parent.parent
+            / f"configs/profiles/{base_name}-request-latency.yaml")
+    p = load_profile_file(path)
+    base = PROFILES[base_name]
+    assert p.name == f"{base_name}-request-latency"
+    assert p.request_overhead_s == pytest.approx(0.002) and base.request_overhead_s == 0.0
+    assert dataclasses.replace(p, name=base.name, request_overhead_s=0.0) == base
