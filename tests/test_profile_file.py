@@ -15,7 +15,7 @@ from kvgate.bench.options import BenchOptions
 from kvgate.bench.runner import check_options
 from kvgate.bench.workloads import WorkloadError
 from planner.profile_file import ProfileFileError, load_profile_file, parse_profile, profile_to_yaml
-from planner.profiles import PROFILES
+from planner.profiles import PROFILES, EngineProfile
 
 
 def write(tmp_path: Path, data: object, name: str = "p.yaml") -> Path:
@@ -137,14 +137,18 @@ def test_shipped_cpu_tiny_files_match_the_built_in_profiles(name: str) -> None:
     assert load_profile_file(shipped) == PROFILES[name]
 
 
+def shipped_what_if(base_name: str, what: str) -> tuple[EngineProfile, EngineProfile]:
+    """The what-if profile `configs/profiles/{base_name}-{what}.yaml`, and its base."""
+    path = (Path(__file__).resolve().parent.parent
+            / f"configs/profiles/{base_name}-{what}.yaml")
+    return load_profile_file(path), PROFILES[base_name]
+
+
 @pytest.mark.parametrize("base_name", ["h100-llama3-8b", "h100x4-llama3-70b"])
 def test_free_prefill_what_ifs_differ_from_their_base_only_in_compute(base_name: str) -> None:
     # configs/profiles/*-free-prefill.yaml back the README's goodput ceilings: the same engine
     # in every way but the compute rate.
-    path = (Path(__file__).resolve().parent.parent
-            / f"configs/profiles/{base_name}-free-prefill.yaml")
-    p = load_profile_file(path)
-    base = PROFILES[base_name]
+    p, base = shipped_what_if(base_name, "free-prefill")
     assert p.name == f"{base_name}-free-prefill"
     assert p.peak_flops == pytest.approx(1000 * base.peak_flops)
     assert dataclasses.replace(p, name=base.name, peak_flops=base.peak_flops) == base
@@ -153,10 +157,7 @@ def test_free_prefill_what_ifs_differ_from_their_base_only_in_compute(base_name:
 @pytest.mark.parametrize("base_name", ["h100-llama3-8b", "h100x4-llama3-70b"])
 def test_request_latency_what_ifs_differ_from_their_base_only_in_it(base_name: str) -> None:
     # configs/profiles/*-request-latency.yaml back the README's request-latency what-if.
-    path = (Path(__file__).resolve().parent.parent
-            / f"configs/profiles/{base_name}-request-latency.yaml")
-    p = load_profile_file(path)
-    base = PROFILES[base_name]
+    p, base = shipped_what_if(base_name, "request-latency")
     assert p.name == f"{base_name}-request-latency"
     assert p.request_overhead_s == pytest.approx(0.002) and base.request_overhead_s == 0.0
     assert dataclasses.replace(p, name=base.name, request_overhead_s=0.0) == base
