@@ -63,10 +63,25 @@ class EngineProfile:
     step of eight sequences costs measurably more than one of a single sequence at any context,
     which a per-byte rate alone can only fit by reading the single sequence's step slow."""
 
-    def server_latency(self, chat: bool) -> float:
-        """What the server adds before a request can be scheduled: `request_overhead_s`, plus
-        `chat_overhead_s` for a chat request."""
-        return self.request_overhead_s + (self.chat_overhead_s if chat else 0.0)
+    request_overhead_per_token_s: float = 0.0
+    """What each prompt token adds to `request_overhead_s`, cached or not: vLLM's API server
+    parses and validates the prompt (the JSON body, the request model, the token ids' range)
+    and its engine core hashes every block of it before the scheduler sees the request, so a
+    prompt-only request on a 32k-token context costs tens of milliseconds however little it
+    computes (`kvgate microbench server-cost` measures it on a real vLLM). 0 for the built-in
+    profiles."""
+    api_servers: int = 0
+    """Requests the server works on at once before they reach the scheduler: vLLM's API server
+    is one asyncio process (`--api-server-count` of them), so its per-request work runs one
+    request at a time, first come first served, and a burst of requests queues there. 0: the
+    server's cost is latency alone, as if it had a core per request."""
+
+    def server_latency(self, chat: bool, prompt_tokens: int = 0) -> float:
+        """What the server adds before a request of `prompt_tokens` can be scheduled (without
+        queueing): `request_overhead_s`, plus `request_overhead_per_token_s` per prompt token,
+        plus `chat_overhead_s` for a chat request."""
+        return (self.request_overhead_s + self.request_overhead_per_token_s * prompt_tokens
+                + (self.chat_overhead_s if chat else 0.0))
 
     @property
     def kv_bytes_per_token(self) -> int:

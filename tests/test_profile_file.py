@@ -161,3 +161,25 @@ def test_request_latency_what_ifs_differ_from_their_base_only_in_it(base_name: s
     assert p.name == f"{base_name}-request-latency"
     assert p.request_overhead_s == pytest.approx(0.002) and base.request_overhead_s == 0.0
     assert dataclasses.replace(p, name=base.name, request_overhead_s=0.0) == base
+
+
+@pytest.mark.parametrize("base_name", ["h100-llama3-8b", "h100x4-llama3-70b"])
+def test_api_server_what_ifs_differ_from_their_base_only_in_the_server(base_name: str) -> None:
+    # configs/profiles/*-api-server.yaml back the README's API-server what-if: the server cost
+    # `kvgate microbench server-cost` measured on a real vLLM, one server process.
+    p, base = shipped_what_if(base_name, "api-server")
+    assert p.name == f"{base_name}-api-server"
+    assert p.api_servers == 1 and base.api_servers == 0
+    assert p.request_overhead_per_token_s > 0 and base.request_overhead_per_token_s == 0.0
+    assert p.server_latency(False, 32_000) > p.server_latency(False, 0) > 0
+    assert dataclasses.replace(p, name=base.name, request_overhead_s=0.0,
+                               request_overhead_per_token_s=0.0, api_servers=0) == base
+
+
+def test_server_fields_may_be_zero_but_not_negative() -> None:
+    assert parse_profile({"base": "cpu-tiny", "api_servers": 0,
+                          "request_overhead_per_token_s": 0}).api_servers == 0
+    with pytest.raises(ProfileFileError, match="request_overhead_per_token_s: must be >= 0"):
+        parse_profile({"base": "cpu-tiny", "request_overhead_per_token_s": -1e-6})
+    with pytest.raises(ProfileFileError, match="api_servers: expected an integer"):
+        parse_profile({"base": "cpu-tiny", "api_servers": 1.5})

@@ -34,6 +34,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from adapters.sim.frontend import ApiServer
 from adapters.sim.link import LinkModel
 from adapters.sim.metrics import EngineMetrics
 from adapters.sim.model import (
@@ -150,6 +151,8 @@ class SimEngine:
         )
         self._word_ids = self._readable_token_ids()
         self.model = EngineModel(self.config, profile, self._sample)
+        self.api = ApiServer(profile, settings.time_scale)
+        """vLLM's API server before the scheduler: each request's cost, and its queue."""
         self.metrics = EngineMetrics(settings.model)
         self.publisher: KVEventPublisher | None = None
         self._streams: dict[str, _Stream] = {}
@@ -339,8 +342,10 @@ class SimEngine:
         """Queue a request in the engine model; its id inside the engine is always unique.
 
         `received` is when the handler began (engine time): the profile's `request_overhead_s`
-        (plus `chat_overhead_s` for a chat request: vLLM's API-server cost) counts from there,
-        so the sim's own parsing and tokenising are part of it rather than added to it.
+        and `request_overhead_per_token_s` (plus `chat_overhead_s` for a chat request: vLLM's
+        API-server cost, queued behind the requests before it when the profile sets
+        `api_servers`) count from there, so the sim's own parsing and tokenising are part of
+        it rather than added to it.
         """
         cfg = self.config
         n_prompt = len(prompt_ids)
@@ -406,8 +411,7 @@ class SimEngine:
             self._peers[rid] = peer
         stream = _Stream(req)
         self._streams[rid] = stream
-        overhead = self.settings.profile.server_latency(chat) * self.settings.time_scale
-        delay = received + overhead - self.now()
+        delay = self.api.admitted_at(received, chat, len(prompt_ids)) - self.now()
         if delay > 0:
             asyncio.get_running_loop().call_later(delay, self._admit, stream)
         else:

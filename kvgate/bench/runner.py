@@ -172,7 +172,8 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
 
     def bound_for(p: EngineProfile) -> LowerBound:
         shapes = [(wid, [TaskShape(t.id, t.after, *shape, t.output_tokens, t.think_time_s,
-                                   request_overhead(p, t)) for t, shape in ordered])
+                                   request_overhead(p, t, sum(n for _, n in shape[0])))
+                             for t, shape in ordered])
                   for wid, ordered in tasks]
         return lower_bound(shapes, p, o.engines,
                            arrivals.__getitem__ if arrivals is not None else None, concurrency)

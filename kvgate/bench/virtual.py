@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, cast
 
+from adapters.sim.frontend import ApiServer
 from adapters.sim.link import LinkModel
 from adapters.sim.model import (
     BlockRemoved,
@@ -172,11 +173,18 @@ def _engine_hasher(
     return block_key(parent, tokens, flat)
 
 
-def request_overhead(profile: EngineProfile, task: BenchTask | None = None) -> float:
-    """The server's latency before a request can be scheduled: the profile's request overhead,
-    plus its chat overhead for a chat task (a trace task is sent as a completion, a KV move's
-    legs, `task` None, as token ids). 0 for the GPU profiles."""
-    return profile.server_latency(chat=task is not None and not task.blocks)
+def is_chat(task: BenchTask | None) -> bool:
+    """A chat request (a trace task is sent as a completion, a KV move's legs, `task` None, as
+    token ids)."""
+    return task is not None and not task.blocks
+
+
+def request_overhead(profile: EngineProfile, task: BenchTask | None = None,
+                     prompt_tokens: int = 0) -> float:
+    """The server's latency before a request can be scheduled, without queueing: the profile's
+    request overhead and its cost per prompt token, plus its chat overhead for a chat task.
+    0 for the GPU profiles."""
+    return profile.server_latency(is_chat(task), prompt_tokens)
 
 
 def _merged_removals(events: list[KVEvent]) -> list[KVEvent]:
@@ -595,6 +603,8 @@ class VirtualRun:
                            priority_scheduling=planner_settings(policy).priorities,
                            link=link)
         self.config = self.fleet.config
+        self._api = {n: ApiServer(profile) for n in names}
+        """Each engine's API server (its per-request cost and queue)."""
         self.index = self.fleet.index
         self.planner = make_planner(policy, ctx, speculative_ttl_s=self.speculative_ttl_s,
                                     engine_block_size=self.fleet.ingestor.engine_block_size)
@@ -893,11 +903,12 @@ class VirtualRun:
             output_plan=out_piece.ids), task)
 
     def _send(self, engine: str, request: SimRequest, task: BenchTask | None = None) -> None:
-        """A request reaches its engine's scheduler after the server's per-request cost
-        (`request_overhead`)."""
-        overhead = request_overhead(self.profile, task)
-        if overhead > 0:
-            self._push(self.now + overhead, "admit", (engine, request))
+        """A request reaches its engine's scheduler after the server's per-request cost and
+        any queue at its API server (`adapters.sim.frontend.ApiServer`)."""
+        at = self._api[engine].admitted_at(self.now, is_chat(task),
+                                           len(request.prompt_token_ids))
+        if at > self.now:
+            self._push(at, "admit", (engine, request))
         else:
             self.fleet.add(engine, request)
 
