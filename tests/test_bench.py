@@ -565,3 +565,16 @@ def test_a_run_without_a_link_names_the_policies_that_would_move_kv() -> None:
     out = io.StringIO()
     bench(out=out, link="rdma", **kw)
     assert "note:" not in out.getvalue()
+
+
+def test_the_report_counts_the_moves_the_planner_started_by_reason() -> None:
+    # Long contexts arriving fast: kvgate paces their prefill beside the decodes (`warm:pace`,
+    # each piece a request of its own); a per-request router moves nothing.
+    report = run_bench(BenchOptions(progress=False, workload="fanout", workflows=4, engines=2,
+                                    policies=["kvgate", "round-robin"], rate=4.0,
+                                    workload_args={"context_tokens": "8000", "width": "3"}),
+                       out=io.StringIO())
+    kvgate, rr = report["results"]["kvgate"], report["results"]["round-robin"]
+    assert rr["moves_started"] == {}
+    assert kvgate["moves_started"].get("warm:pace", 0) > 0
+    assert all(k.split(":")[0] in ("transfer", "warm") for k in kvgate["moves_started"])

@@ -54,6 +54,7 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "recomputed_prompt_tokens": run.computed_prompt_tokens,
         "recomputed_static_tokens": _recomputed_static(ok),
         "transferred_bytes": run.transferred_bytes,
+        "moves_started": run.moves_started,
         "gateway_wait_p50_s": percentile(waits, 50),
         "compute_utilisation": _compute_utilisation(run, engines, makespan),
         # Live runs cannot see engine busy time: null, not a made-up zero.

@@ -117,6 +117,9 @@ class RunResult:
     """One engine's peak FLOP/s, for compute utilisation."""
     cut_short_jct_mean_s: float | None = None
     """Set when the run stopped early (`GiveUp`): the least mean JCT it could still have had."""
+    moves_started: dict[str, int] | None = None
+    """KV moves the planner started, by kind and reason (`transfer:prefetch`, `warm:pace`:
+    a paced prefill's pieces, ...); None where the driver cannot see the planner (live mode)."""
 
 
 @dataclass(frozen=True)
@@ -759,7 +762,8 @@ class VirtualRun:
                          transferred_bytes=self.fleet.transferred_bytes,
                          flops=sum(e.model.stats.flops for e in engines.values()),
                          peak_flops=self.profile.peak_flops,
-                         cut_short_jct_mean_s=self._cut_short)
+                         cut_short_jct_mean_s=self._cut_short,
+                         moves_started=dict(sorted(self.planner.moves.stats.started.items())))
 
     def _scrape(self) -> None:
         for event in self.fleet.scraped():
