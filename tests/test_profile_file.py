@@ -183,3 +183,10 @@ def test_server_fields_may_be_zero_but_not_negative() -> None:
         parse_profile({"base": "cpu-tiny", "request_overhead_per_token_s": -1e-6})
     with pytest.raises(ProfileFileError, match="api_servers: expected an integer"):
         parse_profile({"base": "cpu-tiny", "api_servers": 1.5})
+
+
+def test_the_four_server_what_if_differs_from_the_one_server_one_in_that_alone() -> None:
+    four, _ = shipped_what_if("h100x4-llama3-70b", "api-servers-4")
+    one, _ = shipped_what_if("h100x4-llama3-70b", "api-server")
+    assert four.api_servers == 4
+    assert dataclasses.replace(four, name=one.name, api_servers=1) == one
