@@ -30,6 +30,7 @@ import random
 import statistics
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -51,10 +52,15 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> float:
     req = urllib.request.Request(url + "/v1/completions", data=data,
                                  headers={"Content-Type": "application/json"})
     start = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        if r.status != 200:
-            raise ServerCostError(f"the engine answered {r.status}")
-        r.read()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:300].decode(errors="replace")
+        raise ServerCostError(f"the engine answered {e.code} to a {len(body['prompt'])}-token "
+                              f"prompt: {detail}") from None
+    except urllib.error.URLError as e:
+        raise ServerCostError(f"cannot reach the engine at {url}: {e.reason}") from None
     return time.perf_counter() - start
 
 
