@@ -25,7 +25,7 @@ META_KEYS = ("base", "calibration")
 # Efficiencies are at most 1; overheads may be zero; everything else numeric must be > 0.
 AT_MOST_ONE = ("mfu", "mbu", "attention_mfu")
 MAY_BE_ZERO = ("step_overhead_s", "request_overhead_s", "chat_overhead_s", "seq_overhead_s",
-               "request_overhead_per_token_s", "api_servers")
+               "request_overhead_per_token_s", "api_servers", "long_prefill_token_threshold")
 
 
 class ProfileFileError(ValueError):

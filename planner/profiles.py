@@ -76,6 +76,11 @@ class EngineProfile:
     request at a time, first come first served, and a burst of requests queues there. 0: the
     server's cost is latency alone, as if it had a core per request."""
 
+    long_prefill_token_threshold: int = 0
+    """The engine's `--long-prefill-token-threshold` (vLLM's scheduler): while another request
+    runs or waits, a prompt is computed at most this many tokens per step. 0 (vLLM's
+    default): no cap."""
+
     def server_latency(self, chat: bool, prompt_tokens: int = 0) -> float:
         """What the server adds before a request of `prompt_tokens` can be scheduled (without
         queueing): `request_overhead_s`, plus `request_overhead_per_token_s` per prompt token,

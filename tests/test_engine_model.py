@@ -579,3 +579,23 @@ def test_a_run_is_not_followed_past_a_block_cached_as_a_second_copy() -> None:
     assert pool.lookup(11) is second[0] and pool.lookup(12) is first[1]
     assert (pool.cached_run_from(hashes, 0, 2) == probe_per_block(pool, hashes)
             == [second[0], first[1]])
+
+
+def test_the_long_prefill_cap_holds_only_while_another_request_could_use_the_budget() -> None:
+    # vLLM's --long-prefill-token-threshold (v1 scheduler): a lone request computes its whole
+    # prompt in one step; beside another, at most the threshold per step.
+    cfg = EngineConfig(block_size=16, num_blocks=1024, max_num_batched_tokens=8192,
+                       max_num_seqs=64, max_model_len=32768, eos_token_id=EOS,
+                       long_prefill_token_threshold=256)
+    alone = EngineModel(cfg, PROFILE, sampler=lambda req: 100)
+    alone.add_request(request("a", list(range(1000, 2000))))
+    assert alone.step(0.0).num_scheduled_tokens == 1000
+
+    pair = EngineModel(cfg, PROFILE, sampler=lambda req: 100)
+    pair.add_request(request("a", list(range(1000, 2000))))
+    pair.add_request(request("b", list(range(3000, 3100))))
+    out = pair.step(0.0)
+    assert out.num_scheduled_tokens == 256 + 100  # the long one capped, the short one whole
+    assert {r.request_id: r.num_computed_tokens for r in pair.running} == {"a": 256, "b": 100}
+    out = pair.step(out.duration)
+    assert out.num_scheduled_tokens == 256 + 1  # the next chunk beside the short one's decode

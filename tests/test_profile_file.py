@@ -179,6 +179,8 @@ def test_api_server_what_ifs_differ_from_their_base_only_in_the_server(base_name
 def test_server_fields_may_be_zero_but_not_negative() -> None:
     assert parse_profile({"base": "cpu-tiny", "api_servers": 0,
                           "request_overhead_per_token_s": 0}).api_servers == 0
+    assert parse_profile({"base": "cpu-tiny",
+                          "long_prefill_token_threshold": 512}).long_prefill_token_threshold == 512
     with pytest.raises(ProfileFileError, match="request_overhead_per_token_s: must be >= 0"):
         parse_profile({"base": "cpu-tiny", "request_overhead_per_token_s": -1e-6})
     with pytest.raises(ProfileFileError, match="api_servers: expected an integer"):

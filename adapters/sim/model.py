@@ -617,6 +617,11 @@ class EngineConfig:
     lacks (vLLM's `external_prefix_cache_queries`)."""
     kv_load_failure_policy: str = "recompute"
     """After a failed pull: `recompute` locally, or `fail` the request (vLLM 0.32's default)."""
+    long_prefill_token_threshold: int = 0
+    """vLLM's `--long-prefill-token-threshold`: while more than one request runs or waits, a
+    request computes at most this many tokens of its prompt per step (0, vLLM's default: no
+    cap; vllm/v1/core/sched/scheduler.py, vLLM 0.32, for running and waiting requests
+    alike)."""
     removal_per_event: bool = True
     """Announce each evicted block in its own BlockRemoved, as vLLM does; False puts an
     allocation's evictions in one (a consumer that merges runs of removals, as the ingestor
@@ -910,6 +915,10 @@ class EngineModel:
         bs = self.config.block_size
         scheduled: list[tuple[SimRequest, int]] = []
         preempted = False
+        # vLLM's long-prefill cap holds only while another request could use the budget.
+        cap = self.config.long_prefill_token_threshold
+        if len(self.running) + len(self.waiting) <= 1:
+            cap = 0
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -917,6 +926,8 @@ class EngineModel:
                 continue
             computed = req.num_computed_tokens
             n = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
+            if 0 < cap < n:
+                n = cap
             if n > budget:
                 n = budget
             if n <= 0:
@@ -970,7 +981,10 @@ class EngineModel:
             if req.num_computed_tokens == 0:
                 hits, reusable_free = self._cached_prefix(req)
             num_cached = len(hits) * self.config.block_size
-            n = min(req.num_tokens - num_cached, budget)
+            n = req.num_tokens - num_cached
+            if 0 < cap < n:
+                n = cap
+            n = min(n, budget)
             loads = req.remote_prefill is not None and req.num_cached_tokens < 0
             if loads:
                 # The whole prompt's blocks are allocated now and filled by the pull.

@@ -139,6 +139,7 @@ class SimEngine:
             block_size=settings.block_size,
             num_blocks=settings.num_blocks,
             max_num_batched_tokens=profile.max_num_batched_tokens,
+            long_prefill_token_threshold=profile.long_prefill_token_threshold,
             max_num_seqs=profile.max_num_seqs,
             # Like vLLM, never admit a context longer than the KV cache can hold.
             max_model_len=min(profile.max_model_len, settings.num_blocks * settings.block_size),

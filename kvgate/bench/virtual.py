@@ -357,6 +357,7 @@ class Fleet:
         self.config = EngineConfig(
             block_size=bs, num_blocks=num_blocks,
             max_num_batched_tokens=profile.max_num_batched_tokens,
+            long_prefill_token_threshold=profile.long_prefill_token_threshold,
             max_num_seqs=profile.max_num_seqs,
             max_model_len=min(profile.max_model_len, num_blocks * bs),
             eos_token_id=eos_token_id, priority_scheduling=priority_scheduling,
