@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 LENGTHS = (256, 2048, 8192, 16384, 32000)
 MAX_MODEL_LEN = 32768
@@ -66,18 +67,16 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600.0) -> float:
 
 def _histogram_sums(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of each `vllm:` histogram, over its label sets."""
-    out: dict[str, list[float]] = {}
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
+    out: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "histogram" or not family.name.startswith("vllm:"):
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        for suffix, slot in (("_sum", 0), ("_count", 1)):
-            if name.endswith(suffix):
-                acc = out.setdefault(name[: -len(suffix)], [0.0, 0.0])
-                acc[slot] += float(line.rsplit(" ", 1)[1])
-    return {k: (v[0], v[1]) for k, v in out.items()}
+        total = sum(x.value for x in family.samples if x.name == family.name + "_sum")
+        count = sum(x.value for x in family.samples if x.name == family.name + "_count")
+        out[family.name] = (total, count)
+    return out
 
 
 def _mean_delta(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
