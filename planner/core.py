@@ -124,11 +124,19 @@ class PlannerSettings:
     computed in such pieces, each a warm-up of a longer prefix (`Warm`, reason `pace`), so
     no step of the engine turns compute-bound and stalls the sequences decoding there; the
     request goes out with the last piece (`Planner._pace`)."""
+    pace_in_engine: bool = False
+    """With `pace`: no pieces; the request goes out at once with the same free piece as a
+    per-step cap on its prompt (`Dispatch.prefill_cap`), which an engine running kvgate's
+    scheduler plugin (or the simulated engine) applies in every step that has a decoding
+    request, so the server sees the call once."""
 
 
 VARIANTS: dict[str, PlannerSettings] = {
     "kvgate": PlannerSettings("kvgate", release="batch", priorities=True, siblings=True,
                               prefetch=True, replicate=True, pace=True),
+    "kvgate-engine-pace": PlannerSettings("kvgate", release="batch", priorities=True,
+                                          siblings=True, prefetch=True, replicate=True,
+                                          pace=True, pace_in_engine=True),
     "kvgate-no-prefetch": PlannerSettings("kvgate", release="batch", priorities=True,
                                           siblings=True, replicate=True, pace=True),
     "kvgate-no-replicate": PlannerSettings("kvgate", release="batch", priorities=True,
@@ -248,6 +256,11 @@ class EngineRecord:
 PACE = "pace"
 """The reason of a stall-free prefill's warm-ups (`Planner._pace`)."""
 
+PACE_IN_ENGINE = "paced-in-engine"
+"""The reason of the move that stands for a prompt its engine computes paced
+(`PlannerSettings.pace_in_engine`): no action, it ends with the request's first token, and
+calls that extend the prompt wait for it there as for any move bringing their prefix."""
+
 PACE_MIN_BLOCKS = 2
 """A free piece shorter than this is not worth a warm-up's round trip: the request computes its
 prompt in one go."""
@@ -315,6 +328,7 @@ class Planner:
         prefetch: bool = False,
         replicate: bool = False,
         pace: bool = False,
+        pace_in_engine: bool = False,
     ) -> None:
         if release not in ("immediate", "batch"):
             raise ValueError(f"unknown release policy {release!r}; known: immediate, batch")
@@ -357,6 +371,11 @@ class Planner:
         self.replicate = replicate and self.moves_kv and link.enabled and profile_of is not None
         self.pace = pace and self.moves_kv and profile_of is not None
         """Stall-free prefill (`PlannerSettings.pace`)."""
+        self.pace_in_engine = pace_in_engine
+        """Paced by the engine (`PlannerSettings.pace_in_engine`), not in pieces."""
+        self._paced_in_engine: dict[str, str] = {}
+        """Requests paced by their engine: the move (`PACE_IN_ENGINE`) their prompt stands
+        for until its first token."""
         self._pace_due: dict[str, float] = {}
         """Paced requests whose next piece goes out ahead at this time (`PACE_AHEAD_S`)."""
         self.static_demand = StaticDemand()
@@ -454,6 +473,8 @@ class Planner:
         """Something happened at an engine or a client."""
         match event:
             case FirstToken(request_id=rid, observed=observed):
+                if self._paced_in_engine:
+                    self._paced_over(rid, True, now)
                 req = self._requests.get(rid)
                 if req is None or req.outstanding is None:
                     return
@@ -468,6 +489,8 @@ class Planner:
                         self._plan_prefetch(req, now)
                         self._plan_join_prefetch(req, now)
             case Finished(request_id=rid, output_tokens=tokens):
+                if self._paced_in_engine:
+                    self._paced_over(rid, False, now)
                 req = self._requests.pop(rid, None)
                 if req is None:
                     return
@@ -721,10 +744,17 @@ class Planner:
                 engine = placement.engine
         rec = self.engines[engine]
         wait = self._kv_move_for(rid, route, placement, now, actions)
+        prefill_cap = 0
         if wait is None and self.pace:
             held = req.call.route.matches.get(engine)
-            wait = self._pace(rid, route, engine, held.blocks if held is not None else 0,
-                              now, actions)
+            held_blocks = held.blocks if held is not None else 0
+            if self.pace_in_engine:
+                free = self._pace_blocks(route, engine, held_blocks)
+                if free:
+                    prefill_cap = free * route.block_size
+                    self._pace_in_engine(rid, route, engine, held_blocks, free, now)
+            else:
+                wait = self._pace(rid, route, engine, held_blocks, now, actions)
         placed_route = route
         if wait is not None:
             # The ledger counts the prefix as held there: it will be by the time it runs.
@@ -757,8 +787,12 @@ class Planner:
                     if self.priorities is not None else None)
         dispatch = Dispatch(
             rid, engine, req.outstanding.cached_tokens, placement.cost,
-            route.block_keys if ttl > 0 else (), ttl, priority, req.segments,
-            placement.runners_up)
+            # A prompt its engine paces is announced by its KV events as it is computed: a
+            # call that extends it waits for its move (`PACE_IN_ENGINE`) rather than taking
+            # the blocks still to come as held and computing them beside it.
+            route.block_keys if ttl > 0 and not prefill_cap else (), ttl, priority,
+            req.segments,
+            placement.runners_up, prefill_cap)
         if wait is not None:
             req.move(RequestState.AWAITING_KV)
             req.dispatch = replace(dispatch, kv_move=wait.action.reason)
@@ -911,14 +945,59 @@ class Planner:
         request now (an idle engine has no decode to stall; a compute-bound step has nothing
         free). The request waits for the piece; a piece that fails or is late sends it as it
         is, to compute the rest itself."""
+        free = self._pace_blocks(route, engine, held_blocks)
+        if not free:
+            return None
+        assert self._profile_of is not None
+        bs = route.block_size
+        end = held_blocks + free
+        warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys[:end], bs, PACE)
+        actions.append(warm)
+        load = self.engines[engine].load
+        batch = load.in_flight - load.prefilling + self.engines[engine].foreign
+        context = load.active_blocks * bs // max(1, load.in_flight)
+        step = self._profile_of(engine).decode_step_time(batch + 1, context)
+        return self.moves.start(warm, now, now + step, step)
+
+    def _pace_in_engine(self, rid: str, route: RouteRequest, engine: str, held_blocks: int,
+                        free: int, now: float) -> None:
+        """The request goes to `engine` with a cap of `free` blocks per step: its prompt is
+        a move in flight there (no action) until its first token, so that a call extending
+        it waits for it rather than computing the same blocks beside it, as a call waits for
+        a piece of a prompt paced by warm-ups."""
+        assert self._profile_of is not None
+        bs = route.block_size
+        warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys, bs, PACE_IN_ENGINE)
+        load = self.engines[engine].load
+        batch = load.in_flight - load.prefilling + self.engines[engine].foreign
+        context = load.active_blocks * bs // max(1, load.in_flight)
+        profile = self._profile_of(engine)
+        steps = -(-(len(route.block_keys) - held_blocks) // free)
+        eta = now + steps * profile.decode_step_time(batch + 1, context)
+        recompute = profile.prefill_time((len(route.block_keys) - held_blocks) * bs,
+                                         held_blocks * bs)
+        self.moves.start(warm, now, eta, recompute)
+        self._paced_in_engine[rid] = warm.move_id
+
+    def _paced_over(self, rid: str, ok: bool, now: float) -> None:
+        """A request paced by its engine has its first token (`ok`) or ended without one."""
+        move_id = self._paced_in_engine.pop(rid, None)
+        if move_id is not None:
+            self._move_over(move_id, ok, now)
+
+    def _pace_blocks(self, route: RouteRequest, engine: str, held_blocks: int) -> int:
+        """The blocks of the request's prompt past its first `held_blocks` that one step of
+        `engine`'s decode batch computes for free (`EngineProfile.free_prefill_tokens`), when
+        its prompt is longer than that; 0 to compute the prompt in one go (an idle engine has
+        no decode to stall; a compute-bound step has nothing free)."""
         rec = self.engines.get(engine)
         if rec is None or self._profile_of is None or not route.block_keys:
-            return None
+            return 0
         bs = route.block_size
         load = rec.load
         batch = load.in_flight - load.prefilling + rec.foreign  # the sequences decoding there
         if batch <= 0 or route.prompt_tokens - held_blocks * bs <= bs:
-            return None
+            return 0
         profile = self._profile_of(engine)
         context = load.active_blocks * bs // max(1, load.in_flight)
         free = profile.free_prefill_tokens(batch, context, held_blocks * bs, granule=bs) // bs
@@ -926,11 +1005,8 @@ class Planner:
         # The last piece goes with the request itself (its last block may be partial).
         if free < PACE_MIN_BLOCKS or route.prompt_tokens - end * bs <= 0 \
                 or end >= len(route.block_keys):
-            return None
-        warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys[:end], bs, PACE)
-        actions.append(warm)
-        step = profile.decode_step_time(batch + 1, context)
-        return self.moves.start(warm, now, now + step, step)
+            return 0
+        return free
 
     def _pace_ahead(self, rid: str, now: float, actions: list[Action]) -> None:
         """Send a paced request's next piece ahead (`PACE_AHEAD_S`): the prefix one free piece
@@ -1161,4 +1237,5 @@ def make_planner(
                    engine_block_size=engine_block_size, release=settings.release,
                    priorities=priorities, profile_of=context.profile,
                    siblings=settings.siblings, link=context.link, prefetch=settings.prefetch,
-                   replicate=settings.replicate, pace=settings.pace)
+                   replicate=settings.replicate, pace=settings.pace,
+                   pace_in_engine=settings.pace_in_engine)

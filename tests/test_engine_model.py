@@ -599,3 +599,40 @@ def test_the_long_prefill_cap_holds_only_while_another_request_could_use_the_bud
     assert {r.request_id: r.num_computed_tokens for r in pair.running} == {"a": 256, "b": 100}
     out = pair.step(out.duration)
     assert out.num_scheduled_tokens == 256 + 1  # the next chunk beside the short one's decode
+
+
+def test_kvgates_prefill_cap_holds_only_while_a_running_request_decodes() -> None:
+    # kvgate's engine-side pacing (SimRequest.prefill_cap, the vLLM plugin in
+    # adapters/vllm_plugins/kvgate_pace.py): a capped prompt computes at most its cap per
+    # step beside a decoding request, whole on an engine with nothing decoding.
+    cfg = EngineConfig(block_size=16, num_blocks=1024, max_num_batched_tokens=8192,
+                       max_num_seqs=64, max_model_len=32768, eos_token_id=EOS)
+    alone = EngineModel(cfg, PROFILE, sampler=lambda req: 100)
+    capped = request("a", list(range(1000, 2000)))
+    capped.prefill_cap = 256
+    alone.add_request(capped)
+    assert alone.step(0.0).num_scheduled_tokens == 1000
+
+    engine = EngineModel(cfg, PROFILE, sampler=lambda req: 100)
+    engine.add_request(request("d", list(range(3000, 3100)), max_tokens=50))
+    now = engine.step(0.0).duration  # d's prompt, then it decodes
+    capped = request("a", list(range(1000, 2000)), now=now)
+    capped.prefill_cap = 256
+    engine.add_request(capped)
+    plain = request("b", list(range(5000, 5600)), now=now)
+    engine.add_request(plain)
+    chunks = []
+    while capped.num_computed_tokens < 1000:
+        before = capped.num_computed_tokens
+        out = engine.step(now)
+        now += out.duration
+        chunks.append(capped.num_computed_tokens - before)
+    assert chunks == [256, 256, 256, 232]  # the last chunk is what is left
+    assert plain.num_computed_tokens >= 600  # uncapped beside it: its whole prompt at once
+    # A request that is still computing its own prompt is not decoding: no cap beside it.
+    both = EngineModel(cfg, PROFILE, sampler=lambda req: 100)
+    both.add_request(request("d", list(range(3000, 3100)), max_tokens=2))
+    fresh = request("a", list(range(1000, 2000)))
+    fresh.prefill_cap = 256
+    both.add_request(fresh)
+    assert both.step(0.0).num_scheduled_tokens == 100 + 1000

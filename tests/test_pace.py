@@ -18,13 +18,14 @@ from planner.actions import Dispatch, Warm
 from planner.core import (
     PACE,
     PACE_AHEAD_S,
+    PACE_IN_ENGINE,
     PACE_MIN_BLOCKS,
     Call,
     Planner,
     RequestState,
     make_planner,
 )
-from planner.events import EngineJoined, FirstToken, TransferDone, TransferFailed
+from planner.events import EngineJoined, Finished, FirstToken, TransferDone, TransferFailed
 from planner.policy import PolicyContext, RouteRequest
 from planner.profiles import get_profile
 from planner.transfer import TransferLink
@@ -252,3 +253,59 @@ def test_virtual_runs_carry_the_pieces_out_as_the_requests_own_prefill(policy: s
     # own pieces count as its prefill, not as cache hits.
     assert result.computed_prompt_tokens == sum(r.prompt_tokens - r.cached_tokens
                                                 for r in result.requests)
+
+
+# -- paced by the engine (`kvgate-engine-pace`) ----------------------------------------------------
+
+
+def test_paced_by_the_engine_the_request_goes_at_once_with_the_free_piece_as_its_cap() -> None:
+    p = planner("kvgate-engine-pace")
+    now = decoding(p, 20)
+    before = p.moves.stats.started[f"warm:{PACE_IN_ENGINE}"]  # the decoding requests' own
+    p.admit(long_call(), now)
+    (d,) = p.release(now)
+    assert isinstance(d, Dispatch) and d.request_id == "r" and d.engine == "a"
+    free = PROFILE.free_prefill_tokens(20, 250 * BS, 0, granule=BS)
+    assert d.prefill_cap == free >= PACE_MIN_BLOCKS * BS
+    # Its blocks are announced by the engine's KV events as they are computed, not ahead.
+    assert d.speculative_keys == ()
+    assert p.state("r") is RequestState.DISPATCHED
+    # No warm-up goes out: the move stands for the request's own prompt until its first token.
+    assert p.moves.stats.started == {f"warm:{PACE_IN_ENGINE}": before + 1}
+
+
+def test_paced_by_the_engine_a_call_extending_the_prompt_waits_for_its_first_token() -> None:
+    p = planner("kvgate-engine-pace")
+    now = decoding(p, 20)
+    p.admit(long_call(), now)
+    (d,) = p.release(now)
+    assert isinstance(d, Dispatch) and d.prefill_cap > 0
+    sibling = Call(RouteRequest("s", "m", prompt_tokens=260 * BS,
+                                block_keys=(*range(250), *range(-10, 0)), max_tokens=64))
+    p.admit(sibling, now + 0.01)
+    assert p.release(now + 0.01) == []
+    assert p.state("s") is RequestState.AWAITING_KV
+    p.on_event(FirstToken("r"), now + 0.5)
+    (ds,) = p.release(now + 0.5)
+    assert isinstance(ds, Dispatch) and ds.request_id == "s" and ds.engine == "a"
+    assert ds.kv_move == PACE_IN_ENGINE and not p.moves
+
+
+def test_paced_by_the_engine_a_call_that_ends_without_a_token_frees_its_waiters() -> None:
+    p = planner("kvgate-engine-pace")
+    now = decoding(p, 20)
+    p.admit(long_call(), now)
+    p.release(now)
+    p.admit(long_call(250, "s"), now + 0.01)
+    assert p.release(now + 0.01) == []
+    p.on_event(Finished("r", output_tokens=0), now + 0.2)
+    (ds,) = p.release(now + 0.2)
+    assert isinstance(ds, Dispatch) and ds.request_id == "s"
+    assert p.moves.stats.failed == 1
+
+
+def test_paced_by_the_engine_an_idle_engine_gets_no_cap() -> None:
+    p = planner("kvgate-engine-pace")
+    p.admit(long_call(), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch) and d.prefill_cap == 0 and not p.moves

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
@@ -17,6 +17,7 @@ import yaml
 from kvgate.procs import Child, free_port, spawn, wait_healthy
 from tests.conftest import MODEL
 from tests.test_kv_moves_live import metrics
+from tests.test_sim_priority import post
 
 
 def start(logs: Path, policy: str) -> tuple[Child, Child]:
@@ -43,7 +44,7 @@ def start(logs: Path, policy: str) -> tuple[Child, Child]:
     return sim, gateway
 
 
-@pytest.fixture(scope="module", params=["kvgate", "kvgate-no-pace"])
+@pytest.fixture(scope="module", params=["kvgate", "kvgate-no-pace", "kvgate-engine-pace"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float],
                                dict[tuple[str, tuple[tuple[str, str], ...]], float], int]]:
@@ -71,8 +72,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         thread.start()
         assert first.wait(30)
         time.sleep(0.5)  # a scrape and a few steps: the gateway sees it decoding
+        # A client's own `vllm_xargs` too: the gateway adds the cap beside it.
         answer = client.chat.completions.create(
-            model=MODEL, max_tokens=4, extra_body={"ignore_eos": True},
+            model=MODEL, max_tokens=4,
+            extra_body={"ignore_eos": True, "vllm_xargs": {"client_note": "kept"}},
             messages=[{"role": "user", "content": "Summarise this. " + "lorem ipsum " * 1500}])
         thread.join(60)
         assert not errors, errors
@@ -95,11 +98,39 @@ def test_a_long_prompt_beside_a_decode_is_computed_in_pieces_first(
     # The engine answered every piece as a request of its own, besides the two calls.
     requests = sum(v for (name, labels), v in engine.items()
                    if name == "vllm:request_success_total")
+    # The engine's own tokens per step (vLLM's `vllm:iteration_tokens_total`): the largest
+    # step's bucket.
+    steps = {float(dict(labels)["le"]): v for (name, labels), v in engine.items()
+             if name == "vllm:iteration_tokens_total_bucket"}
+    total = max(steps.values())
+    largest = min(le for le, v in steps.items() if v == total)
     if policy == "kvgate":
         assert pieces >= 2 and paced == 1
         assert requests == 2 + pieces
         # The call found its pieces in the engine's own prefix cache: computed ahead, in steps
         # beside the decode.
         assert cached >= 1000
+        assert largest <= 512
+    elif policy == "kvgate-engine-pace":
+        # Sent once, with its cap: the engine computed it in small steps beside the decode.
+        assert pieces == 0 and paced == 0 and requests == 2 and cached == 0
+        assert largest <= 512
     else:
         assert pieces == 0 and paced == 0 and requests == 2 and cached == 0
+        assert largest > 2048  # the whole prompt in one step
+
+
+def test_the_sim_reads_the_cap_from_vllm_xargs_as_the_plugin_does(
+        spawn_sim: Callable[..., Child]) -> None:
+    """`vllm_xargs` must be an object, as vLLM's request model has it; inside, a cap that is
+    not a positive integer is no cap (the plugin ignores it), not an error."""
+    sim = spawn_sim()
+    url = f"{sim.url}/v1/completions"
+    status, body = post(url, {"model": MODEL, "prompt": "x", "max_tokens": 1,
+                              "vllm_xargs": [1]})
+    assert status == 400 and body["error"]["param"] == "body.vllm_xargs"
+    assert "valid dictionary" in body["error"]["message"]
+    for cap in (64, "64", -1, True):
+        status, body = post(url, {"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                  "vllm_xargs": {"kvgate_prefill_cap": cap, "other": "kept"}})
+        assert status == 200, body

@@ -19,6 +19,7 @@ ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 LABELS = ["model_name", "engine"]
 
@@ -124,6 +125,11 @@ class EngineMetrics:
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             REQUEST_LATENCY_BUCKETS,
+        ).labels(*lv)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
         ).labels(*lv)
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds",

@@ -510,6 +510,10 @@ class SimRequest:
     remote_prefill: RemotePrefill | None = None
     """Consumer leg (`do_remote_prefill`)."""
     exported_block_ids: tuple[int, ...] = ()
+    prefill_cap: int = 0
+    """kvgate's engine-side pacing (`vllm_xargs.kvgate_prefill_cap`, the scheduler plugin in
+    adapters/vllm_plugins/pace.py): while another request decodes, compute at most this many
+    tokens of the prompt per step; 0 for no cap."""
     num_external_tokens: int = 0
     """Prompt tokens pulled from a peer rather than computed or found in the local cache."""
     status: RequestStatus = RequestStatus.WAITING
@@ -919,6 +923,12 @@ class EngineModel:
         cap = self.config.long_prefill_token_threshold
         if len(self.running) + len(self.waiting) <= 1:
             cap = 0
+        # kvgate's pacing (`SimRequest.prefill_cap`) holds while a running request decodes.
+        decoding = False
+        for r in self.running:
+            if r.num_computed_tokens >= len(r.prompt_token_ids):
+                decoding = True
+                break
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -928,6 +938,8 @@ class EngineModel:
             n = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
             if 0 < cap < n:
                 n = cap
+            if decoding and 0 < req.prefill_cap < n and computed < len(req.prompt_token_ids):
+                n = req.prefill_cap
             if n > budget:
                 n = budget
             if n <= 0:
@@ -984,6 +996,8 @@ class EngineModel:
             n = req.num_tokens - num_cached
             if 0 < cap < n:
                 n = cap
+            if decoding and 0 < req.prefill_cap < n:
+                n = req.prefill_cap
             n = min(n, budget)
             loads = req.remote_prefill is not None and req.num_cached_tokens < 0
             if loads:

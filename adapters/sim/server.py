@@ -54,6 +54,7 @@ from adapters.sim.nixl import (
 )
 from adapters.sim.publisher import KVEventPublisher
 from kvindex.tokenizer import Tokenizer, TokenizerError
+from planner.actions import PREFILL_CAP_ARG
 from planner.profiles import EngineProfile
 from planner.transfer import NAMED_LINKS, TransferLink
 
@@ -245,11 +246,15 @@ class SimEngine:
             if self.publisher is not None:
                 await self.publisher.publish(out.kv_events)
             t = self.now()
+            # vLLM's tokens per step: prompt tokens computed plus tokens generated, so a step
+            # that ends a prompt counts its first token besides its chunk.
+            step_tokens = out.num_scheduled_tokens
             for o in out.outputs:
                 stream = self._streams.get(o.request_id)
                 if stream is None:
                     continue
                 if stream.last_token_at is None:
+                    step_tokens += 1
                     self.metrics.ttft.observe(t - stream.request.arrival_time)
                 else:
                     self.metrics.itl.observe(t - stream.last_token_at)
@@ -259,6 +264,8 @@ class SimEngine:
                 # Outputs are stamped at step end; the request's clock follows the real one.
                 req.finished_time = t
                 self.metrics.request_finished(req)
+            if out.num_scheduled_tokens:
+                self.metrics.iteration_tokens.observe(step_tokens)
             self.metrics.after_step(self.model)
 
     # -- KV connector ---------------------------------------------------------------------------
@@ -407,6 +414,7 @@ class SimEngine:
             sample_seed=digest,
             remote_decode=produce,
             remote_prefill=remote,
+            prefill_cap=_prefill_cap(body),
         )
         if peer is not None:
             self._peers[rid] = peer
@@ -773,6 +781,23 @@ def _opt_int(body: dict[str, Any], key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise APIError(400, f"`{key}` must be an integer, got {value!r}.")
     return value
+
+
+def _prefill_cap(body: dict[str, Any]) -> int:
+    """kvgate's engine-side pacing cap, `vllm_xargs.kvgate_prefill_cap` (0 for none), read as
+    the scheduler plugin reads it from vLLM's `SamplingParams.extra_args`
+    (adapters/vllm_plugins/pace.py): anything but a positive integer is no cap."""
+    xargs = body.get("vllm_xargs")
+    if xargs is None:
+        return 0
+    if not isinstance(xargs, dict):
+        # vLLM's request model refuses it (`dict[str, ...] | None`), reported by its validation
+        # handler as for `priority` above.
+        err = {"type": "dict_type", "loc": "body.vllm_xargs",
+               "msg": "Input should be a valid dictionary", "input": str(xargs)}
+        raise APIError(400, f"1 validation error:\n  {err}", "Bad Request", "body.vllm_xargs")
+    cap = xargs.get(PREFILL_CAP_ARG)
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
 
 
 def _priority(body: dict[str, Any], header: str | None) -> int:

@@ -905,7 +905,7 @@ class VirtualRun:
             cache_salt=wf.tenant,
             priority=action.priority if action.priority is not None else task.priority,
             block_hashes=list(route.block_keys) if same_blocks else [],
-            output_plan=out_piece.ids), task)
+            output_plan=out_piece.ids, prefill_cap=action.prefill_cap), task)
 
     def _send(self, engine: str, request: SimRequest, task: BenchTask | None = None) -> None:
         """A request reaches its engine's scheduler after the server's per-request cost and

@@ -9,7 +9,10 @@ started once for the tier (the suite runs the tier first, tests/conftest.py):
 - KV events on an ``ipc://`` PUB that the engine binds, so the tier's own collector (connected
   before the engine starts, so it sees every batch from seq 0) and a gateway started later
   both subscribe; a replay ROUTER beside it;
-- the dev endpoints on (`POST /reset_prefix_cache`, which calibration uses).
+- the dev endpoints on (`POST /reset_prefix_cache`, which calibration uses);
+- kvgate's pacing scheduler (`--scheduler-cls`, adapters/vllm_plugins/kvgate_pace.py), which
+  schedules every request that carries no `vllm_xargs.kvgate_prefill_cap` exactly as vLLM's
+  own scheduler does (only test_pace_plugin.py sends one).
 
 Every module uses prompts of its own (distinct first blocks) and metric deltas, so none can hit
 another's cache. The NIXL pool's two engines run first, alone (a NIXL engine busy-polls its
@@ -36,6 +39,8 @@ from kvgate.vllm_engines import (
     ensure_tiny_model,
     ensure_vllm_venv,
     kv_events_config,
+    pace_args,
+    pace_env,
     start_engine,
     vllm_venv_dir,
 )
@@ -94,7 +99,8 @@ def real_engine(
             model_dir, tmp_path_factory.mktemp("vllm-shared"), name="shared",
             served_model_name=SERVED_MODEL, venv=venv, omp_bind="1",
             kv_events=kv_events_config(events_endpoint, TOPIC, replay_endpoint),
-            extra_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
+            extra_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), *pace_args()],
+            extra_env=pace_env(),
         )
     except EngineStartError as e:
         events.close()

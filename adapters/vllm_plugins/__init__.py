@@ -1,0 +1,1 @@
+"""Plugins loaded by real vLLM engines (their own environment; nothing in kvgate imports them)."""

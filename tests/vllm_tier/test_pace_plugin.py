@@ -1,0 +1,86 @@
+"""kvgate's pacing scheduler in a real vLLM (adapters/vllm_plugins/kvgate_pace.py, loaded by the
+tier's shared engine with `--scheduler-cls`): a prompt sent with `vllm_xargs.kvgate_prefill_cap`
+while another request decodes is computed in steps of at most that many tokens; the same kind
+of prompt without the cap goes in one step. Read from the engine's own KV events: vLLM
+announces the blocks a step fills in one BlockStored per request and step."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import urllib.request
+from typing import Any
+
+from kvgate.vllm_engines import Received, http_post_json
+from kvindex.events import BlockStored, decode_batch
+from tests.vllm_tier.conftest import RealEngine
+
+CAP = 64
+PROMPT = 1000
+BLOCK = 32
+EVENT_TIMEOUT = 60.0
+
+
+def prompt_events(msgs: list[Received], start: int, prompt: list[int]) -> list[int]:
+    """Blocks per BlockStored after message `start` that hold blocks of `prompt`, in order."""
+    blocks = {tuple(prompt[i:i + BLOCK]) for i in range(0, len(prompt) - BLOCK + 1, BLOCK)}
+    out = []
+    for m in msgs[start:]:
+        for ev in decode_batch(m.payload).events:
+            if isinstance(ev, BlockStored) and tuple(ev.token_ids[:BLOCK]) in blocks:
+                out.append(len(ev.block_hashes))
+    return out
+
+
+def send_beside_a_decode(engine: RealEngine, prompt: list[int],
+                         xargs: dict[str, Any] | None) -> list[int]:
+    """Send `prompt` while a streamed request decodes; the blocks of each BlockStored that
+    announced the prompt's blocks."""
+    url = engine.engine.url
+    body = {"model": engine.served, "prompt": [7, 8, 9, 10] * 8, "max_tokens": 600,
+            "ignore_eos": True, "stream": True, "temperature": 0}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    first = threading.Event()
+    done: list[bool] = []
+
+    def decode() -> None:
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                for line in r:
+                    first.set()
+                    if line.startswith(b"data: [DONE]"):
+                        done.append(True)
+        finally:
+            first.set()
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    try:
+        assert first.wait(120), "the decoding request never answered"
+        start = len(engine.events.messages())
+        out = http_post_json(url + "/v1/completions", {
+            "model": engine.served, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            **({"vllm_xargs": xargs} if xargs is not None else {})}, timeout=300)
+    finally:
+        thread.join(300)
+    assert out["usage"]["prompt_tokens"] == len(prompt)
+    assert done, "the decoding request did not finish its stream"
+    full = len(prompt) // BLOCK
+    msgs = engine.events.wait_for(
+        lambda m: sum(prompt_events(m, start, prompt)) >= full, EVENT_TIMEOUT)
+    return prompt_events(msgs, start, prompt)
+
+
+def test_a_capped_prompt_beside_a_decode_goes_in_steps_of_at_most_its_cap(
+        real_engine: RealEngine) -> None:
+    rng = random.Random(41)  # prompts of its own: no block shared with another module's
+    prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
+    capped = send_beside_a_decode(real_engine, prompt,
+                                  {"kvgate_prefill_cap": CAP, "note": "kept"})
+    # 31 full blocks, at most two (64 tokens) per step.
+    assert sum(capped) == PROMPT // BLOCK and max(capped) <= CAP // BLOCK, capped
+    assert len(capped) >= PROMPT // CAP, capped
+    prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
+    assert send_beside_a_decode(real_engine, prompt, None) == [PROMPT // BLOCK]
