@@ -95,3 +95,46 @@ def test_an_engine_that_never_gets_healthy_is_started_once_more(
     with pytest.raises(EngineStartError, match="not healthy after 5s"):
         run([hang, hang])
     assert len(starts) == 2
+
+
+def test_engine_pace_starts_the_plugin_and_the_matching_policy(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--engine-pace`: every engine gets `--scheduler-cls` and the plugin's directory on its
+    PYTHONPATH (the same helpers the real tier starts its engine with), the gateway the
+    `kvgate-engine-pace` policy; without it neither."""
+    import kvgate.vllm_pool as vp
+
+    seen: list[dict[str, Any]] = []
+
+    def start_engine(model_dir: Path, log_dir: Path, *, name: str, port: int | None,
+                     **kw: Any) -> Engine:
+        seen.append(kw)
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                start_new_session=True)
+        return Engine(name, kw["served_model_name"], f"http://127.0.0.1:{port}", port or 0,
+                      proc, tmp_path / f"{name}.log")
+
+    monkeypatch.setattr(vp, "ensure_vllm_venv", lambda: tmp_path)
+    monkeypatch.setattr(vp, "ensure_tiny_model", lambda: tmp_path)
+    monkeypatch.setattr(vp, "cpu_capability", lambda venv: "AVX512")
+    monkeypatch.setattr(vp, "start_engine", start_engine)
+    for pace in (True, False):
+        seen.clear()
+        pool = vp.VllmPool(vp.PoolOptions(engines=2, run_dir=tmp_path, engine_pace=pace),
+                           io.StringIO())
+        try:
+            pool.start()
+            policy = pool.gateway_config(8000)["policy"]
+        finally:
+            pool.stop()
+        assert len(seen) == 2
+        for kw in seen:
+            args, env = kw["extra_args"], kw["extra_env"] or {}
+            if pace:
+                at = args.index("--scheduler-cls")
+                module, _, cls = args[at + 1].partition(".")
+                plugin = Path(env["PYTHONPATH"]) / f"{module}.py"
+                assert f"class {cls}(" in plugin.read_text()
+            else:
+                assert "--scheduler-cls" not in args and "PYTHONPATH" not in env
+        assert policy == ("kvgate-engine-pace" if pace else "kvgate")
