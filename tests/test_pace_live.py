@@ -5,6 +5,7 @@ and the answer's `usage`, with the official `openai` client."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,10 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
+from gateway.proxy import with_fields
 from kvgate.procs import Child, free_port, spawn, wait_healthy
 from tests.conftest import MODEL
 from tests.test_kv_moves_live import metrics
@@ -134,3 +138,25 @@ def test_the_sim_reads_the_cap_from_vllm_xargs_as_the_plugin_does(
         status, body = post(url, {"model": MODEL, "prompt": "x", "max_tokens": 1,
                                   "vllm_xargs": {"kvgate_prefill_cap": cap, "other": "kept"}})
         assert status == 200, body
+
+
+@given(st.dictionaries(st.sampled_from(["model", "messages", "priority", "vllm_xargs"])
+                       | st.text(max_size=8), st.integers() | st.text(max_size=8), min_size=1,
+                       max_size=5),
+       st.dictionaries(st.sampled_from(["priority", "vllm_xargs", "model"]),
+                       st.integers() | st.dictionaries(st.text(max_size=4), st.integers(),
+                                                       max_size=2), min_size=1, max_size=3),
+       st.sampled_from(["", "\n", "  \r\n"]))
+def test_fields_go_into_the_forwarded_body_as_if_it_were_re_encoded(
+        body: dict[str, object], fields: dict[str, object], tail: str) -> None:
+    """The gateway adds `priority` and `vllm_xargs` to a body by splicing the raw bytes where
+    it can (no second serialisation of a long prompt): the engine parses the same object as
+    from a re-encoded body, whether the field was there or not."""
+    raw = (json.dumps(body, indent=None if tail else 1) + tail).encode()
+    sent = with_fields(raw, body, fields)
+
+    def once(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        assert len({k for k, _ in pairs}) == len(pairs), pairs  # no key twice
+        return dict(pairs)
+
+    assert json.loads(sent, object_pairs_hook=once) == {**body, **fields}
