@@ -953,11 +953,17 @@ class Planner:
         end = held_blocks + free
         warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys[:end], bs, PACE)
         actions.append(warm)
-        load = self.engines[engine].load
-        batch = load.in_flight - load.prefilling + self.engines[engine].foreign
-        context = load.active_blocks * bs // max(1, load.in_flight)
+        batch, context = self._decode_batch(engine, bs)
         step = self._profile_of(engine).decode_step_time(batch + 1, context)
         return self.moves.start(warm, now, now + step, step)
+
+    def _decode_batch(self, engine: str, block_size: int) -> tuple[int, int]:
+        """The sequences decoding at `engine` by the ledger (and the last scrape), and their
+        mean context in tokens."""
+        rec = self.engines[engine]
+        load = rec.load
+        batch = load.in_flight - load.prefilling + rec.foreign
+        return batch, load.active_blocks * block_size // max(1, load.in_flight)
 
     def _pace_in_engine(self, rid: str, route: RouteRequest, engine: str, held_blocks: int,
                         free: int, now: float) -> None:
@@ -968,9 +974,7 @@ class Planner:
         assert self._profile_of is not None
         bs = route.block_size
         warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys, bs, PACE_IN_ENGINE)
-        load = self.engines[engine].load
-        batch = load.in_flight - load.prefilling + self.engines[engine].foreign
-        context = load.active_blocks * bs // max(1, load.in_flight)
+        batch, context = self._decode_batch(engine, bs)
         profile = self._profile_of(engine)
         steps = -(-(len(route.block_keys) - held_blocks) // free)
         eta = now + steps * profile.decode_step_time(batch + 1, context)
@@ -990,16 +994,13 @@ class Planner:
         `engine`'s decode batch computes for free (`EngineProfile.free_prefill_tokens`), when
         its prompt is longer than that; 0 to compute the prompt in one go (an idle engine has
         no decode to stall; a compute-bound step has nothing free)."""
-        rec = self.engines.get(engine)
-        if rec is None or self._profile_of is None or not route.block_keys:
+        if engine not in self.engines or self._profile_of is None or not route.block_keys:
             return 0
         bs = route.block_size
-        load = rec.load
-        batch = load.in_flight - load.prefilling + rec.foreign  # the sequences decoding there
+        batch, context = self._decode_batch(engine, bs)
         if batch <= 0 or route.prompt_tokens - held_blocks * bs <= bs:
             return 0
         profile = self._profile_of(engine)
-        context = load.active_blocks * bs // max(1, load.in_flight)
         free = profile.free_prefill_tokens(batch, context, held_blocks * bs, granule=bs) // bs
         end = held_blocks + free
         # The last piece goes with the request itself (its last block may be partial).

@@ -512,7 +512,7 @@ class SimRequest:
     exported_block_ids: tuple[int, ...] = ()
     prefill_cap: int = 0
     """kvgate's engine-side pacing (`vllm_xargs.kvgate_prefill_cap`, the scheduler plugin in
-    adapters/vllm_plugins/pace.py): while another request decodes, compute at most this many
+    adapters/vllm_plugins/kvgate_pace.py): while another request decodes, compute at most this many
     tokens of the prompt per step; 0 for no cap."""
     num_external_tokens: int = 0
     """Prompt tokens pulled from a peer rather than computed or found in the local cache."""

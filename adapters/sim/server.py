@@ -786,7 +786,7 @@ def _opt_int(body: dict[str, Any], key: str) -> int | None:
 def _prefill_cap(body: dict[str, Any]) -> int:
     """kvgate's engine-side pacing cap, `vllm_xargs.kvgate_prefill_cap` (0 for none), read as
     the scheduler plugin reads it from vLLM's `SamplingParams.extra_args`
-    (adapters/vllm_plugins/pace.py): anything but a positive integer is no cap."""
+    (adapters/vllm_plugins/kvgate_pace.py): anything but a positive integer is no cap."""
     xargs = body.get("vllm_xargs")
     if xargs is None:
         return 0
