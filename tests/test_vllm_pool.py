@@ -48,6 +48,23 @@ def test_bad_arguments_exit_2_naming_the_problem() -> None:
     assert done.returncode == 2 and "is not free" in done.stderr
 
 
+def sleeping_engine(name: str, served: str, port: int | None, tmp_path: Path) -> Engine:
+    """A stand-in for a started vLLM engine: a real process that sleeps."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    return Engine(name, served, f"http://127.0.0.1:{port}", port or 0, proc,
+                  tmp_path / f"{name}.log")
+
+
+def no_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The pool's venv, model and CPU checks, skipped."""
+    import kvgate.vllm_pool as vp
+
+    monkeypatch.setattr(vp, "ensure_vllm_venv", lambda: tmp_path)
+    monkeypatch.setattr(vp, "ensure_tiny_model", lambda: tmp_path)
+    monkeypatch.setattr(vp, "cpu_capability", lambda venv: "AVX512")
+
+
 def test_an_engine_that_never_gets_healthy_is_started_once_more(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A vLLM engine that hangs at start-up cannot be made on demand, so `start_engine` is
@@ -63,14 +80,9 @@ def test_an_engine_that_never_gets_healthy_is_started_once_more(
         if fail:
             error = fail.pop(0).format(name=name, t=health_timeout)
             raise (EngineNotHealthy if "not healthy" in error else EngineStartError)(error)
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                start_new_session=True)
-        return Engine(name, kw["served_model_name"], f"http://127.0.0.1:{port}", port or 0,
-                      proc, tmp_path / f"{name}.log")
+        return sleeping_engine(name, kw["served_model_name"], port, tmp_path)
 
-    monkeypatch.setattr(vp, "ensure_vllm_venv", lambda: tmp_path)
-    monkeypatch.setattr(vp, "ensure_tiny_model", lambda: tmp_path)
-    monkeypatch.setattr(vp, "cpu_capability", lambda venv: "AVX512")
+    no_setup(monkeypatch, tmp_path)
     hang = "vLLM engine {name} not healthy after {t:.0f}s; log x"
     died = "vLLM engine {name} exited with code 1 during startup; log x"
 
@@ -109,14 +121,9 @@ def test_engine_pace_starts_the_plugin_and_the_matching_policy(
     def start_engine(model_dir: Path, log_dir: Path, *, name: str, port: int | None,
                      **kw: Any) -> Engine:
         seen.append(kw)
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                start_new_session=True)
-        return Engine(name, kw["served_model_name"], f"http://127.0.0.1:{port}", port or 0,
-                      proc, tmp_path / f"{name}.log")
+        return sleeping_engine(name, kw["served_model_name"], port, tmp_path)
 
-    monkeypatch.setattr(vp, "ensure_vllm_venv", lambda: tmp_path)
-    monkeypatch.setattr(vp, "ensure_tiny_model", lambda: tmp_path)
-    monkeypatch.setattr(vp, "cpu_capability", lambda venv: "AVX512")
+    no_setup(monkeypatch, tmp_path)
     monkeypatch.setattr(vp, "start_engine", start_engine)
     for pace in (True, False):
         seen.clear()
