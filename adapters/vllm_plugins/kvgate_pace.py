@@ -63,7 +63,12 @@ class _Pacing:
         if not self._kvgate_decoding or num_computed_tokens >= request.num_prompt_tokens:
             return n
         cap = prefill_cap(request)
-        return cap if 0 < cap < n else n
+        if not 0 < cap < n:
+            return n
+        # vLLM's own rule again on the capped chunk (a multi-module MTP drafter's lookahead).
+        capped: int = super()._reserve_prefill_lookahead(  # type: ignore[misc]
+            request, num_computed_tokens, cap)
+        return capped if capped > 0 else n
 
 
 class KvgatePaceAsyncScheduler(_Pacing, AsyncScheduler):  # type: ignore[misc]
