@@ -61,6 +61,10 @@ class EngineEntry(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     """The engine's `--scheduling-policy`: with `priority`, a planner that ranks calls sends
     each request vLLM's `priority` field (lower runs first)."""
+    scheduler: Literal["vllm", "kvgate-pace"] = "vllm"
+    """The engine's scheduler: `kvgate-pace` when it runs kvgate's pacing plugin
+    (`--scheduler-cls kvgate_pace.KvgatePaceAsyncScheduler`); a pacing policy (`kvgate`) then
+    sends it a long prompt once with a per-step cap instead of in pieces."""
 
     @field_validator("url")
     @classmethod

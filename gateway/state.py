@@ -56,6 +56,7 @@ class GatewayState:
             profiles={e.engine_name: e.engine_profile for e in config.engines},
             block_size=config.index.block_size,
             link=config.kv_transfer.transfer_link(),
+            paced_engines={e.engine_name for e in config.engines if e.scheduler == "kvgate-pace"},
         )
         self.metrics = GatewayMetrics()
         self.later = Later()
@@ -166,6 +167,8 @@ class GatewayState:
         self.pool.add(entry)
         if entry.scheduling_policy == "priority":
             self._priority_engines.add(entry.engine_name)
+        if entry.scheduler == "kvgate-pace":
+            self.policy_context.paced_engines.add(entry.engine_name)
         self.policy_context.profiles[entry.engine_name] = entry.engine_profile
         await self.pool.refresh(entry.engine_name)
 
@@ -174,6 +177,7 @@ class GatewayState:
         assert self.pool is not None and self.listener is not None
         if not self.pool.remove(name):
             return False
+        self.policy_context.paced_engines.discard(name)
         await self.listener.remove_source(name)
         await self.index.clear_engine(name)
         return True

@@ -550,12 +550,11 @@ def build_parser() -> argparse.ArgumentParser:
     vp.add_argument("--cores", help="cores to bind engines to, e.g. 0,1 or 0-3 (engine i on "
                                     "the i-th, cycling; default: every core)")
     vp.add_argument("--serve", type=int, metavar="PORT",
-                    help="also run the gateway on 127.0.0.1:PORT (policy kvgate, or "
-                         "kvgate-engine-pace with --engine-pace)")
+                    help="also run the gateway on 127.0.0.1:PORT (policy kvgate)")
     vp.add_argument("--engine-pace", action="store_true",
                     help="run kvgate's pacing scheduler in the engines (--scheduler-cls) and "
-                         "the gateway's kvgate-engine-pace policy: a long prompt is paced by "
-                         "its engine instead of sent in pieces")
+                         "say so in their gateway entries (scheduler: kvgate-pace): a long "
+                         "prompt is paced by its engine instead of sent in pieces")
     vp.add_argument("--run-dir", help="engine and gateway logs here (default: a new temp dir)")
     vp.add_argument("--health-timeout", type=float, default=300.0,
                     help="seconds each engine may take to become healthy")

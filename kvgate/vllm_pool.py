@@ -110,7 +110,8 @@ class PoolOptions:
     run_dir: Path | None = None
     health_timeout: float = 300.0
     engine_pace: bool = False
-    """Engines run kvgate's pacing scheduler and the gateway the `kvgate-engine-pace` policy."""
+    """Engines run kvgate's pacing scheduler, and their gateway entries say so (`scheduler:
+    kvgate-pace`)."""
 
 
 @dataclass
@@ -124,11 +125,16 @@ class PoolEngine:
     nixl_port: int | None
     profile: str = PROFILE
     """The built-in profile of the tiny model on this CPU (`tiny_profile_for`)."""
+    paced: bool = False
+    """It runs kvgate's pacing scheduler (`--engine-pace`)."""
 
     def config_entry(self) -> dict[str, Any]:
         """Its `engines:` entry in a gateway config (connect mode: the engine binds)."""
-        return {"url": self.engine.url, "profile": self.profile, "kv_events": self.kv_events,
-                "kv_replay": self.kv_replay}
+        entry = {"url": self.engine.url, "profile": self.profile, "kv_events": self.kv_events,
+                 "kv_replay": self.kv_replay}
+        if self.paced:
+            entry["scheduler"] = "kvgate-pace"
+        return entry
 
 
 def _shm_holders() -> set[str]:
@@ -217,7 +223,8 @@ class VllmPool:
                     # start_engine killed it; same port, side channel and sockets again.
                     self.say(f"engine-{i} not healthy after {opts.health_timeout:.0f} s "
                              f"(attempt {attempt}); starting it again")
-            self.engines.append(PoolEngine(engine, core, events, replay, nixl_port, profile))
+            self.engines.append(PoolEngine(engine, core, events, replay, nixl_port, profile,
+                                           opts.engine_pace))
             self.say(f"engine-{i} {engine.url} (pid {engine.proc.pid}) healthy in "
                      f"{engine.startup_s:.1f} s "
                      f"(log {engine.log_path})")
@@ -234,8 +241,7 @@ class VllmPool:
         if opts.serve is not None:
             self._start_gateway(opts.serve)
             assert self.gateway is not None
-            policy = "kvgate-engine-pace" if opts.engine_pace else "kvgate"
-            self.say(f"gateway {self.gateway.url} (pid {self.gateway.proc.pid}, policy {policy}, "
+            self.say(f"gateway {self.gateway.url} (pid {self.gateway.proc.pid}, policy kvgate, "
                      f"log {self.gateway.log_path})")
         self.say("pool ready")
 
@@ -295,8 +301,7 @@ class VllmPool:
     def gateway_config(self, port: int) -> dict[str, Any]:
         """A `kvgate serve` config in front of the engines, their KV events ingested."""
         config: dict[str, Any] = {
-            "host": "127.0.0.1", "port": port,
-            "policy": "kvgate-engine-pace" if self.options.engine_pace else "kvgate",
+            "host": "127.0.0.1", "port": port, "policy": "kvgate",
             "tokenizer": str(self.model_dir), "health_interval_s": 0.5,
             "scrape_interval_s": 0.5, "index": {"block_size": 16},
         }

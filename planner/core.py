@@ -329,6 +329,7 @@ class Planner:
         replicate: bool = False,
         pace: bool = False,
         pace_in_engine: bool = False,
+        paced_engines: set[str] | None = None,
     ) -> None:
         if release not in ("immediate", "batch"):
             raise ValueError(f"unknown release policy {release!r}; known: immediate, batch")
@@ -372,7 +373,10 @@ class Planner:
         self.pace = pace and self.moves_kv and profile_of is not None
         """Stall-free prefill (`PlannerSettings.pace`)."""
         self.pace_in_engine = pace_in_engine
-        """Paced by the engine (`PlannerSettings.pace_in_engine`), not in pieces."""
+        """Paced by every engine (`PlannerSettings.pace_in_engine`), not in pieces."""
+        self.paced_engines = paced_engines if paced_engines is not None else set()
+        """Engines that pace a capped prompt themselves (`PolicyContext.paced_engines`): paced
+        there with a cap whatever `pace_in_engine` says; the caller may add to it later."""
         self._paced_in_engine: dict[str, str] = {}
         """Requests paced by their engine: the move (`PACE_IN_ENGINE`) their prompt stands
         for until its first token."""
@@ -748,7 +752,7 @@ class Planner:
         if wait is None and self.pace:
             held = req.call.route.matches.get(engine)
             held_blocks = held.blocks if held is not None else 0
-            if self.pace_in_engine:
+            if self.pace_in_engine or engine in self.paced_engines:
                 free = self._pace_blocks(route, engine, held_blocks)
                 if free:
                     prefill_cap = free * route.block_size
@@ -1239,4 +1243,4 @@ def make_planner(
                    priorities=priorities, profile_of=context.profile,
                    siblings=settings.siblings, link=context.link, prefetch=settings.prefetch,
                    replicate=settings.replicate, pace=settings.pace,
-                   pace_in_engine=settings.pace_in_engine)
+                   pace_in_engine=settings.pace_in_engine, paced_engines=context.paced_engines)

@@ -261,6 +261,10 @@ class PolicyContext:
     seed: int = 0
     link: TransferLink = NO_LINK
     """The KV transfer path between engines (none by default: every miss is recomputed)."""
+    paced_engines: set[str] = field(default_factory=set)
+    """Engines whose scheduler applies kvgate's per-request prefill cap (the vLLM plugin
+    adapters/vllm_plugins/kvgate_pace.py): a pacing planner sends them a long prompt once with
+    a cap instead of in pieces. Engines that join at run time are added here."""
 
     def profile(self, engine: str) -> EngineProfile:
         """The engine's profile."""

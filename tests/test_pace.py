@@ -309,3 +309,21 @@ def test_paced_by_the_engine_an_idle_engine_gets_no_cap() -> None:
     p.admit(long_call(), 0.0)
     (d,) = p.release(0.0)
     assert isinstance(d, Dispatch) and d.prefill_cap == 0 and not p.moves
+
+
+def test_the_default_planner_paces_by_the_engine_where_the_engine_can() -> None:
+    """`kvgate` in front of an engine listed in `PolicyContext.paced_engines` (its config
+    entry's `scheduler: kvgate-pace`) sends a cap there and pieces elsewhere."""
+    ctx = PolicyContext(profiles={}, default_profile=PROFILE, block_size=BS,
+                        link=TransferLink(), paced_engines={"a"})
+    p = make_planner("kvgate-no-batch", ctx, engine_block_size=lambda _: BS)
+    p.on_event(EngineJoined("a", healthy=True, models=frozenset({"m"})), 0.0)
+    now = decoding(p, 20)
+    p.admit(long_call(), now)
+    (d,) = p.release(now)
+    assert isinstance(d, Dispatch) and d.prefill_cap > 0
+    p.paced_engines.discard("a")  # the engine left and came back without the plugin
+    p.admit(Call(RouteRequest("r2", "m", prompt_tokens=250 * BS,
+                              block_keys=tuple(range(-1000, -750)), max_tokens=64)), now)
+    (warm,) = p.release(now)
+    assert isinstance(warm, Warm) and warm.reason == PACE and warm.origin == "r2"

@@ -24,7 +24,7 @@ from tests.test_kv_moves_live import metrics
 from tests.test_sim_priority import post
 
 
-def start(logs: Path, policy: str) -> tuple[Child, Child]:
+def start(logs: Path, policy: str, scheduler: str = "vllm") -> tuple[Child, Child]:
     events = free_port()
     port = free_port()
     sim = spawn(f"sim-{policy}", ["sim", "--host", "127.0.0.1", "--port", str(port),
@@ -37,7 +37,7 @@ def start(logs: Path, policy: str) -> tuple[Child, Child]:
     path.write_text(yaml.safe_dump({
         "host": "127.0.0.1", "port": port, "policy": policy,
         "kv_events_bind": f"tcp://127.0.0.1:{events}", "scrape_interval_s": 0.2,
-        "engines": [{"url": sim.url}]}))
+        "engines": [{"url": sim.url, "scheduler": scheduler}]}))
     gateway = spawn(f"gateway-{policy}", ["serve", "--config", str(path)],
                     f"http://127.0.0.1:{port}", logs)
     try:
@@ -48,14 +48,18 @@ def start(logs: Path, policy: str) -> tuple[Child, Child]:
     return sim, gateway
 
 
-@pytest.fixture(scope="module", params=["kvgate", "kvgate-no-pace", "kvgate-engine-pace"])
+@pytest.fixture(scope="module", params=["kvgate", "kvgate-no-pace", "kvgate-engine-pace",
+                                        "kvgate+kvgate-pace"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float],
                                dict[tuple[str, tuple[tuple[str, str], ...]], float], int]]:
     """A long prompt sent while another call decodes, through a gateway running `policy`:
     the gateway's and the engine's metrics afterwards, and the prompt's cached tokens."""
+    # "kvgate+kvgate-pace": the default policy in front of an engine whose config entry says it
+    # runs kvgate's pacing scheduler (`scheduler: kvgate-pace`).
     policy = request.param
-    sim, gateway = start(tmp_path_factory.mktemp("pace-live"), policy)
+    name, _, scheduler = policy.partition("+")
+    sim, gateway = start(tmp_path_factory.mktemp("pace-live"), name, scheduler or "vllm")
     try:
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0)
         first = threading.Event()
@@ -115,7 +119,7 @@ def test_a_long_prompt_beside_a_decode_is_computed_in_pieces_first(
         # beside the decode.
         assert cached >= 1000
         assert largest <= 512
-    elif policy == "kvgate-engine-pace":
+    elif policy in ("kvgate-engine-pace", "kvgate+kvgate-pace"):
         # Sent once, with its cap: the engine computed it in small steps beside the decode.
         assert pieces == 0 and paced == 0 and requests == 2 and cached == 0
         assert largest <= 512

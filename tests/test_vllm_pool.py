@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gateway.config import GatewayConfig
 from kvgate.vllm_engines import Engine, EngineNotHealthy, EngineStartError
 from kvgate.vllm_pool import PoolError, parse_cores
 
@@ -112,8 +113,8 @@ def test_an_engine_that_never_gets_healthy_is_started_once_more(
 def test_engine_pace_starts_the_plugin_and_the_matching_policy(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`--engine-pace`: every engine gets `--scheduler-cls` and the plugin's directory on its
-    PYTHONPATH (the same helpers the real tier starts its engine with), the gateway the
-    `kvgate-engine-pace` policy; without it neither."""
+    PYTHONPATH (the same helpers the real tier starts its engine with), and its gateway entry
+    `scheduler: kvgate-pace`; without it neither."""
     import kvgate.vllm_pool as vp
 
     seen: list[dict[str, Any]] = []
@@ -131,7 +132,7 @@ def test_engine_pace_starts_the_plugin_and_the_matching_policy(
                            io.StringIO())
         try:
             pool.start()
-            policy = pool.gateway_config(8000)["policy"]
+            config = pool.gateway_config(8000)
         finally:
             pool.stop()
         assert len(seen) == 2
@@ -144,4 +145,7 @@ def test_engine_pace_starts_the_plugin_and_the_matching_policy(
                 assert f"class {cls}(" in plugin.read_text()
             else:
                 assert "--scheduler-cls" not in args and "PYTHONPATH" not in env
-        assert policy == ("kvgate-engine-pace" if pace else "kvgate")
+        assert config["policy"] == "kvgate"
+        assert [e.get("scheduler") for e in config["engines"]] == (
+            ["kvgate-pace"] * 2 if pace else [None] * 2)
+        GatewayConfig.model_validate({**config, "tokenizer": None})  # a config serve takes
