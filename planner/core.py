@@ -976,6 +976,7 @@ class Planner:
         it waits for it rather than computing the same blocks beside it, as a call waits for
         a piece of a prompt paced by warm-ups."""
         assert self._profile_of is not None
+        self._paced_over(rid, False, now)  # a retry elsewhere: the earlier attempt's is over
         bs = route.block_size
         warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys, bs, PACE_IN_ENGINE)
         batch, context = self._decode_batch(engine, bs)
