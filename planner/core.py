@@ -795,8 +795,7 @@ class Planner:
             # call that extends it waits for its move (`PACE_IN_ENGINE`) rather than taking
             # the blocks still to come as held and computing them beside it.
             route.block_keys if ttl > 0 and not prefill_cap else (), ttl, priority,
-            req.segments,
-            placement.runners_up, prefill_cap)
+            req.segments, placement.runners_up, prefill_cap)
         if wait is not None:
             req.move(RequestState.AWAITING_KV)
             req.dispatch = replace(dispatch, kv_move=wait.action.reason)

@@ -13,8 +13,8 @@ import urllib.request
 from typing import Any
 
 from kvgate.vllm_engines import Received, http_post_json
-from kvindex.events import BlockStored, decode_batch
 from tests.vllm_tier.conftest import RealEngine
+from tests.vllm_tier.test_real_vllm import stored_since
 
 CAP = 64
 PROMPT = 1000
@@ -25,12 +25,8 @@ EVENT_TIMEOUT = 60.0
 def prompt_events(msgs: list[Received], start: int, prompt: list[int]) -> list[int]:
     """Blocks per BlockStored after message `start` that hold blocks of `prompt`, in order."""
     blocks = {tuple(prompt[i:i + BLOCK]) for i in range(0, len(prompt) - BLOCK + 1, BLOCK)}
-    out = []
-    for m in msgs[start:]:
-        for ev in decode_batch(m.payload).events:
-            if isinstance(ev, BlockStored) and tuple(ev.token_ids[:BLOCK]) in blocks:
-                out.append(len(ev.block_hashes))
-    return out
+    return [len(s.event.block_hashes) for s in stored_since(msgs, start)
+            if tuple(s.event.token_ids[:BLOCK]) in blocks]
 
 
 def send_beside_a_decode(engine: RealEngine, prompt: list[int],
