@@ -43,7 +43,7 @@ from gateway.upstream import (
 )
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
-from planner.actions import PREFILL_CAP_ARG, Dispatch, Reject, Transfer, Warm
+from planner.actions import Dispatch, Reject, Transfer, Warm
 from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
 from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
@@ -343,7 +343,7 @@ class Proxy:
                 # A client's malformed `vllm_xargs` is left for the engine to refuse.
                 xargs = body.get("vllm_xargs") or {}
                 if isinstance(xargs, dict):
-                    extra["vllm_xargs"] = {**xargs, PREFILL_CAP_ARG: d.prefill_cap}
+                    extra["vllm_xargs"] = {**xargs, **d.pace_xargs()}
             if extra:
                 sent = with_fields(raw, body, extra)
             try:

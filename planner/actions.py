@@ -18,6 +18,10 @@ PREFILL_CAP_ARG = "kvgate_prefill_cap"
 scheduler plugin (adapters/vllm_plugins/kvgate_pace.py) or the simulated engine."""
 
 
+PREFILL_CAPS_ARG = "kvgate_prefill_caps"
+"""The `vllm_xargs` key that carries `Dispatch.prefill_caps` (a list of two-int lists)."""
+
+
 @dataclass(frozen=True)
 class Dispatch:
     """Send `request_id` to `engine` now."""
@@ -45,6 +49,20 @@ class Dispatch:
     """Engine-side pacing (`PlannerSettings.pace_in_engine`): while another request decodes at
     `engine`, it computes at most this many prompt tokens per step (the driver sends it as
     `vllm_xargs.kvgate_prefill_cap`, PREFILL_CAP_ARG); 0 for no cap."""
+    prefill_caps: tuple[tuple[int, int], ...] = ()
+    """The cap as the prompt gets on: `(computed_tokens, cap)` pairs in rising order, each
+    holding once the engine has computed that many of its tokens (`vllm_xargs.
+    kvgate_prefill_caps`, PREFILL_CAPS_ARG); before the first, `prefill_cap`."""
+
+    def pace_xargs(self) -> dict[str, int | list[int]]:
+        """The caps as `vllm_xargs` entries (adapters/vllm_plugins/kvgate_pace_caps.py: vLLM
+        takes a flat list there, not pairs); empty for none."""
+        xargs: dict[str, int | list[int]] = {}
+        if self.prefill_cap > 0:
+            xargs[PREFILL_CAP_ARG] = self.prefill_cap
+        if self.prefill_caps:
+            xargs[PREFILL_CAPS_ARG] = [v for pair in self.prefill_caps for v in pair]
+        return xargs
 
     @property
     def reason(self) -> str:

@@ -126,9 +126,10 @@ class PlannerSettings:
     request goes out with the last piece (`Planner._pace`)."""
     pace_in_engine: bool = False
     """With `pace`: no pieces; the request goes out at once with the same free piece as a
-    per-step cap on its prompt (`Dispatch.prefill_cap`), which an engine running kvgate's
-    scheduler plugin (or the simulated engine) applies in every step that has a decoding
-    request, so the server sees the call once."""
+    per-step cap on its prompt (`Dispatch.prefill_cap`, lowered further into a long prompt
+    by `Dispatch.prefill_caps`), which an engine running kvgate's scheduler plugin (or the
+    simulated engine) applies in every step that has a decoding request, so the server sees
+    the call once."""
 
 
 VARIANTS: dict[str, PlannerSettings] = {
@@ -264,6 +265,27 @@ calls that extend the prompt wait for it there as for any move bringing their pr
 PACE_MIN_BLOCKS = 2
 """A free piece shorter than this is not worth a warm-up's round trip: the request computes its
 prompt in one go."""
+
+PACE_SCHEDULE_TOKENS = 8192
+"""`Dispatch.prefill_caps` re-sizes an engine-paced prompt's cap every this many tokens (of
+2,048, 4,096 and 8,192, the one that lifted all three long rows' goodput over a single cap;
+README, "Paced by the engine")."""
+
+def paced_steps(start: int, end: int, cap: int, caps: tuple[tuple[int, int], ...]) -> int:
+    """Steps an engine takes to compute a prompt's tokens `start` to `end` at `cap` tokens a
+    step, then at each `(tokens, cap)` of `caps` from its tokens on (`Dispatch.prefill_caps`;
+    a step's chunk is sized by where it begins)."""
+    steps = 0
+    at = start
+    i = 0
+    while at < end:
+        while i < len(caps) and caps[i][0] <= at:
+            cap = caps[i][1]
+            i += 1
+        at += cap
+        steps += 1
+    return steps
+
 
 PACE_AHEAD_S = 0.001
 """A paced request's next piece is sent this long after the engine has begun the step that
@@ -749,6 +771,7 @@ class Planner:
         rec = self.engines[engine]
         wait = self._kv_move_for(rid, route, placement, now, actions)
         prefill_cap = 0
+        prefill_caps: tuple[tuple[int, int], ...] = ()
         if wait is None and self.pace:
             held = req.call.route.matches.get(engine)
             held_blocks = held.blocks if held is not None else 0
@@ -756,7 +779,9 @@ class Planner:
                 free = self._pace_blocks(route, engine, held_blocks)
                 if free:
                     prefill_cap = free * route.block_size
-                    self._pace_in_engine(rid, route, engine, held_blocks, free, now)
+                    prefill_caps = self._pace_caps(route, engine, held_blocks, prefill_cap)
+                    self._pace_in_engine(rid, route, engine, held_blocks, free, prefill_caps,
+                                         now)
             else:
                 wait = self._pace(rid, route, engine, held_blocks, now, actions)
         placed_route = route
@@ -795,7 +820,7 @@ class Planner:
             # call that extends it waits for its move (`PACE_IN_ENGINE`) rather than taking
             # the blocks still to come as held and computing them beside it.
             route.block_keys if ttl > 0 and not prefill_cap else (), ttl, priority,
-            req.segments, placement.runners_up, prefill_cap)
+            req.segments, placement.runners_up, prefill_cap, prefill_caps)
         if wait is not None:
             req.move(RequestState.AWAITING_KV)
             req.dispatch = replace(dispatch, kv_move=wait.action.reason)
@@ -969,7 +994,7 @@ class Planner:
         return batch, load.active_blocks * block_size // max(1, load.in_flight)
 
     def _pace_in_engine(self, rid: str, route: RouteRequest, engine: str, held_blocks: int,
-                        free: int, now: float) -> None:
+                        free: int, caps: tuple[tuple[int, int], ...], now: float) -> None:
         """The request goes to `engine` with a cap of `free` blocks per step: its prompt is
         a move in flight there (no action) until its first token, so that a call extending
         it waits for it rather than computing the same blocks beside it, as a call waits for
@@ -980,7 +1005,7 @@ class Planner:
         warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys, bs, PACE_IN_ENGINE)
         batch, context = self._decode_batch(engine, bs)
         profile = self._profile_of(engine)
-        steps = -(-(len(route.block_keys) - held_blocks) // free)
+        steps = paced_steps(held_blocks * bs, len(route.block_keys) * bs, free * bs, caps)
         eta = now + steps * profile.decode_step_time(batch + 1, context)
         recompute = profile.prefill_time((len(route.block_keys) - held_blocks) * bs,
                                          held_blocks * bs)
@@ -1012,6 +1037,27 @@ class Planner:
                 or end >= len(route.block_keys):
             return 0
         return free
+
+    def _pace_caps(self, route: RouteRequest, engine: str, held_blocks: int,
+                   cap: int) -> tuple[tuple[int, int], ...]:
+        """`Dispatch.prefill_caps`: the free piece (`EngineProfile.free_prefill_tokens`) of
+        `engine`'s decode batch at each `PACE_SCHEDULE_TOKENS` of the prompt past its first
+        `held_blocks`, where it differs from the one before (`cap` at the start): a token
+        further into a prompt attends to more, so fewer ride free in a step."""
+        assert self._profile_of is not None
+        bs = route.block_size
+        batch, context = self._decode_batch(engine, bs)
+        profile = self._profile_of(engine)
+        caps: list[tuple[int, int]] = []
+        at = held_blocks * bs + PACE_SCHEDULE_TOKENS
+        while at < route.prompt_tokens:
+            free = max(PACE_MIN_BLOCKS * bs,
+                       profile.free_prefill_tokens(batch, context, at, granule=bs))
+            if free != cap:
+                caps.append((at, free))
+                cap = free
+            at += PACE_SCHEDULE_TOKENS
+        return tuple(caps)
 
     def _pace_ahead(self, rid: str, now: float, actions: list[Action]) -> None:
         """Send a paced request's next piece ahead (`PACE_AHEAD_S`): the prefix one free piece

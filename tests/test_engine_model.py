@@ -636,3 +636,26 @@ def test_kvgates_prefill_cap_holds_only_while_a_running_request_decodes() -> Non
     fresh.prefill_cap = 256
     both.add_request(fresh)
     assert both.step(0.0).num_scheduled_tokens == 100 + 1000
+
+
+def test_kvgates_prefill_caps_lower_the_cap_as_the_prompt_gets_on() -> None:
+    # SimRequest.prefill_caps: (computed tokens, cap) steps after the first cap, as the planner
+    # sends them (`vllm_xargs.kvgate_prefill_caps`).
+    cfg = EngineConfig(block_size=16, num_blocks=1024, max_num_batched_tokens=8192,
+                       max_num_seqs=64, max_model_len=32768, eos_token_id=EOS)
+    engine = EngineModel(cfg, PROFILE, sampler=lambda req: 100)
+    engine.add_request(request("d", list(range(3000, 3100)), max_tokens=50))
+    now = engine.step(0.0).duration
+    capped = request("a", list(range(1000, 2000)), now=now)
+    capped.prefill_cap = 256
+    capped.prefill_caps = ((500, 128), (800, 64))
+    engine.add_request(capped)
+    chunks = []
+    while capped.num_computed_tokens < 1000:
+        before = capped.num_computed_tokens
+        out = engine.step(now)
+        now += out.duration
+        chunks.append(capped.num_computed_tokens - before)
+    # 256 up to 512 (the step that crosses 500 began under it), then 128 from 512 to 896,
+    # then 64.
+    assert chunks == [256, 256, 128, 128, 128, 64, 40], chunks

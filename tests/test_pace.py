@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from adapters.vllm_plugins.kvgate_pace_caps import read_caps
 from kvgate.bench.options import BenchOptions
 from kvgate.bench.runner import prepare
 from kvgate.bench.virtual import RunResult, VirtualRun
@@ -20,10 +21,12 @@ from planner.core import (
     PACE_AHEAD_S,
     PACE_IN_ENGINE,
     PACE_MIN_BLOCKS,
+    PACE_SCHEDULE_TOKENS,
     Call,
     Planner,
     RequestState,
     make_planner,
+    paced_steps,
 )
 from planner.events import EngineJoined, Finished, FirstToken, TransferDone, TransferFailed
 from planner.policy import PolicyContext, RouteRequest
@@ -272,6 +275,37 @@ def test_paced_by_the_engine_the_request_goes_at_once_with_the_free_piece_as_its
     assert p.state("r") is RequestState.DISPATCHED
     # No warm-up goes out: the move stands for the request's own prompt until its first token.
     assert p.moves.stats.started == {f"warm:{PACE_IN_ENGINE}": before + 1}
+
+
+def test_paced_by_the_engine_the_cap_falls_as_the_prompt_gets_on() -> None:
+    # A token further into the prompt attends to more: fewer ride free in a step, so the
+    # planner sends the free piece at every PACE_SCHEDULE_TOKENS of the prompt where it
+    # changes (`Dispatch.prefill_caps`), which the engine applies by its computed tokens.
+    p = planner("kvgate-engine-pace")
+    now = decoding(p, 20)
+    p.admit(long_call(2500), now)  # 40,000 tokens
+    (d,) = p.release(now)
+    assert isinstance(d, Dispatch) and d.prefill_cap > 0
+    expected, cap = [], d.prefill_cap
+    for at in range(PACE_SCHEDULE_TOKENS, 2500 * BS, PACE_SCHEDULE_TOKENS):
+        free = max(PACE_MIN_BLOCKS * BS,
+                   PROFILE.free_prefill_tokens(20, 250 * BS, at, granule=BS))
+        if free != cap:
+            expected.append((at, free))
+            cap = free
+    assert list(d.prefill_caps) == expected and len(expected) >= 2
+    assert d.prefill_caps[-1][1] < d.prefill_cap
+    # On the wire as vLLM takes a `vllm_xargs` value: one flat list of integers.
+    xargs = d.pace_xargs()
+    assert all(isinstance(v, int) for v in xargs["kvgate_prefill_caps"])  # type: ignore[union-attr]
+    assert read_caps(xargs) == (d.prefill_cap, d.prefill_caps)
+
+
+def test_the_planner_counts_a_capped_prompts_steps_as_the_engine_takes_them() -> None:
+    # The engine model's chunks for these caps (test_engine_model): 256, 256, 128 x 3, 64, 40.
+    assert paced_steps(0, 1000, 256, ((500, 128), (800, 64))) == 7
+    assert paced_steps(0, 1000, 256, ()) == 4
+    assert paced_steps(512, 1000, 256, ((500, 128), (800, 64))) == 5  # 128 x 3, then 64 x 2
 
 
 def test_paced_by_the_engine_a_call_extending_the_prompt_waits_for_its_first_token() -> None:

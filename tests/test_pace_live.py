@@ -17,6 +17,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adapters.vllm_plugins.kvgate_pace_caps import cap_at, read_caps
 from gateway.proxy import with_fields
 from kvgate.procs import Child, free_port, spawn, wait_healthy
 from tests.conftest import MODEL
@@ -142,6 +143,38 @@ def test_the_sim_reads_the_cap_from_vllm_xargs_as_the_plugin_does(
         status, body = post(url, {"model": MODEL, "prompt": "x", "max_tokens": 1,
                                   "vllm_xargs": {"kvgate_prefill_cap": cap, "other": "kept"}})
         assert status == 200, body
+    # The later caps: a flat list, as vLLM takes a `vllm_xargs` value; pairs are refused there.
+    for caps in ([2048, 128, 4096, 96], [2048], ["a", 1]):
+        status, body = post(url, {"model": MODEL, "prompt": "x", "max_tokens": 1, "vllm_xargs": {
+            "kvgate_prefill_cap": 64, "kvgate_prefill_caps": caps}})
+        assert status == 200, body
+    status, body = post(url, {"model": MODEL, "prompt": "x", "max_tokens": 1, "vllm_xargs": {
+        "kvgate_prefill_caps": [[2048, 128]]}})
+    assert status == 400 and body["error"]["param"] == "body.vllm_xargs.kvgate_prefill_caps"
+
+
+@pytest.mark.parametrize(("xargs", "expected"), [
+    ({"kvgate_prefill_cap": 64}, (64, ())),
+    ({"kvgate_prefill_cap": 64, "kvgate_prefill_caps": [100, 32, 200, 16]},
+     (64, ((100, 32), (200, 16)))),
+    ({"kvgate_prefill_caps": [100, 32]}, (0, ((100, 32),))),
+    ({"kvgate_prefill_cap": True, "kvgate_prefill_caps": [100, 32, 50, 16]}, (0, ())),
+    ({"kvgate_prefill_cap": 64, "kvgate_prefill_caps": [100, 32, 200]}, (64, ())),
+    ({"kvgate_prefill_cap": 64, "kvgate_prefill_caps": [100, 0]}, (64, ())),
+    ({"kvgate_prefill_cap": 64, "kvgate_prefill_caps": [100, 32.0]}, (64, ())),
+    ({"kvgate_prefill_cap": -5, "kvgate_prefill_caps": "100,32"}, (0, ())),
+    ([64], (0, ())),
+])
+def test_the_caps_are_read_as_the_plugin_reads_them(xargs: object,
+                                                   expected: tuple[int, object]) -> None:
+    """Malformed later caps are no later caps (tokens not rising, odd length, non-integers,
+    a cap not positive); the first cap stands on its own."""
+    assert read_caps(xargs) == expected
+    first, steps = read_caps(xargs)
+    if steps:
+        assert cap_at(first, steps, 99) == first
+        assert cap_at(first, steps, 100) == steps[0][1]
+        assert cap_at(first, steps, 10**6) == steps[-1][1]
 
 
 @given(st.dictionaries(st.sampled_from(["model", "messages", "priority", "vllm_xargs"])

@@ -514,6 +514,10 @@ class SimRequest:
     """kvgate's engine-side pacing (`vllm_xargs.kvgate_prefill_cap`, the scheduler plugin in
     adapters/vllm_plugins/kvgate_pace.py): while another request decodes, compute at most this many
     tokens of the prompt per step; 0 for no cap."""
+    prefill_caps: tuple[tuple[int, int], ...] = ()
+    """The cap by how far the prompt has got: `(computed_tokens, cap)` pairs in rising order,
+    each holding from its computed tokens on (`vllm_xargs.kvgate_prefill_caps`); when given,
+    in place of `prefill_cap` from the first pair's tokens on."""
     num_external_tokens: int = 0
     """Prompt tokens pulled from a peer rather than computed or found in the local cache."""
     status: RequestStatus = RequestStatus.WAITING
@@ -555,6 +559,17 @@ class SimRequest:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - n]]
+
+
+def prefill_cap_at(req: SimRequest) -> int:
+    """`req`'s engine-side pacing cap at the prompt tokens it has computed so far."""
+    cap = req.prefill_cap
+    computed = req.num_computed_tokens
+    for start, c in req.prefill_caps:
+        if start > computed:
+            break
+        cap = c
+    return cap
 
 
 class TokenOutput(NamedTuple):
@@ -938,8 +953,10 @@ class EngineModel:
             n = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
             if 0 < cap < n:
                 n = cap
-            if decoding and 0 < req.prefill_cap < n and computed < len(req.prompt_token_ids):
-                n = req.prefill_cap
+            if decoding and computed < len(req.prompt_token_ids):
+                pc = prefill_cap_at(req)
+                if 0 < pc < n:
+                    n = pc
             if n > budget:
                 n = budget
             if n <= 0:
@@ -996,8 +1013,10 @@ class EngineModel:
             n = req.num_tokens - num_cached
             if 0 < cap < n:
                 n = cap
-            if decoding and 0 < req.prefill_cap < n:
-                n = req.prefill_cap
+            if decoding:
+                pc = prefill_cap_at(req)
+                if 0 < pc < n:
+                    n = pc
             n = min(n, budget)
             loads = req.remote_prefill is not None and req.num_cached_tokens < 0
             if loads:

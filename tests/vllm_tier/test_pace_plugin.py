@@ -31,15 +31,17 @@ def prompt_events(msgs: list[Received], start: int, prompt: list[int]) -> list[i
 
 def send_beside_a_decode(engine: RealEngine, prompt: list[int],
                          xargs: dict[str, Any] | None) -> list[int]:
-    """Send `prompt` while a streamed request decodes; the blocks of each BlockStored that
-    announced the prompt's blocks."""
+    """Send `prompt` while a streamed request decodes (it is dropped once the prompt is
+    answered, and must not have ended before); the blocks of each BlockStored that announced
+    the prompt's blocks."""
     url = engine.engine.url
-    body = {"model": engine.served, "prompt": [7, 8, 9, 10] * 8, "max_tokens": 600,
+    body = {"model": engine.served, "prompt": [7, 8, 9, 10] * 8, "max_tokens": 3000,
             "ignore_eos": True, "stream": True, "temperature": 0}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     first = threading.Event()
-    done: list[bool] = []
+    answered = threading.Event()
+    ended: list[bool] = []
 
     def decode() -> None:
         try:
@@ -47,7 +49,9 @@ def send_beside_a_decode(engine: RealEngine, prompt: list[int],
                 for line in r:
                     first.set()
                     if line.startswith(b"data: [DONE]"):
-                        done.append(True)
+                        ended.append(True)
+                    if answered.is_set():
+                        break  # closing the stream aborts the request
         finally:
             first.set()
 
@@ -60,9 +64,10 @@ def send_beside_a_decode(engine: RealEngine, prompt: list[int],
             "model": engine.served, "prompt": prompt, "max_tokens": 1, "temperature": 0,
             **({"vllm_xargs": xargs} if xargs is not None else {})}, timeout=300)
     finally:
+        answered.set()
         thread.join(300)
     assert out["usage"]["prompt_tokens"] == len(prompt)
-    assert done, "the decoding request did not finish its stream"
+    assert not ended, "the decoding request ended before the prompt was answered"
     full = len(prompt) // BLOCK
     msgs = engine.events.wait_for(
         lambda m: sum(prompt_events(m, start, prompt)) >= full, EVENT_TIMEOUT)
@@ -80,3 +85,20 @@ def test_a_capped_prompt_beside_a_decode_goes_in_steps_of_at_most_its_cap(
     assert len(capped) >= PROMPT // CAP, capped
     prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
     assert send_beside_a_decode(real_engine, prompt, None) == [PROMPT // BLOCK]
+
+
+def test_later_caps_apply_by_the_prompt_tokens_computed(real_engine: RealEngine) -> None:
+    # `kvgate_prefill_caps` (a flat list, as vLLM takes a `vllm_xargs` value): 64 tokens a
+    # step up to 512 computed, 32 from there on.
+    rng = random.Random(43)
+    prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
+    events = send_beside_a_decode(real_engine, prompt, {
+        "kvgate_prefill_cap": CAP, "kvgate_prefill_caps": [512, BLOCK]})
+    assert sum(events) == PROMPT // BLOCK, events
+    before, total = [], 0
+    while total < 512 // BLOCK:
+        before.append(events[len(before)])
+        total += before[-1]
+    after = events[len(before):]
+    assert total == 512 // BLOCK and max(before) == CAP // BLOCK, events
+    assert after and set(after) == {1}, events
