@@ -601,6 +601,16 @@ def test_the_long_prefill_cap_holds_only_while_another_request_could_use_the_bud
     assert out.num_scheduled_tokens == 256 + 1  # the next chunk beside the short one's decode
 
 
+def chunks_until_computed(engine: EngineModel, req: SimRequest, now: float) -> list[int]:
+    """The prompt tokens `req` computes in each step until its whole prompt is computed."""
+    chunks = []
+    while req.num_computed_tokens < len(req.prompt_token_ids):
+        before = req.num_computed_tokens
+        now += engine.step(now).duration
+        chunks.append(req.num_computed_tokens - before)
+    return chunks
+
+
 def test_kvgates_prefill_cap_holds_only_while_a_running_request_decodes() -> None:
     # kvgate's engine-side pacing (SimRequest.prefill_cap, the vLLM plugin in
     # adapters/vllm_plugins/kvgate_pace.py): a capped prompt computes at most its cap per
@@ -621,12 +631,7 @@ def test_kvgates_prefill_cap_holds_only_while_a_running_request_decodes() -> Non
     engine.add_request(capped)
     plain = request("b", list(range(5000, 5600)), now=now)
     engine.add_request(plain)
-    chunks = []
-    while capped.num_computed_tokens < 1000:
-        before = capped.num_computed_tokens
-        out = engine.step(now)
-        now += out.duration
-        chunks.append(capped.num_computed_tokens - before)
+    chunks = chunks_until_computed(engine, capped, now)
     assert chunks == [256, 256, 256, 232]  # the last chunk is what is left
     assert plain.num_computed_tokens >= 600  # uncapped beside it: its whole prompt at once
     # A request that is still computing its own prompt is not decoding: no cap beside it.
@@ -650,12 +655,7 @@ def test_kvgates_prefill_caps_lower_the_cap_as_the_prompt_gets_on() -> None:
     capped.prefill_cap = 256
     capped.prefill_caps = ((500, 128), (800, 64))
     engine.add_request(capped)
-    chunks = []
-    while capped.num_computed_tokens < 1000:
-        before = capped.num_computed_tokens
-        out = engine.step(now)
-        now += out.duration
-        chunks.append(capped.num_computed_tokens - before)
+    chunks = chunks_until_computed(engine, capped, now)
     # 256 up to 512 (the step that crosses 500 began under it), then 128 from 512 to 896,
     # then 64.
     assert chunks == [256, 256, 128, 128, 128, 64, 40], chunks

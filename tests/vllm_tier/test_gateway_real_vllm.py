@@ -11,6 +11,7 @@ checks pass against it (tests/test_kv_index_live.py).
 from __future__ import annotations
 
 import json
+import random
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -28,6 +29,8 @@ from kvgate.vllm_engines import (
 )
 from tests.vllm_tier.conftest import SERVED_MODEL as SERVED
 from tests.vllm_tier.conftest import RealEngine
+from tests.vllm_tier.test_pace_plugin import BLOCK as PLUGIN_BLOCK
+from tests.vllm_tier.test_pace_plugin import PROMPT, send_beside_a_decode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -98,8 +101,10 @@ def stack(real_engine: RealEngine, tmp_path_factory: pytest.TempPathFactory) -> 
         "tokenizer": str(real_engine.model_dir),
         "health_interval_s": 0.5, "scrape_interval_s": 0.5,
         # Connect mode: the engine binds its PUB; the gateway subscribes by its topic.
+        # The shared engine runs kvgate's pacing scheduler (conftest).
         "engines": [{"url": engine.url, "kv_events": real_engine.events_endpoint,
-                     "kv_replay": real_engine.replay_endpoint, "kv_topic": real_engine.topic}],
+                     "kv_replay": real_engine.replay_endpoint, "kv_topic": real_engine.topic,
+                     "scheduler": "kvgate-pace"}],
     }
     (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
     gateway = spawn("gateway", ["serve", "--config", str(logs / "gateway.yaml")],
@@ -152,3 +157,16 @@ def test_token_id_completions_are_keyed_like_the_engine_caches_them(stack: Stack
     keys = stack.prompt_keys(body, route="completions")
     expected = set(keys[: (200 // BLOCK_SIZE) * BLOCK_SIZE // INDEX_BLOCK])
     wait_for(lambda: expected <= stack.index_keys(), "token-id prompt blocks in the index")
+
+
+def test_a_long_prompt_beside_a_decode_is_paced_by_the_real_engine(
+        stack: Stack, real_engine: RealEngine) -> None:
+    # The whole chain on a real vLLM: the gateway's planner sees the engine decoding (a call
+    # it forwarded), sends the long prompt once with its free piece as
+    # `vllm_xargs.kvgate_prefill_cap`, and the engine's pacing scheduler computes it in
+    # steps of that size, by the engine's own BlockStored events (one per request and step).
+    rng = random.Random(47)
+    prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
+    events = send_beside_a_decode(real_engine, prompt, None, via=stack.gateway.url)
+    assert sum(events) == PROMPT // PLUGIN_BLOCK, events
+    assert len(events) >= 3 and max(events) < PROMPT // PLUGIN_BLOCK // 2, events

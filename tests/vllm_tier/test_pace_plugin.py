@@ -30,11 +30,11 @@ def prompt_events(msgs: list[Received], start: int, prompt: list[int]) -> list[i
 
 
 def send_beside_a_decode(engine: RealEngine, prompt: list[int],
-                         xargs: dict[str, Any] | None) -> list[int]:
+                         xargs: dict[str, Any] | None, via: str | None = None) -> list[int]:
     """Send `prompt` while a streamed request decodes (it is dropped once the prompt is
-    answered, and must not have ended before); the blocks of each BlockStored that announced
-    the prompt's blocks."""
-    url = engine.engine.url
+    answered, and must not have ended before), both to the engine or both through the
+    gateway at `via`; the blocks of each BlockStored that announced the prompt's blocks."""
+    url = via or engine.engine.url
     body = {"model": engine.served, "prompt": [7, 8, 9, 10] * 8, "max_tokens": 3000,
             "ignore_eos": True, "stream": True, "temperature": 0}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
