@@ -578,3 +578,45 @@ def test_the_report_counts_the_moves_the_planner_started_by_reason() -> None:
     assert rr["moves_started"] == {}
     assert kvgate["moves_started"].get("warm:pace", 0) > 0
     assert all(k.split(":")[0] in ("transfer", "warm") for k in kvgate["moves_started"])
+
+
+def test_an_engine_whose_step_only_preempted_steps_again() -> None:
+    # vLLM's priority policy evicts the worst-ranked running request when a running one finds
+    # no free block; when that is the request itself, vLLM stops scanning the running list for
+    # the step, so a step can schedule nothing though requests stay running. Its engine loop
+    # schedules again at once; the virtual fleet must too, or the engine idles for good (a
+    # claude-code run at 0.054/s on the API-server profile scraped on forever).
+    from dataclasses import replace
+
+    from adapters.sim.model import SimRequest
+    from kvgate.bench.virtual import Fleet
+    from planner.profiles import get_profile
+
+    base = get_profile("h100-llama3-8b")
+    profile = replace(base, kv_cache_bytes=40 * 16 * base.kv_bytes_per_token)  # 40 blocks
+    fleet = Fleet(["e"], profile, eos_token_id=0, sample=lambda r: 5, index_block_size=16,
+                  bucket_s=1.0, priority_scheduling=True)
+    e = fleet.engines["e"]
+
+    def req(rid: str, prompt: int, priority: int, first: int) -> SimRequest:
+        return SimRequest(request_id=rid, prompt_token_ids=list(range(first, first + prompt)),
+                          max_tokens=300, arrival_time=0.0, ignore_eos=True, priority=priority)
+
+    fleet.add("e", req("low", 320, 5, 1000))  # admitted first: first in the running list
+    now, empty_preempting, finished = 0.0, 0, set()
+    for i in range(2000):
+        if i == 1:
+            fleet.add("e", req("high", 150, 0, 5000))
+        before = e.model.stats.num_preemptions
+        step = fleet.start(e, now)
+        assert step is not None, f"the engine stalled with work at step {i}"
+        end, _, out = step
+        if out.num_scheduled_tokens == 0 and e.model.stats.num_preemptions > before:
+            empty_preempting += 1
+        fleet.step_done(e, out, end)
+        finished |= {r.request_id for r in out.finished}
+        now = end
+        if not e.model.has_work():
+            break
+    assert finished == {"low", "high"}
+    assert empty_preempting > 0  # the case this guards

@@ -408,12 +408,18 @@ class Fleet:
     def start(self, e: _Engine, now: float) -> tuple[float, _Engine, StepOutput] | None:
         """Start a step on an idle engine with work; (end time, engine, step), or None when
         nothing is schedulable until something finishes."""
+        preemptions = e.model.stats.num_preemptions
         out = e.model.step(now)
         if e.model.loading:
             for pull in e.model.drain_pulls():
                 self._pull(e.name, pull, now)
-        if out.num_scheduled_tokens == 0 and not out.outputs:
+        if (out.num_scheduled_tokens == 0 and not out.outputs
+                and e.model.stats.num_preemptions == preemptions):
             return None
+        # A step that only preempted (a running request that found no free block and was the
+        # last one left to evict: vLLM then schedules nothing more that step) is a step all
+        # the same: vLLM's engine loop schedules again at once, and the requests still running
+        # go on. Left idle here, the engine would wait for a finish that never comes.
         e.busy = True
         end = now + out.duration
         # Most steps end in the bucket they start in: `_account`'s first pass, inline.
