@@ -659,3 +659,12 @@ def test_kvgates_prefill_caps_lower_the_cap_as_the_prompt_gets_on() -> None:
     # 256 up to 512 (the step that crosses 500 began under it), then 128 from 512 to 896,
     # then 64.
     assert chunks == [256, 256, 128, 128, 128, 64, 40], chunks
+    # A waiting request's cache hits count as computed, as in vLLM's scheduler: one that finds
+    # 992 tokens cached starts at the cap for 992 (64), not at its first cap.
+    again = request("a2", [*range(1000, 1992), *range(7000, 7300)], now=now)
+    again.prefill_cap = 256
+    again.prefill_caps = ((500, 128), (800, 64))
+    engine.add_request(again)
+    assert again.num_computed_tokens == 0
+    first = chunks_until_computed(engine, again, now)[0]
+    assert first == 992 + 64  # the hits, then one chunk at the later cap

@@ -561,10 +561,10 @@ class SimRequest:
         return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - n]]
 
 
-def prefill_cap_at(req: SimRequest) -> int:
-    """`req`'s engine-side pacing cap at the prompt tokens it has computed so far."""
+def prefill_cap_at(req: SimRequest, computed: int) -> int:
+    """`req`'s engine-side pacing cap once `computed` of its prompt tokens are computed (or
+    found cached: vLLM's scheduler counts a waiting request's cache hits as computed)."""
     cap = req.prefill_cap
-    computed = req.num_computed_tokens
     for start, c in req.prefill_caps:
         if start > computed:
             break
@@ -954,7 +954,7 @@ class EngineModel:
             if 0 < cap < n:
                 n = cap
             if decoding and computed < len(req.prompt_token_ids):
-                pc = prefill_cap_at(req)
+                pc = prefill_cap_at(req, computed)
                 if 0 < pc < n:
                     n = pc
             if n > budget:
@@ -1014,7 +1014,7 @@ class EngineModel:
             if 0 < cap < n:
                 n = cap
             if decoding:
-                pc = prefill_cap_at(req)
+                pc = prefill_cap_at(req, num_cached)
                 if 0 < pc < n:
                     n = pc
             n = min(n, budget)

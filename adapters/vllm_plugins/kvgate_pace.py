@@ -23,8 +23,9 @@ kvgate_pace_caps.py, so it loads in the engine's own environment. Written agains
 0.32.0's `vllm/v1/core/sched/scheduler.py`: `Scheduler._reserve_prefill_lookahead` is called
 for every running and waiting request a step schedules, after vLLM's own
 `long_prefill_token_threshold` and token-budget caps and before its blocks are allocated, which
-is where the cap applies. The simulated engine implements the same
-rule (`SimRequest.prefill_cap` and `prefill_caps` in adapters/sim/model.py).
+is where the cap applies, looked up at the tokens computed so far (a waiting request's cache
+hits included). The simulated engine implements the same rule (`SimRequest.prefill_cap` and
+`prefill_caps` in adapters/sim/model.py).
 """
 
 from __future__ import annotations
