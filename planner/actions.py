@@ -19,7 +19,8 @@ scheduler plugin (adapters/vllm_plugins/kvgate_pace.py) or the simulated engine.
 
 
 PREFILL_CAPS_ARG = "kvgate_prefill_caps"
-"""The `vllm_xargs` key that carries `Dispatch.prefill_caps` (a list of two-int lists)."""
+"""The `vllm_xargs` key that carries `Dispatch.prefill_caps`, flattened (`[t0, c0, t1, c1,
+...]`: vLLM takes no nested list as a `vllm_xargs` value)."""
 
 
 @dataclass(frozen=True)

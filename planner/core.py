@@ -271,6 +271,7 @@ PACE_SCHEDULE_TOKENS = 8192
 2,048, 4,096 and 8,192, the one that lifted all three long rows' goodput over a single cap;
 README, "Paced by the engine")."""
 
+
 def paced_steps(start: int, end: int, cap: int, caps: tuple[tuple[int, int], ...]) -> int:
     """Steps an engine takes to compute a prompt's tokens `start` to `end` at `cap` tokens a
     step, then at each `(tokens, cap)` of `caps` from its tokens on (`Dispatch.prefill_caps`;
