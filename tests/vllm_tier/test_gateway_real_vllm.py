@@ -11,7 +11,6 @@ checks pass against it (tests/test_kv_index_live.py).
 from __future__ import annotations
 
 import json
-import random
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -30,7 +29,7 @@ from kvgate.vllm_engines import (
 from tests.vllm_tier.conftest import SERVED_MODEL as SERVED
 from tests.vllm_tier.conftest import RealEngine
 from tests.vllm_tier.test_pace_plugin import BLOCK as PLUGIN_BLOCK
-from tests.vllm_tier.test_pace_plugin import PROMPT, send_beside_a_decode
+from tests.vllm_tier.test_pace_plugin import PROMPT, paced_beside_a_decode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -165,8 +164,6 @@ def test_a_long_prompt_beside_a_decode_is_paced_by_the_real_engine(
     # it forwarded), sends the long prompt once with its free piece as
     # `vllm_xargs.kvgate_prefill_cap`, and the engine's pacing scheduler computes it in
     # steps of that size, by the engine's own BlockStored events (one per request and step).
-    rng = random.Random(47)
-    prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
-    events = send_beside_a_decode(real_engine, prompt, None, via=stack.gateway.url)
+    events = paced_beside_a_decode(real_engine, 47, None, via=stack.gateway.url)
     assert sum(events) == PROMPT // PLUGIN_BLOCK, events
     assert len(events) >= 3 and max(events) < PROMPT // PLUGIN_BLOCK // 2, events

