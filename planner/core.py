@@ -780,9 +780,8 @@ class Planner:
                 free = self._pace_blocks(route, engine, held_blocks)
                 if free:
                     prefill_cap = free * route.block_size
-                    prefill_caps = self._pace_caps(route, engine, held_blocks, prefill_cap)
-                    self._pace_in_engine(rid, route, engine, held_blocks, free, prefill_caps,
-                                         now)
+                    prefill_caps = self._pace_in_engine(rid, route, engine, held_blocks, free,
+                                                        now)
             else:
                 wait = self._pace(rid, route, engine, held_blocks, now, actions)
         placed_route = route
@@ -995,23 +994,39 @@ class Planner:
         return batch, load.active_blocks * block_size // max(1, load.in_flight)
 
     def _pace_in_engine(self, rid: str, route: RouteRequest, engine: str, held_blocks: int,
-                        free: int, caps: tuple[tuple[int, int], ...], now: float) -> None:
-        """The request goes to `engine` with a cap of `free` blocks per step: its prompt is
-        a move in flight there (no action) until its first token, so that a call extending
-        it waits for it rather than computing the same blocks beside it, as a call waits for
-        a piece of a prompt paced by warm-ups."""
+                        free: int, now: float) -> tuple[tuple[int, int], ...]:
+        """The request goes to `engine` with a cap of `free` blocks per step, lowered further
+        in (the schedule returned, `Dispatch.prefill_caps`: the free piece of the engine's
+        decode batch at each `PACE_SCHEDULE_TOKENS` of the prompt past its first
+        `held_blocks`, where it differs from the one before; a token further into a prompt
+        attends to more, so fewer ride free in a step). Its prompt is a move in flight there
+        (no action) until its first token, so that a call extending it waits for it rather
+        than computing the same blocks beside it, as a call waits for a piece of a prompt
+        paced by warm-ups."""
         assert self._profile_of is not None
         self._paced_over(rid, False, now)  # a retry elsewhere: the earlier attempt's is over
         bs = route.block_size
         warm = warm_of(self.moves.new_id(), engine, rid, route.block_keys, bs, PACE_IN_ENGINE)
         batch, context = self._decode_batch(engine, bs)
         profile = self._profile_of(engine)
-        steps = paced_steps(held_blocks * bs, len(route.block_keys) * bs, free * bs, caps)
+        caps: list[tuple[int, int]] = []
+        cap = free * bs
+        at = held_blocks * bs + PACE_SCHEDULE_TOKENS
+        while at < route.prompt_tokens:
+            piece = max(PACE_MIN_BLOCKS * bs,
+                        profile.free_prefill_tokens(batch, context, at, granule=bs))
+            if piece != cap:
+                caps.append((at, piece))
+                cap = piece
+            at += PACE_SCHEDULE_TOKENS
+        steps = paced_steps(held_blocks * bs, len(route.block_keys) * bs, free * bs,
+                            tuple(caps))
         eta = now + steps * profile.decode_step_time(batch + 1, context)
         recompute = profile.prefill_time((len(route.block_keys) - held_blocks) * bs,
                                          held_blocks * bs)
         self.moves.start(warm, now, eta, recompute)
         self._paced_in_engine[rid] = warm.move_id
+        return tuple(caps)
 
     def _paced_over(self, rid: str, ok: bool, now: float) -> None:
         """A request paced by its engine has its first token (`ok`) or ended without one."""
@@ -1038,27 +1053,6 @@ class Planner:
                 or end >= len(route.block_keys):
             return 0
         return free
-
-    def _pace_caps(self, route: RouteRequest, engine: str, held_blocks: int,
-                   cap: int) -> tuple[tuple[int, int], ...]:
-        """`Dispatch.prefill_caps`: the free piece (`EngineProfile.free_prefill_tokens`) of
-        `engine`'s decode batch at each `PACE_SCHEDULE_TOKENS` of the prompt past its first
-        `held_blocks`, where it differs from the one before (`cap` at the start): a token
-        further into a prompt attends to more, so fewer ride free in a step."""
-        assert self._profile_of is not None
-        bs = route.block_size
-        batch, context = self._decode_batch(engine, bs)
-        profile = self._profile_of(engine)
-        caps: list[tuple[int, int]] = []
-        at = held_blocks * bs + PACE_SCHEDULE_TOKENS
-        while at < route.prompt_tokens:
-            free = max(PACE_MIN_BLOCKS * bs,
-                       profile.free_prefill_tokens(batch, context, at, granule=bs))
-            if free != cap:
-                caps.append((at, free))
-                cap = free
-            at += PACE_SCHEDULE_TOKENS
-        return tuple(caps)
 
     def _pace_ahead(self, rid: str, now: float, actions: list[Action]) -> None:
         """Send a paced request's next piece ahead (`PACE_AHEAD_S`): the prefix one free piece

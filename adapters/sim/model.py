@@ -41,6 +41,7 @@ from itertools import compress, count, filterfalse
 from operator import attrgetter, eq
 from typing import NamedTuple
 
+from adapters.vllm_plugins.kvgate_pace_caps import cap_at
 from planner.profiles import EngineProfile
 
 BlockHash = int
@@ -563,13 +564,9 @@ class SimRequest:
 
 def prefill_cap_at(req: SimRequest, computed: int) -> int:
     """`req`'s engine-side pacing cap once `computed` of its prompt tokens are computed (or
-    found cached: vLLM's scheduler counts a waiting request's cache hits as computed)."""
-    cap = req.prefill_cap
-    for start, c in req.prefill_caps:
-        if start > computed:
-            break
-        cap = c
-    return cap
+    found cached: vLLM's scheduler counts a waiting request's cache hits as computed), by the
+    rule the scheduler plugin applies."""
+    return cap_at(req.prefill_cap, req.prefill_caps, computed)
 
 
 class TokenOutput(NamedTuple):

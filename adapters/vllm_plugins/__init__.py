@@ -1,1 +1,3 @@
-"""Plugins loaded by real vLLM engines (their own environment; nothing in kvgate imports them)."""
+"""Plugins loaded by real vLLM engines (their own environment). kvgate imports only
+kvgate_pace_caps.py, the plugin's vLLM-free reading of its caps, which the simulated engine
+shares."""

@@ -8,7 +8,7 @@ server (adapters/sim/server.py) read them alike.
 - `kvgate_prefill_caps`: [t0, c0, t1, c1, ...], a flat list of integers (vLLM takes a
   `vllm_xargs` value as a string, a number or a flat list of them): from `t_i` computed prompt
   tokens on, the cap is `c_i`. The planner lowers the cap as the prompt gets on, since a token
-  further in attends to more (planner.core, `Planner._pace_caps`).
+  further in attends to more (planner.core, `Planner._pace_in_engine`).
 
 Anything else there (not integers, caps not positive, tokens not rising, an odd length) is no
 cap, as vLLM's own scheduler would run the request.
