@@ -303,3 +303,57 @@ def test_matches_autotokenizer_directly(tok: Tokenizer) -> None:
         tok.encode_chat(messages, tools=TOOLS)
         == hf(rendered, add_special_tokens=False)["input_ids"]
     )
+
+
+CONVERSATIONS: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = [
+    ([{"role": "user", "content": "Client 0 asks a short question."}], None),
+    ([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Find it."}], TOOLS),
+    ([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": None}], None),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, "b",
+                                   {"type": "text", "text": None}]}], TOOLS[:1]),
+    ([{"role": "user", "content": "Weather?", "name": "ann"},
+      {"role": "assistant", "content": None, "reasoning": "Look it up.",
+       "tool_calls": [{"id": "c1", "type": "function",
+                       "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": '{"temp_c": -3}'},
+      {"role": "assistant", "content": "Cold.", "tool_calls": []},
+      {"role": "user", "content": "héllo 🙂 <|im_start|>"}], TOOLS),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], []),
+]
+
+
+@pytest.mark.parametrize("generation", [True, False])
+@pytest.mark.parametrize("template", ["shipped", "named", "reasoning"])
+def test_direct_render_matches_apply_chat_template(template: str, generation: bool) -> None:
+    """The proxy's direct render gives apply_chat_template's text, error for error: the
+    shipped template, a tokenizer with named templates (`tool_use` picked when tools are
+    given), and a template that reads the reasoning aliases transformers fills in."""
+    from transformers import AutoTokenizer
+
+    hf: Any = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    shipped = hf.chat_template
+    if template == "named":
+        hf.chat_template = {"default": shipped,
+                            "tool_use": "TOOLS {{ tools | tojson }} " + shipped}
+    elif template == "reasoning":
+        hf.chat_template = ("{% for m in messages %}[{{ m.role }}|{{ m.thinking }}|"
+                            "{{ m.reasoning_content }}|{{ m.get('tool_call_id') }}]"
+                            "{% endfor %}{{ eos_token }}{{ add_generation_prompt }}")
+    fast = Tokenizer(hf, "direct")
+    slow = Tokenizer(hf, "apply_chat_template")
+    assert fast._direct is not None
+    slow._direct = None
+    for messages, tools in [*CONVERSATIONS,
+                            ([{"role": "wizard", "content": "hi"}], None),
+                            ([{"role": "user", "content": "hi"}], [{"function": {}}])]:
+        try:
+            want: str | type[Exception] = slow.render_chat(
+                messages, tools=tools, add_generation_prompt=generation)
+        except TokenizerError:
+            want = TokenizerError
+        if want is TokenizerError:
+            with pytest.raises(TokenizerError):
+                fast.render_chat(messages, tools=tools, add_generation_prompt=generation)
+        else:
+            assert fast.render_chat(messages, tools=tools,
+                                    add_generation_prompt=generation) == want
