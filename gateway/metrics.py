@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -112,32 +113,44 @@ class GatewayMetrics:
         self.segments = SegmentWatch()
         """Static segments seen lately, for `kvgate_static_segment_*` (refreshed per scrape)."""
         r.register(self.segments)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        """The series each call counts into, by metric and label values: prometheus_client's
+        `labels` checks and converts its arguments and takes a lock on every call, several
+        times per proxied call; nothing here removes a series, so a child stays valid."""
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def dispatched(self, dispatch: Dispatch, prompt_tokens: int, block_keys: Sequence[BlockKey],
                    now: float) -> None:
         """Count a call sent to its engine: in flight there, routed, its prompt and cached
         tokens, its placement's reason, and the static segment its prompt starts with."""
         engine = dispatch.engine
-        self.in_flight.labels(engine).inc()
-        self.routed.labels(engine).inc()
-        self.routed_prompt_tokens.labels(engine).inc(prompt_tokens)
-        self.routed_cached_tokens.labels(engine).inc(dispatch.cached_tokens)
-        self.placements.labels(dispatch.reason).inc()
+        child = self._child
+        child(self.in_flight, engine).inc()
+        child(self.routed, engine).inc()
+        child(self.routed_prompt_tokens, engine).inc(prompt_tokens)
+        child(self.routed_cached_tokens, engine).inc(dispatch.cached_tokens)
+        child(self.placements, dispatch.reason).inc()
         ranges = dispatch.segments.ranges
         if ranges and ranges[0].kind == "static" and 0 < ranges[0].end <= len(block_keys):
             self.segments.observe(tuple(block_keys[:ranges[0].end]), now)
 
     def finished(self, engine: str) -> None:
         """A call at `engine` is over."""
-        self.in_flight.labels(engine).dec()
+        self._child(self.in_flight, engine).dec()
 
     def answered(self, route: str, status: int) -> None:
         """A call on `route` was answered with `status`."""
-        self.requests.labels(route, str(status)).inc()
+        self._child(self.requests, route, str(status)).inc()
 
     def observe(self, histogram: Histogram, route: str, seconds: float) -> None:
         """`seconds` into `histogram`'s series for `route`."""
-        histogram.labels(route).observe(seconds)
+        self._child(histogram, route).observe(seconds)
 
 
 class IngestCollector(Collector):
