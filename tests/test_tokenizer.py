@@ -357,3 +357,26 @@ def test_direct_render_matches_apply_chat_template(template: str, generation: bo
         else:
             assert fast.render_chat(messages, tools=tools,
                                     add_generation_prompt=generation) == want
+
+
+def test_plain_json_copies_as_transformers_does() -> None:
+    """The direct render's copy of messages and tools equals transformers' own, exact JSON
+    types taken first and anything else (a subclass, a tuple, an object) handed to it."""
+    import enum
+    from decimal import Decimal
+
+    from transformers.utils.chat_template_utils import _plain_template_data
+
+    from kvindex.tokenizer import _plain_json
+
+    class Colour(enum.StrEnum):
+        RED = "red"
+
+    plain = _plain_json(_plain_template_data)
+    for value in [None, "s", 3, 2.5, True, [], {},
+                  {"a": [1, {"b": None, "c": [True, 1.5]}], "d": "x"},
+                  [{"nested": [Decimal(1), (1, "t"), Colour.RED]}, {1: "int key"}],
+                  {"params": {"obj": object(), "tuple": ("a", [Decimal("2")])}}]:
+        got, want = plain(value), _plain_template_data(value)
+        assert repr(got).split(" at 0x")[0] == repr(want).split(" at 0x")[0]
+        assert type(got) is type(want)
