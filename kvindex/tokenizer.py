@@ -317,8 +317,9 @@ class _DirectTemplate:
         self._plain = _plain_json(plain)
         self._alias = alias
         self._kwargs: dict[str, Any] = plain(dict(hf_tokenizer.special_tokens_map))
-        self._compiled: dict[bool, tuple[Any, dict[str, Any]]] = {}
-        """Per tools given or not: the compiled template and its variables that never change."""
+        self._compiled: dict[str, tuple[Any, dict[str, Any]]] = {}
+        """Per template source (as `get_chat_template` picks it for the call): the compiled
+        template and its variables that never change."""
 
     @classmethod
     def for_tokenizer(cls, hf_tokenizer: Any) -> _DirectTemplate | None:
@@ -342,15 +343,15 @@ class _DirectTemplate:
     def render(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                add_generation_prompt: bool) -> str:
         """The rendered text; jinja2's errors propagate as from ``apply_chat_template``."""
-        with_tools = tools is not None
-        compiled = self._compiled.get(with_tools)
+        source = self._hf.get_chat_template(None, tools)
+        compiled = self._compiled.get(source)
         if compiled is None:
-            template = self._compile(self._hf.get_chat_template(None, tools))
+            template = self._compile(source)
             # `Template.render` copies the template's globals and the variables into a fresh
             # dict on every call; the globals do not change, so they are copied once here and
             # the call's variables added to a copy of that (jinja's `shared` context).
             compiled = (template, {**template.globals, **self._kwargs})
-            self._compiled[with_tools] = compiled
+            self._compiled[source] = compiled
         template, parent = compiled
         plain = self._plain
         chat = self._alias(plain([{k: v for k, v in m.items() if v is not None}

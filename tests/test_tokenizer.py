@@ -357,6 +357,10 @@ def test_direct_render_matches_apply_chat_template(template: str, generation: bo
         else:
             assert fast.render_chat(messages, tools=tools,
                                     add_generation_prompt=generation) == want
+    # A template changed after loading is rendered as changed.
+    hf.chat_template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{% endfor %}"
+    chat = CONVERSATIONS[1][0]
+    assert fast.render_chat(chat) == slow.render_chat(chat) == "<|begin_of_text|><system><user>"
 
 
 def test_plain_json_copies_as_transformers_does() -> None:
