@@ -9,8 +9,11 @@ is parsed by the gateway's own pydantic model, the names the manifests use for e
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,8 +26,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+import adapters.vllm_plugins
 from gateway.config import GatewayConfig, parse_config
 from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
+from kvgate.vllm_engines import PACE_SCHEDULER
 from tests.conftest import MODEL
 from tests.redis_server import RedisServer, redis_server_available
 
@@ -163,6 +168,40 @@ def test_every_engine_in_the_config_is_a_statefulset_pod_with_its_kv_event_socke
     assert config.kv_events_bind is None  # connect mode: each replica subscribes itself
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert vllm[probe]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_the_engines_run_kvgates_pacing_scheduler_copied_by_an_init_container(
+    tmp_path: Path,
+) -> None:
+    """Engine pacing as `kvgate vllm-pool --engine-pace` sets it up: each engine runs
+    `--scheduler-cls` kvgate's scheduler from a directory on its PYTHONPATH, which an init
+    container of the gateway's own image fills with the plugin; the gateway config names the
+    engines `scheduler: kvgate-pace`. The init container's command, run here, copies exactly
+    the plugin's files."""
+    sts = find("StatefulSet", "vllm")
+    pod = sts["spec"]["template"]["spec"]
+    vllm = container(sts, "vllm")
+    assert f"--scheduler-cls={PACE_SCHEDULER}" in vllm["args"]
+    path = next(e["value"] for e in vllm["env"] if e["name"] == "PYTHONPATH")
+    mount = next(m for m in vllm["volumeMounts"] if m["mountPath"] == path)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert "emptyDir" in volume
+    init = next(c for c in pod["initContainers"]
+                if any(m["name"] == mount["name"] and m["mountPath"] == path
+                       for m in c.get("volumeMounts", [])))
+    assert init["image"] == container(find("Deployment", "kvgate-gateway"), "gateway")["image"]
+    assert all(e.scheduler == "kvgate-pace" for e in gateway_config().engines)
+    command = [*init["command"], *init.get("args", [])]
+    assert command[0] == "python" and command[-1] == path
+    subprocess.run([sys.executable, *command[1:-1], str(tmp_path)], check=True, timeout=60)
+    source = Path(adapters.vllm_plugins.__file__).parent
+    copied = sorted(p.name for p in tmp_path.iterdir())
+    assert copied == ["kvgate_pace.py", "kvgate_pace_caps.py"]
+    for name in copied:
+        assert (tmp_path / name).read_bytes() == (source / name).read_bytes()
+    module, cls = PACE_SCHEDULER.rsplit(".", 1)
+    tree = ast.parse((tmp_path / f"{module}.py").read_text())
+    assert cls in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
 
 
 def get(url: str) -> int:
