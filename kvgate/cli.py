@@ -114,7 +114,8 @@ def _vllm_pool(args: argparse.Namespace) -> int:
     from kvgate.vllm_pool import main_args
 
     return main_args(args.engines, args.nixl, args.cores, args.serve, args.run_dir,
-                     args.health_timeout, engine_pace=args.engine_pace)
+                     args.health_timeout, engine_pace=args.engine_pace,
+                     engine_priority=args.engine_priority)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -555,6 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run kvgate's pacing scheduler in the engines (--scheduler-cls) and "
                          "say so in their gateway entries (scheduler: kvgate-pace): a long "
                          "prompt is paced by its engine instead of sent in pieces")
+    vp.add_argument("--engine-priority", action="store_true",
+                    help="run the engines with vLLM's --scheduling-policy priority and say so "
+                         "in their gateway entries (scheduling_policy: priority), so the "
+                         "planner's DAG ranks reach them, as the benchmark runs kvgate's")
     vp.add_argument("--run-dir", help="engine and gateway logs here (default: a new temp dir)")
     vp.add_argument("--health-timeout", type=float, default=300.0,
                     help="seconds each engine may take to become healthy")

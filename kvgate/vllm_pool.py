@@ -29,6 +29,7 @@ from typing import Any, TextIO
 import yaml
 
 from kvgate.vllm_engines import (
+    PRIORITY_ARGS,
     Engine,
     EngineNotHealthy,
     EngineStartError,
@@ -112,6 +113,9 @@ class PoolOptions:
     engine_pace: bool = False
     """Engines run kvgate's pacing scheduler, and their gateway entries say so (`scheduler:
     kvgate-pace`)."""
+    engine_priority: bool = False
+    """Engines run vLLM's `--scheduling-policy priority`, and their gateway entries say so
+    (`scheduling_policy: priority`): the planner's DAG ranks reach them as `priority`."""
 
 
 @dataclass
@@ -127,6 +131,8 @@ class PoolEngine:
     """The built-in profile of the tiny model on this CPU (`tiny_profile_for`)."""
     paced: bool = False
     """It runs kvgate's pacing scheduler (`--engine-pace`)."""
+    prioritised: bool = False
+    """It runs vLLM's priority scheduling (`--engine-priority`)."""
 
     def config_entry(self) -> dict[str, Any]:
         """Its `engines:` entry in a gateway config (connect mode: the engine binds)."""
@@ -134,6 +140,8 @@ class PoolEngine:
                  "kv_replay": self.kv_replay}
         if self.paced:
             entry["scheduler"] = "kvgate-pace"
+        if self.prioritised:
+            entry["scheduling_policy"] = "priority"
         return entry
 
 
@@ -213,7 +221,8 @@ class VllmPool:
                         # usage.prompt_tokens_details.cached_tokens: the bench's hit ratio,
                         # the workflow records' cached tokens.
                         extra_args=["--enable-prompt-tokens-details",
-                                    *(pace_args() if opts.engine_pace else [])],
+                                    *(pace_args() if opts.engine_pace else []),
+                                    *(PRIORITY_ARGS if opts.engine_priority else [])],
                         extra_env=pace_env() if opts.engine_pace else None,
                     )
                     break
@@ -224,7 +233,7 @@ class VllmPool:
                     self.say(f"engine-{i} not healthy after {opts.health_timeout:.0f} s "
                              f"(attempt {attempt}); starting it again")
             self.engines.append(PoolEngine(engine, core, events, replay, nixl_port, profile,
-                                           opts.engine_pace))
+                                           opts.engine_pace, opts.engine_priority))
             self.say(f"engine-{i} {engine.url} (pid {engine.proc.pid}) healthy in "
                      f"{engine.startup_s:.1f} s "
                      f"(log {engine.log_path})")
@@ -432,7 +441,8 @@ def run_pool(options: PoolOptions, out: TextIO = sys.stdout, err: TextIO = sys.s
 
 def main_args(engines: int, nixl: bool, cores: str | None, serve: int | None,
               run_dir: str | None = None, health_timeout: float = 300.0,
-              err: TextIO = sys.stderr, engine_pace: bool = False) -> int:
+              err: TextIO = sys.stderr, engine_pace: bool = False,
+              engine_priority: bool = False) -> int:
     """Entry point behind the CLI's arguments."""
     try:
         parsed = parse_cores(cores)
@@ -443,5 +453,5 @@ def main_args(engines: int, nixl: bool, cores: str | None, serve: int | None,
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     return run_pool(PoolOptions(engines, nixl, parsed, serve,
                                 Path(run_dir) if run_dir else None, health_timeout,
-                                engine_pace))
+                                engine_pace, engine_priority))
 

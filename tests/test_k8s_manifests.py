@@ -29,7 +29,7 @@ import yaml
 import adapters.vllm_plugins
 from gateway.config import GatewayConfig, parse_config
 from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
-from kvgate.vllm_engines import PACE_SCHEDULER
+from kvgate.vllm_engines import PACE_SCHEDULER, PRIORITY_ARGS
 from tests.conftest import MODEL
 from tests.redis_server import RedisServer, redis_server_available
 
@@ -170,7 +170,7 @@ def test_every_engine_in_the_config_is_a_statefulset_pod_with_its_kv_event_socke
         assert vllm[probe]["httpGet"] == {"path": "/health", "port": "http"}
 
 
-def test_the_engines_run_kvgates_pacing_scheduler_copied_by_an_init_container(
+def test_the_engines_run_kvgates_pacing_scheduler_and_vllms_priority_scheduling(
     tmp_path: Path,
 ) -> None:
     """Engine pacing as `kvgate vllm-pool --engine-pace` sets it up: each engine runs
@@ -191,6 +191,9 @@ def test_the_engines_run_kvgates_pacing_scheduler_copied_by_an_init_container(
                        for m in c.get("volumeMounts", [])))
     assert init["image"] == container(find("Deployment", "kvgate-gateway"), "gateway")["image"]
     assert all(e.scheduler == "kvgate-pace" for e in gateway_config().engines)
+    # And vLLM's priority scheduling, so the planner's ranks go to the engines as `priority`.
+    assert f"{PRIORITY_ARGS[0]}={PRIORITY_ARGS[1]}" in vllm["args"]
+    assert all(e.scheduling_policy == "priority" for e in gateway_config().engines)
     command = [*init["command"], *init.get("args", [])]
     assert command[0] == "python" and command[-1] == path
     subprocess.run([sys.executable, *command[1:-1], str(tmp_path)], check=True, timeout=60)

@@ -149,3 +149,39 @@ def test_engine_pace_starts_the_plugin_and_the_matching_policy(
         assert [e.get("scheduler") for e in config["engines"]] == (
             ["kvgate-pace"] * 2 if pace else [None] * 2)
         GatewayConfig.model_validate({**config, "tokenizer": None})  # a config serve takes
+
+
+def test_engine_priority_runs_vllms_priority_scheduling_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--engine-priority`: every engine gets `--scheduling-policy priority` and its gateway
+    entry `scheduling_policy: priority` (so the proxy sends the planner's rank as vLLM's
+    `priority`); without it neither."""
+    import kvgate.vllm_pool as vp
+
+    seen: list[dict[str, Any]] = []
+
+    def start_engine(model_dir: Path, log_dir: Path, *, name: str, port: int | None,
+                     **kw: Any) -> Engine:
+        seen.append(kw)
+        return sleeping_engine(name, kw["served_model_name"], port, tmp_path)
+
+    no_setup(monkeypatch, tmp_path)
+    monkeypatch.setattr(vp, "start_engine", start_engine)
+    for priority in (True, False):
+        seen.clear()
+        pool = vp.VllmPool(vp.PoolOptions(engines=2, run_dir=tmp_path, engine_pace=True,
+                                          engine_priority=priority), io.StringIO())
+        try:
+            pool.start()
+            config = pool.gateway_config(8000)
+        finally:
+            pool.stop()
+        for kw in seen:
+            args = list(kw["extra_args"])
+            has = any(args[i:i + 2] == ["--scheduling-policy", "priority"]
+                      for i in range(len(args)))
+            assert has is priority
+            assert "--scheduler-cls" in args  # beside the pacing scheduler
+        entries = GatewayConfig.model_validate({**config, "tokenizer": None}).engines
+        assert [e.scheduling_policy for e in entries] == (
+            ["priority"] * 2 if priority else ["fcfs"] * 2)

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.vllm_engines import (
+    PRIORITY_ARGS,
     Engine,
     EngineStartError,
     EventCollector,
@@ -99,7 +100,11 @@ def real_engine(
             model_dir, tmp_path_factory.mktemp("vllm-shared"), name="shared",
             served_model_name=SERVED_MODEL, venv=venv, omp_bind="1",
             kv_events=kv_events_config(events_endpoint, TOPIC, replay_endpoint),
-            extra_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), *pace_args()],
+            # As kvgate's engines are deployed (`kvgate vllm-pool --engine-pace
+            # --engine-priority`, configs/k8s): its pacing scheduler, and vLLM's priority
+            # scheduling for the planner's ranks.
+            extra_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), *pace_args(),
+                        *PRIORITY_ARGS],
             extra_env=pace_env(),
         )
     except EngineStartError as e:

@@ -100,10 +100,11 @@ def stack(real_engine: RealEngine, tmp_path_factory: pytest.TempPathFactory) -> 
         "tokenizer": str(real_engine.model_dir),
         "health_interval_s": 0.5, "scrape_interval_s": 0.5,
         # Connect mode: the engine binds its PUB; the gateway subscribes by its topic.
-        # The shared engine runs kvgate's pacing scheduler (conftest).
+        # The shared engine runs kvgate's pacing scheduler and vLLM's priority scheduling
+        # (conftest): every call the gateway forwards carries the planner's rank.
         "engines": [{"url": engine.url, "kv_events": real_engine.events_endpoint,
                      "kv_replay": real_engine.replay_endpoint, "kv_topic": real_engine.topic,
-                     "scheduler": "kvgate-pace"}],
+                     "scheduler": "kvgate-pace", "scheduling_policy": "priority"}],
     }
     (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
     gateway = spawn("gateway", ["serve", "--config", str(logs / "gateway.yaml")],
@@ -167,3 +168,30 @@ def test_a_long_prompt_beside_a_decode_is_paced_by_the_real_engine(
     events = paced_beside_a_decode(real_engine, 47, None, via=stack.gateway.url)
     assert sum(events) == PROMPT // PLUGIN_BLOCK, events
     assert len(events) >= 3 and max(events) < PROMPT // PLUGIN_BLOCK // 2, events
+
+
+def test_calls_carry_the_planners_rank_to_the_real_engines_priority_scheduling(
+        stack: Stack) -> None:
+    # A hinted call with an explicit priority and a plain one, each through the gateway to the
+    # engine that runs vLLM's priority scheduling beside kvgate's pacing scheduler (as
+    # `kvgate vllm-pool --engine-pace --engine-priority` and configs/k8s run it): both are
+    # answered, and the placement the planner traced carries the rank the proxy sends as
+    # `priority` to such an engine (an explicit priority ranks by millions, vLLM's lower-first
+    # integer). vLLM 0.32 takes a `priority` under any policy, so what the engine does with
+    # it is not observed here; the engine model's priority policy follows vLLM's scheduler
+    # (tests/test_engine_model.py).
+    answers = []
+    for headers in ({"X-KVGate-Priority": "2", "X-KVGate-Workflow": "tier-prio",
+                     "X-KVGate-Task": "ranked"}, {}):
+        req = urllib.request.Request(
+            f"{stack.gateway.url}/v1/chat/completions",
+            data=json.dumps(chat("river deltas", "List three.")).encode(),
+            headers={"Content-Type": "application/json", **headers})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+            answers.append(json.loads(r.read()))
+    assert all(a["usage"]["completion_tokens"] == 1 for a in answers)
+    _, trace, _ = call("GET", f"{stack.gateway.url}/v1/workflows/tier-prio/trace")
+    ranks = [span["attributes"]["kvgate.priority"] for span in trace["spans"]
+             if span["name"] == "placement"]
+    assert ranks and all(2_000_000 <= r < 3_000_000 for r in ranks), ranks
