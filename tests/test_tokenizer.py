@@ -323,11 +323,12 @@ CONVERSATIONS: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = 
 
 
 @pytest.mark.parametrize("generation", [True, False])
-@pytest.mark.parametrize("template", ["shipped", "named", "reasoning"])
+@pytest.mark.parametrize("template", ["shipped", "named", "reasoning", "tojson"])
 def test_direct_render_matches_apply_chat_template(template: str, generation: bool) -> None:
     """The proxy's direct render gives apply_chat_template's text, error for error: the
     shipped template, a tokenizer with named templates (`tool_use` picked when tools are
-    given), and a template that reads the reasoning aliases transformers fills in."""
+    given), a template that reads the reasoning aliases transformers fills in, and one that
+    calls `tojson` with and without its arguments."""
     from transformers import AutoTokenizer
 
     hf: Any = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
@@ -335,6 +336,11 @@ def test_direct_render_matches_apply_chat_template(template: str, generation: bo
     if template == "named":
         hf.chat_template = {"default": shipped,
                             "tool_use": "TOOLS {{ tools | tojson }} " + shipped}
+    elif template == "tojson":
+        hf.chat_template = ("{{ tools | tojson }}|{{ tools | tojson(indent=2) }}|"
+                            "{{ messages | tojson(sort_keys=true) }}|"
+                            "{{ messages[-1] | tojson(ensure_ascii=true) }}|"
+                            "{{ messages[0]['content'] | tojson }}")
     elif template == "reasoning":
         hf.chat_template = ("{% for m in messages %}[{{ m.role }}|{{ m.thinking }}|"
                             "{{ m.reasoning_content }}|{{ m.get('tool_call_id') }}]"
