@@ -370,8 +370,9 @@ def test_direct_render_matches_apply_chat_template(template: str, generation: bo
 
 
 def test_plain_json_copies_as_transformers_does() -> None:
-    """The direct render's copy of messages and tools equals transformers' own, exact JSON
-    types taken first and anything else (a subclass, a tuple, an object) handed to it."""
+    """What the direct render hands the template for messages and tools equals transformers'
+    copy: the value itself when it holds exact JSON types only, transformers' copy when
+    anything else is inside (a subclass, a tuple, an object, a key that is not a string)."""
     import enum
     from decimal import Decimal
 
@@ -386,6 +387,7 @@ def test_plain_json_copies_as_transformers_does() -> None:
     for value in [None, "s", 3, 2.5, True, [], {},
                   {"a": [1, {"b": None, "c": [True, 1.5]}], "d": "x"},
                   [{"nested": [Decimal(1), (1, "t"), Colour.RED]}, {1: "int key"}],
+                  {"tools": [{Decimal(3): "a key that is not a string"}]},
                   {"params": {"obj": object(), "tuple": ("a", [Decimal("2")])}}]:
         got, want = plain(value), _plain_template_data(value)
         assert repr(got).split(" at 0x")[0] == repr(want).split(" at 0x")[0]
