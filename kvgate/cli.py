@@ -171,7 +171,7 @@ def _microbench(args: argparse.Namespace) -> int:
 
         try:
             proxy_report = bench_proxy(args.concurrency, args.rounds, args.repeats, args.stream,
-                                       args.client_quickack)
+                                       args.client_quickack, prompt=args.prompt)
         except ProxyBenchError as e:
             print(f"kvgate microbench proxy: {e}", file=sys.stderr)
             return 2
@@ -447,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", help="server-cost: the model --engine-url serves")
     b.add_argument("--stream", choices=["both", "on", "off"], default="both",
                    help="proxy: measure streamed requests, non-streamed ones, or both")
+    b.add_argument("--prompt", choices=["short", "agent"], default="short",
+                   help="proxy: one short user message, or an agent's call (an 8k-token system "
+                        "prompt and 24 tools, as `microbench index` keys)")
     b.add_argument("--client-quickack", action="store_true",
                    help="proxy: the client ACKs each response's headers at once "
                         "(Linux TCP_QUICKACK), which hides sglang-router's Nagle stall")

@@ -45,6 +45,9 @@ MODEL = "bench-model"
 DIRECT, KVGATE, FLOOR, SGLANG = "direct", "kvgate", "aiohttp-floor", "sglang-router"
 STREAMED, NON_STREAMED = "streamed", "non-streamed"
 STREAM_CHOICES = {"both": (NON_STREAMED, STREAMED), "on": (STREAMED,), "off": (NON_STREAMED,)}
+PROMPTS = ("short", "agent")
+"""`short`: one short user message. `agent`: an agent's call, the 8k-token system prompt and 24
+tools of `kvgate microbench index` with a short question (each client its own)."""
 ENGINE_TIME_SCALE = 0.001
 OUTPUT_TOKENS = 4
 WARMUP_REQUESTS = 10
@@ -73,11 +76,17 @@ class Samples:
             self.first_error = message
 
 
-def _body(client: int, streamed: bool) -> dict[str, Any]:
+def _body(client: int, streamed: bool, prompt: str = "short") -> dict[str, Any]:
     # A short prompt keeps the engine's tokenisation and prefill out of the way; per-client
-    # text so concurrent clients are distinct requests.
-    return {"model": MODEL, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "stream": streamed,
+    # text so concurrent clients are distinct requests. An agent's prompt is what gateways
+    # key and match in practice: a long system prompt and tool definitions on every call.
+    body = {"model": MODEL, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "stream": streamed,
             "messages": [{"role": "user", "content": f"Client {client} asks a short question."}]}
+    if prompt == "agent":
+        from kvgate.benchmarks.index import _agent_chat
+
+        body["messages"], body["tools"] = _agent_chat(client)
+    return body
 
 
 async def _streamed(response: aiohttp.ClientResponse, t0: float) -> tuple[float, str | None]:
@@ -117,9 +126,10 @@ def _ack_now(response: aiohttp.ClientResponse) -> None:
 
 
 async def _client(session: aiohttp.ClientSession, url: str, client: int, streamed: bool,
-                  requests: int, quickack: bool, out: Samples | None) -> None:
+                  requests: int, quickack: bool, out: Samples | None,
+                  prompt: str = "short") -> None:
     """`requests` sequential calls on one keep-alive session; `out` None discards them."""
-    body = _body(client, streamed)
+    body = _body(client, streamed, prompt)
     for _ in range(requests):
         t0 = time.perf_counter()
         try:
@@ -152,7 +162,8 @@ def process_cpu_s(pid: int) -> float:
 
 async def measure(urls: dict[str, str], modes: tuple[str, ...], concurrency: int, rounds: int,
                   repeats: int, quickack: bool = False,
-                  pids: dict[str, int] | None = None) -> dict[str, dict[str, Samples]]:
+                  pids: dict[str, int] | None = None,
+                  prompt: str = "short") -> dict[str, dict[str, Samples]]:
     """Warm every target and mode up, then alternate them round by round (order rotated).
 
     With `pids` (target -> process), each target's process CPU is charged to the batch it served.
@@ -164,7 +175,7 @@ async def measure(urls: dict[str, str], modes: tuple[str, ...], concurrency: int
         for mode, t in pairs:
             await asyncio.gather(*(
                 _client(sessions[t], urls[t], c, mode == STREAMED, WARMUP_REQUESTS, quickack,
-                        None)
+                        None, prompt)
                 for c in range(concurrency)))
         for r in range(rounds):
             shift = r % len(pairs)
@@ -174,7 +185,8 @@ async def measure(urls: dict[str, str], modes: tuple[str, ...], concurrency: int
                 cpu0 = process_cpu_s(pid) if pid is not None else 0.0
                 done = len(out.e2e)
                 await asyncio.gather(*(
-                    _client(sessions[t], urls[t], c, mode == STREAMED, repeats, quickack, out)
+                    _client(sessions[t], urls[t], c, mode == STREAMED, repeats, quickack, out,
+                            prompt)
                     for c in range(concurrency)))
                 if pid is not None:
                     out.cpu_s += process_cpu_s(pid) - cpu0
@@ -307,12 +319,15 @@ def start_floor(engine_url: str, log_dir: Path) -> Child:
 
 
 def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, stream: str = "both",
-                quickack: bool = False, profile: str = "h100-llama3-8b") -> dict[str, Any]:
+                quickack: bool = False, profile: str = "h100-llama3-8b",
+                prompt: str = "short") -> dict[str, Any]:
     """Run the side-by-side comparison; returns a JSON-able report.
 
     `quickack` makes the client ACK each response's headers at once, removing the delayed-ACK half
     of a Nagle stall (sglang-router 0.3.2 does not set TCP_NODELAY on its client sockets).
     """
+    if prompt not in PROMPTS:
+        raise ProxyBenchError(f"--prompt must be one of {', '.join(PROMPTS)}, got {prompt!r}")
     if stream not in STREAM_CHOICES:
         raise ProxyBenchError(f"--stream must be one of {', '.join(STREAM_CHOICES)}, "
                               f"got {stream!r}")
@@ -338,7 +353,7 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
             urls[SGLANG] = router.url
             pids[SGLANG] = router.proc.pid
         samples = asyncio.run(measure(urls, STREAM_CHOICES[stream], concurrency, rounds, repeats,
-                                      quickack, pids))
+                                      quickack, pids, prompt))
         with urllib.request.urlopen(f"{gw.url}/metrics", timeout=10) as r:
             metrics_text = r.read().decode()
     finally:
@@ -358,6 +373,7 @@ def bench_proxy(concurrency: int = 1, rounds: int = 40, repeats: int = 10, strea
                             "cpus": os.cpu_count()},
         "engine": {"profile": profile, "time_scale": ENGINE_TIME_SCALE,
                    "output_tokens": OUTPUT_TOKENS},
+        "prompt": prompt,
         "sglang_router": sglang,
         "modes": {mode: _mode_report(by_target) for mode, by_target in samples.items()},
         "kvgate_internal_p50_upper_bound_s": {
@@ -387,7 +403,7 @@ def format_report(report: dict[str, Any]) -> str:
              f"requests per target and mode ({report['warmup_requests_discarded']} warm-up "
              f"discarded), engine {report['engine']['profile']} at time scale "
              f"{report['engine']['time_scale']:g}, {report['engine']['output_tokens']} output "
-             f"tokens", f"{report['sglang_router']}",
+             f"tokens, {report['prompt']} prompt", f"{report['sglang_router']}",
              f"machine load average {report['load_average_1m']['before']:.2f} before, "
              f"{report['load_average_1m']['after']:.2f} after, on "
              f"{report['load_average_1m']['cpus']} CPUs",
