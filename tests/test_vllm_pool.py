@@ -110,11 +110,10 @@ def test_an_engine_that_never_gets_healthy_is_started_once_more(
     assert len(starts) == 2
 
 
-def test_engine_pace_starts_the_plugin_and_the_matching_policy(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`--engine-pace`: every engine gets `--scheduler-cls` and the plugin's directory on its
-    PYTHONPATH (the same helpers the real tier starts its engine with), and its gateway entry
-    `scheduler: kvgate-pace`; without it neither."""
+def started_pool(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                 **options: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A two-engine pool started with `options` on stand-in engines: what each engine was
+    started with (`start_engine`'s keywords) and the gateway config it prints."""
     import kvgate.vllm_pool as vp
 
     seen: list[dict[str, Any]] = []
@@ -126,15 +125,21 @@ def test_engine_pace_starts_the_plugin_and_the_matching_policy(
 
     no_setup(monkeypatch, tmp_path)
     monkeypatch.setattr(vp, "start_engine", start_engine)
+    pool = vp.VllmPool(vp.PoolOptions(engines=2, run_dir=tmp_path, **options), io.StringIO())
+    try:
+        pool.start()
+        return seen, pool.gateway_config(8000)
+    finally:
+        pool.stop()
+
+
+def test_engine_pace_starts_the_plugin_and_the_matching_policy(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--engine-pace`: every engine gets `--scheduler-cls` and the plugin's directory on its
+    PYTHONPATH (the same helpers the real tier starts its engine with), and its gateway entry
+    `scheduler: kvgate-pace`; without it neither."""
     for pace in (True, False):
-        seen.clear()
-        pool = vp.VllmPool(vp.PoolOptions(engines=2, run_dir=tmp_path, engine_pace=pace),
-                           io.StringIO())
-        try:
-            pool.start()
-            config = pool.gateway_config(8000)
-        finally:
-            pool.stop()
+        seen, config = started_pool(monkeypatch, tmp_path, engine_pace=pace)
         assert len(seen) == 2
         for kw in seen:
             args, env = kw["extra_args"], kw["extra_env"] or {}
@@ -156,26 +161,10 @@ def test_engine_priority_runs_vllms_priority_scheduling_and_says_so(
     """`--engine-priority`: every engine gets `--scheduling-policy priority` and its gateway
     entry `scheduling_policy: priority` (so the proxy sends the planner's rank as vLLM's
     `priority`); without it neither."""
-    import kvgate.vllm_pool as vp
-
-    seen: list[dict[str, Any]] = []
-
-    def start_engine(model_dir: Path, log_dir: Path, *, name: str, port: int | None,
-                     **kw: Any) -> Engine:
-        seen.append(kw)
-        return sleeping_engine(name, kw["served_model_name"], port, tmp_path)
-
-    no_setup(monkeypatch, tmp_path)
-    monkeypatch.setattr(vp, "start_engine", start_engine)
     for priority in (True, False):
-        seen.clear()
-        pool = vp.VllmPool(vp.PoolOptions(engines=2, run_dir=tmp_path, engine_pace=True,
-                                          engine_priority=priority), io.StringIO())
-        try:
-            pool.start()
-            config = pool.gateway_config(8000)
-        finally:
-            pool.stop()
+        seen, config = started_pool(monkeypatch, tmp_path, engine_pace=True,
+                                    engine_priority=priority)
+        assert len(seen) == 2
         for kw in seen:
             args = list(kw["extra_args"])
             has = any(args[i:i + 2] == ["--scheduling-policy", "priority"]
