@@ -536,6 +536,9 @@ class PromptKeyer:
                 node = child
                 if child.whole is not None:
                     start, known = child.whole, len(path)
+            matched = len(path)
+            if known:
+                self._wholes.move_to_end(path[known - 1])
             # Long prompts walk thousands of nodes: concatenate their state in C-level passes,
             # from the longest recent prompt on the path. Its ids and keys are copied once,
             # into the result (a prompt's ids are its largest part: tens of thousands per turn).
@@ -575,6 +578,18 @@ class PromptKeyer:
                     self._keep_whole(path[-2], _Prefix(
                         whole, len(ids) - len(last.ids), len(whole[1]) - len(last.keys),
                         nodes[:-1], names[:-1]))
+                if known < matched < len(path) - 1:
+                    # The prompt left the cache below a node no recent prompt ends at (an
+                    # agent's next call: the same system prompt and tools, a new question).
+                    # That node keeps the state up to it, copied to its exact length once, so
+                    # the calls that branch there next start from it: one copy of the ids
+                    # into their result instead of gathering the nodes' and copying again.
+                    branch = path[matched - 1]
+                    num_ids = len(ids) - sum(map(len, map(_NODE_IDS, path[matched:])))
+                    num_keys = len(whole[1]) - sum(map(len, map(_NODE_KEYS, path[matched:])))
+                    self._keep_whole(branch, _Prefix(
+                        (ids[:num_ids], whole[1][:num_keys]), num_ids, num_keys,
+                        nodes[:matched], names[:matched]))
             self._evict()
             if not root.children:
                 self._drop_root(root)

@@ -390,6 +390,24 @@ def test_cached_results_equal_uncached_results(tok: Tokenizer) -> None:
     assert uncached.cached_bytes == 0
 
 
+def test_calls_that_branch_below_a_shared_prefix_start_from_its_state(tok: Tokenizer) -> None:
+    """An agent's calls: the same system prompt and tools, a new question each. The node where
+    they leave the cache keeps the state up to it, exactly as long as the prefix, and every
+    later call's ids and keys equal an uncached keyer's."""
+    cached = PromptKeyer(tok, 16)
+    uncached = PromptKeyer(tok, 16, cache_bytes=0)
+    for i in range(6):
+        chat = agent_chat(f"Question {i}: what changed in release {i}?")
+        warm = cached.chat(chat, tools=TOOLS)
+        assert warm == uncached.chat(chat, tools=TOOLS)
+    lead = uncached.chat(agent_chat("x")[:1], tools=TOOLS, add_generation_prompt=False)
+    exact = [node.whole for node in cached._wholes
+             if node.whole is not None and node.whole.num_ids == len(node.whole.whole[0])]
+    assert any(w.num_ids >= len(lead.token_ids) - 1 and
+               w.whole[0] == lead.token_ids[:w.num_ids] and
+               w.whole[1] == lead.keys[:w.num_keys] for w in exact), exact
+
+
 def test_extras_and_generation_prompt_are_part_of_the_cache_key(tok: Tokenizer) -> None:
     keyer = PromptKeyer(tok, 16)
     chat = agent_chat("Hi")
