@@ -128,12 +128,14 @@ def test_proxy_microbench_rejects_a_zero_count_with_exit_code_2(
 
 def test_proxy_benchmark_sends_an_agents_call_with_its_tools() -> None:
     """`--prompt agent`: every target answers the long system prompt and 24 tools (the
-    gateways key and match it), each client its own question."""
+    gateways key and match it), each call its own question."""
     from kvgate.benchmarks.proxy import _body
 
     body = _body(3, False, "agent")
     assert len(body["tools"]) == 24 and body["messages"][0]["role"] == "system"
-    assert body["messages"][-1]["content"] != _body(4, False, "agent")["messages"][-1]["content"]
+    question = body["messages"][-1]["content"]
+    assert question != _body(4, False, "agent")["messages"][-1]["content"]
+    assert question != _body(3, False, "agent", call=1)["messages"][-1]["content"]
     report = bench_proxy(concurrency=1, rounds=1, repeats=2, stream="off", prompt="agent")
     assert report["prompt"] == "agent" and report_errors(report) == []
     for target in report["modes"][NON_STREAMED]["targets"].values():

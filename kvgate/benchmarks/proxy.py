@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -46,12 +47,18 @@ DIRECT, KVGATE, FLOOR, SGLANG = "direct", "kvgate", "aiohttp-floor", "sglang-rou
 STREAMED, NON_STREAMED = "streamed", "non-streamed"
 STREAM_CHOICES = {"both": (NON_STREAMED, STREAMED), "on": (STREAMED,), "off": (NON_STREAMED,)}
 PROMPTS = ("short", "agent")
-"""`short`: one short user message. `agent`: an agent's call, the 8k-token system prompt and 24
-tools of `kvgate microbench index` with a short question (each client its own)."""
+"""`short`: one short user message, the same on every call of a client. `agent`: an agent's
+calls, the 8k-token system prompt and 24 tools of `kvgate microbench index` with a new short
+question on every call, as an agent's calls differ in their ends."""
 ENGINE_TIME_SCALE = 0.001
 OUTPUT_TOKENS = 4
 WARMUP_REQUESTS = 10
 START_ATTEMPTS = 3
+
+
+_CALLS = itertools.count()
+"""Numbers the agent prompt's calls across targets, rounds and clients (each its own
+question)."""
 
 
 class ProxyBenchError(ValueError):
@@ -76,16 +83,17 @@ class Samples:
             self.first_error = message
 
 
-def _body(client: int, streamed: bool, prompt: str = "short") -> dict[str, Any]:
+def _body(client: int, streamed: bool, prompt: str = "short", call: int = 0) -> dict[str, Any]:
     # A short prompt keeps the engine's tokenisation and prefill out of the way; per-client
     # text so concurrent clients are distinct requests. An agent's prompt is what gateways
-    # key and match in practice: a long system prompt and tool definitions on every call.
+    # key and match in practice: a long system prompt and tool definitions on every call, and
+    # a question of its own (`call`), so no gateway answers from a cache of the whole prompt.
     body = {"model": MODEL, "max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "stream": streamed,
             "messages": [{"role": "user", "content": f"Client {client} asks a short question."}]}
     if prompt == "agent":
         from kvgate.benchmarks.index import _agent_chat
 
-        body["messages"], body["tools"] = _agent_chat(client)
+        body["messages"], body["tools"] = _agent_chat(client * 1_000_000 + call)
     return body
 
 
@@ -131,6 +139,8 @@ async def _client(session: aiohttp.ClientSession, url: str, client: int, streame
     """`requests` sequential calls on one keep-alive session; `out` None discards them."""
     body = _body(client, streamed, prompt)
     for _ in range(requests):
+        if prompt != "short":
+            body = _body(client, streamed, prompt, next(_CALLS))
         t0 = time.perf_counter()
         try:
             async with session.post(f"{url}/v1/chat/completions", json=body) as r:
