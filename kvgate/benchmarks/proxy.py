@@ -137,10 +137,9 @@ async def _client(session: aiohttp.ClientSession, url: str, client: int, streame
                   requests: int, quickack: bool, out: Samples | None,
                   prompt: str = "short") -> None:
     """`requests` sequential calls on one keep-alive session; `out` None discards them."""
-    body = _body(client, streamed, prompt)
+    same = _body(client, streamed) if prompt == "short" else None
     for _ in range(requests):
-        if prompt != "short":
-            body = _body(client, streamed, prompt, next(_CALLS))
+        body = same if same is not None else _body(client, streamed, prompt, next(_CALLS))
         t0 = time.perf_counter()
         try:
             async with session.post(f"{url}/v1/chat/completions", json=body) as r:
