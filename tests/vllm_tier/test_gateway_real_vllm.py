@@ -178,8 +178,9 @@ def test_calls_carry_the_planners_rank_to_the_real_engines_priority_scheduling(
     # answered, and the placement the planner traced carries the rank the proxy sends as
     # `priority` to such an engine (an explicit priority ranks by millions, vLLM's lower-first
     # integer). vLLM 0.32 takes a `priority` under any policy, so what the engine does with
-    # it is not observed here; the engine model's priority policy follows vLLM's scheduler
-    # (tests/test_sim_priority.py).
+    # it is not observed here but in test_priority_order.py (an engine with one sequence
+    # slot, where the calls queue); the engine model's priority policy follows vLLM's
+    # scheduler (tests/test_sim_priority.py).
     answers = []
     for headers in ({"X-KVGate-Priority": "2", "X-KVGate-Workflow": "tier-prio",
                      "X-KVGate-Task": "ranked"}, {}):

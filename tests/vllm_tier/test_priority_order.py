@@ -1,0 +1,171 @@
+"""The planner's rank, honoured by a real vLLM: an engine with `--scheduling-policy priority`
+(as `kvgate vllm-pool --engine-priority` and configs/k8s run it) takes the waiting calls the
+gateway forwards in the order of the `priority` the gateway gives them, not in their order of
+arrival.
+
+The engine runs one sequence at a time (`--max-num-seqs 1`), so calls queue in its own waiting
+list behind a long decode; the gateway forwards them at once (its release policy holds a call
+only when the engine's prefill headroom is used up, which these short prompts never use), so
+the order they are served in is the engine's. A call with the lower explicit priority
+(`X-KVGate-Priority`, vLLM's lower-first convention) sent second runs first. With vLLM's default
+`fcfs` policy the same sequence serves them in arrival order (seen 2026-11-29 with this
+engine started without `--scheduling-policy priority`: the first call sent ran first).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvgate.procs import Child, spawn, wait_healthy
+from kvgate.vllm_engines import (
+    PRIORITY_ARGS,
+    Engine,
+    EngineStartError,
+    VllmSetupError,
+    ensure_tiny_model,
+    ensure_vllm_venv,
+    free_port,
+    start_engine,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+SERVED = "tiny-vllm-priority"
+BLOCKER_TOKENS = 1500
+"""The long decode the engine's one sequence slot is busy with while the calls queue (about
+3-8 s on one core here)."""
+CALL_TOKENS = 40
+"""Each queued call's output: long enough that the second call's first token comes well
+after the first call's last one when the engine serves them one at a time."""
+
+
+@dataclass
+class Stack:
+    engine: Engine
+    gateway: Child
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    try:
+        venv = ensure_vllm_venv()
+    except VllmSetupError as e:
+        pytest.fail(f"real-vLLM tier: cannot set up the vLLM venv: {e}", pytrace=False)
+    logs: Path = tmp_path_factory.mktemp("vllm-priority")
+    try:
+        engine = start_engine(ensure_tiny_model(), logs, name="priority", venv=venv,
+                              served_model_name=SERVED, omp_bind="0",
+                              extra_args=["--max-num-seqs", "1", *PRIORITY_ARGS])
+    except EngineStartError as e:
+        pytest.fail(f"real-vLLM tier: engine did not start: {e}", pytrace=False)
+    gateway = None
+    try:
+        port = free_port()
+        config = {"host": "127.0.0.1", "port": port, "policy": "kvgate",
+                  "admin_key": "tier-admin", "health_interval_s": 0.5,
+                  "scrape_interval_s": 0.5,
+                  "engines": [{"url": engine.url, "scheduling_policy": "priority"}]}
+        (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
+        gateway = spawn("gateway", ["serve", "--config", str(logs / "gateway.yaml")],
+                        f"http://127.0.0.1:{port}", logs)
+        wait_healthy(gateway, timeout=60)
+        yield Stack(engine, gateway)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        engine.stop()
+
+
+def waiting(engine: Engine) -> float:
+    """The engine's own `vllm:num_requests_waiting`."""
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:num_requests_waiting{"):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("the engine's /metrics has no vllm:num_requests_waiting")
+
+
+def queued_at(engine: Engine, calls: int) -> bool:
+    return waiting(engine) >= calls
+
+
+def until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Streamed(threading.Thread):
+    """One streamed completion; records when its first and last chunks arrived."""
+
+    def __init__(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.headers = url, body, headers
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            req = urllib.request.Request(
+                self.url, data=json.dumps({**self.body, "stream": True}).encode(),
+                headers={"Content-Type": "application/json", **self.headers})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        now = time.monotonic()
+                        self.first = self.first if self.first is not None else now
+                        self.last = now
+                        self.tokens += 1
+        except BaseException as e:  # re-raised by the test
+            self.error = e
+
+
+def completion(text: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": SERVED, "prompt": text, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def test_the_engine_serves_queued_calls_by_the_priority_the_gateway_gives_them(
+        stack: Stack) -> None:
+    engine, gateway = stack.engine, stack.gateway
+    # The engine's one slot: a long decode sent to it directly.
+    blocker = Streamed(f"{engine.url}/v1/completions",
+                       completion("A long story about lighthouses. " * 4, BLOCKER_TOKENS), {})
+    blocker.start()
+    until(lambda: blocker.first is not None or blocker.error is not None, "the blocker's decode")
+    calls = {}
+    for name, priority, queued in (("sent-first", "9", 1), ("sent-second", "1", 2)):
+        calls[name] = Streamed(
+            f"{gateway.url}/v1/completions",
+            completion(f"Question {name}: name three rivers of the {name} kind. " * 3,
+                       CALL_TOKENS),
+            {"X-KVGate-Priority": priority, "X-KVGate-Workflow": f"tier-order-{name}",
+             "X-KVGate-Task": name})
+        calls[name].start()
+        # Forwarded at once: the engine itself holds the call in its waiting list.
+        until(functools.partial(queued_at, engine, queued),
+              f"{queued} call(s) waiting at the engine")
+    assert blocker.is_alive(), "the blocker ended before both calls queued: nothing to order"
+    for t in (blocker, *calls.values()):
+        t.join(timeout=300)
+        assert not t.is_alive() and t.error is None, t.error
+    first, second = calls["sent-second"], calls["sent-first"]
+    assert first.tokens == second.tokens == CALL_TOKENS
+    assert first.first is not None and first.last is not None and second.first is not None
+    # The engine ran the call it ranked first to its end before the other began.
+    assert first.last <= second.first, (first.first, first.last, second.first)
