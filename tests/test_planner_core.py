@@ -498,3 +498,76 @@ def test_a_workflows_first_call_goes_where_the_fewest_workflows_live() -> None:
     p.on_event(WorkflowOver("w1"), 3.0)
     p.on_event(WorkflowOver("w2"), 3.0)
     assert {v.name: v.homed_workflows for v in p.views()} == {"a": 0, "b": 1}
+
+
+def test_chain_lengths_follow_only_turns_that_extend_the_one_before_at_once() -> None:
+    from planner.core import chain_lengths
+
+    session = [TaskSpec("t0"), TaskSpec("t1", ("t0",)), TaskSpec("t2", ("t1",)),
+               TaskSpec("t3", ("t2",), think_time_s=2.0), TaskSpec("t4", ("t3",))]
+    assert chain_lengths(session) == {"t0": 2, "t1": 1, "t3": 1}
+    assert chain_lengths(list(reversed(session))) == chain_lengths(session)
+    # A fan-out's parent has several children, and a join runs after several parents.
+    fanout = [TaskSpec("plan"), TaskSpec("r0", ("plan",)), TaskSpec("r1", ("plan",)),
+              TaskSpec("reduce", ("r0", "r1"))]
+    assert chain_lengths(fanout) == {}
+
+
+def test_a_chained_call_leaves_a_crowded_engine_sooner_than_a_lone_one() -> None:
+    """Where a session's call goes, its next turns go: with them priced in, the call moves off
+    the engine that holds its context at a lower load there than a call with no successors."""
+    from kvindex.index import EngineMatch
+    from planner.cost import CostModel, CostSettings
+
+    model = CostModel({}, get_profile("h100-llama3-8b"), CostSettings())
+    prompt = 40_000
+    blocks = prompt // 16
+    lone = RouteRequest("r", "m", prompt_tokens=prompt, block_keys=tuple(range(blocks)),
+                        matches={"a": EngineMatch("a", blocks, blocks, float(blocks))},
+                        max_tokens=300)
+
+    def moves_at(request: RouteRequest) -> int:
+        for load in range(1, 64):
+            holder = EngineView("a", True, frozenset({"m"}), in_flight=load,
+                                active_blocks=load * blocks)
+            idle = EngineView("b", True, frozenset({"m"}), in_flight=1, active_blocks=blocks)
+            if model.best(request, [holder, idle]).engine == "b":
+                return load
+        raise AssertionError("the call never left the holder")
+
+    chained = replace(lone, chain_calls=10)
+    assert moves_at(chained) < moves_at(lone)
+    assert moves_at(replace(lone, chain_calls=CostSettings().chain_horizon)) == \
+        moves_at(chained)
+    off = CostModel({}, get_profile("h100-llama3-8b"), CostSettings(chain_horizon=0))
+    assert off.best(chained, [EngineView("a", True, frozenset({"m"}), in_flight=1),
+                              EngineView("b", True, frozenset({"m"}))]).engine == \
+        model.best(lone, [EngineView("a", True, frozenset({"m"}), in_flight=1),
+                          EngineView("b", True, frozenset({"m"}))]).engine
+
+
+def test_a_submitted_sessions_calls_carry_the_turns_that_follow_them() -> None:
+    p = batch_planner()
+    seen: list[RouteRequest] = []
+    choose = p.policy.choose
+
+    def spy(route: RouteRequest, engines: Any, now: float) -> Any:
+        seen.append(route)
+        return choose(route, engines, now)
+
+    p.policy.choose = spy  # type: ignore[method-assign]
+    p.on_event(WorkflowSubmitted("s", (TaskSpec("t0"), TaskSpec("t1", ("t0",)),
+                                       TaskSpec("t2", ("t1",)))), 0.0)
+    for task in ("t0", "t1", "t2"):
+        p.admit(Call(RouteRequest(task, "m", prompt_tokens=500, max_tokens=64),
+                     hints=RequestHints(workflow="s", task=task,
+                                        after=("t0",) if task == "t1" else
+                                        ("t1",) if task == "t2" else ())), 0.0)
+        p.release(0.0)
+        p.on_event(Finished(task), 0.1)
+    assert [r.chain_calls for r in seen] == [2, 1, 0]
+    p.on_event(WorkflowOver("s"), 1.0)
+    p.admit(Call(RouteRequest("late", "m", prompt_tokens=500, max_tokens=64),
+                 hints=RequestHints(workflow="s", task="t0")), 1.0)
+    p.release(1.0)
+    assert seen[-1].chain_calls == 0
