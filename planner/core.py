@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kvindex.index import BlockKey, EngineMatch
@@ -55,7 +55,6 @@ from planner.events import (
     Event,
     Finished,
     FirstToken,
-    TaskSpec,
     TransferDone,
     TransferFailed,
     WorkflowOver,
@@ -304,44 +303,6 @@ LINEAGE_WORKFLOWS = 10_000
 """Workflows whose calls the planner remembers for segment tagging (least recent forgotten)."""
 
 
-def chain_lengths(tasks: Sequence[TaskSpec]) -> dict[str, int]:
-    """Per task, the calls that follow it in a chain: its only child, when that child runs
-    after it alone and at once (no think time), then that child's only such child, and so on
-    (an agent's session: each turn extends the one before, so it most likely runs where the
-    turn before did). Tasks with none are left out. Any task order; a cycle is not followed."""
-    children: dict[str, list[str]] = {}
-    known = {t.task: t for t in tasks}
-    for t in tasks:
-        for parent in t.after:
-            children.setdefault(parent, []).append(t.task)
-
-    def next_of(task: str) -> str | None:
-        kids = children.get(task, ())
-        if len(kids) != 1:
-            return None
-        child = known.get(kids[0])
-        if child is None or len(child.after) != 1 or child.think_time_s > 0:
-            return None
-        return child.task
-
-    lengths: dict[str, int] = {}
-    for t in tasks:
-        if t.task in lengths:
-            continue
-        run = [t.task]
-        seen = {t.task}
-        nxt = next_of(t.task)
-        while nxt is not None and nxt not in lengths and nxt not in seen:
-            run.append(nxt)
-            seen.add(nxt)
-            nxt = next_of(nxt)
-        after = lengths[nxt] + 1 if nxt is not None and nxt in lengths else 0
-        for task in reversed(run):
-            lengths[task] = after
-            after += 1
-    return {task: n for task, n in lengths.items() if n}
-
-
 @dataclass
 class _Lineage:
     keys: tuple[BlockKey, ...]
@@ -449,9 +410,6 @@ class Planner:
         """Per submitted workflow, its tasks' static segment names (replication demand)."""
         self._children: dict[str, dict[str, int]] = {}
         """Per submitted workflow, each task's number of children (what prefetch plans for)."""
-        self._chains: dict[str, dict[str, int]] = {}
-        """Per submitted workflow, the calls that follow each task in a chain
-        (`chain_lengths`; only tasks with at least one are kept)."""
         self._joins: dict[str, dict[str, tuple[tuple[str, ...], str]]] = {}
         """Per submitted workflow, its joins that extend one parent's prompt: their parents
         and that parent (prefetched once every parent answers)."""
@@ -605,9 +563,6 @@ class Planner:
                 self._order.pop(rid, None)
                 self._withdraw(req)
             case WorkflowSubmitted(workflow=wf, tasks=tasks):
-                chains = chain_lengths(tasks)
-                if chains:
-                    self._chains[wf] = chains
                 if self.priorities is not None:
                     self.priorities.submit(wf, tasks)
                 opening = {t.task: t.static_segment for t in tasks}
@@ -653,7 +608,6 @@ class Planner:
             case WorkflowOver(workflow=wf):
                 self._unhome(wf)
                 self._children.pop(wf, None)
-                self._chains.pop(wf, None)
                 self._joins.pop(wf, None)
                 self._started.pop(wf, None)
                 if self._static_of.pop(wf, None) is not None:
@@ -785,9 +739,6 @@ class Planner:
             self._expire_homes(now)
             if not hints.after and hints.workflow not in self._homes:
                 route = replace(route, workflow_root=True)
-            chain = self._chains.get(hints.workflow)
-            if chain is not None and hints.task in chain:
-                route = replace(route, chain_calls=chain[hints.task])
         if self.moves_kv and len(self.moves):
             arriving = self.moves.arriving(route.block_keys, now)
             busy = self.moves.nic_wait(now)

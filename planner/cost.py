@@ -144,18 +144,6 @@ class CostSettings:
     """Weight of the prefill a placement spends, times the pool's mean load per engine: the
     requests still to come that wait through it (an idle engine's compute is free only while
     the pool is idle)."""
-    chain_horizon: int = 5
-    """Price the decode of up to this many of the calls that follow a request in a chain
-    (`RouteRequest.chain_calls`: an agent session's next turns, which run where it runs) as
-    this one's, in the load it finds: the time they take to decode there and the steps they
-    stretch for the requests already there. A session's context stays where it is computed,
-    so where its call goes is where its next calls go; priced by the one call alone, moving
-    off a crowded engine never repays recomputing the context, and the session stays in the
-    crowd. Only for calls whose successors follow at once: a think time between turns leaves
-    the engine's load of now a poor guide to the load the next turn finds (react, at 18
-    workflows/s, 8 x h100-llama3-8b: mean JCT 33.97 s without the term, 36.94 s with it
-    over turns with think times). 0 turns it off. Measured: see `docs/results-log.md`,
-    "Nineteenth session"."""
     opportunity_per_workflow: bool = True
     """Count the work still to come that waits through a recompute as the pool's mean
     *workflows* per engine (`EngineView.workflows`: a workflow's calls in flight at an engine
@@ -311,13 +299,6 @@ class CostModel:
                 external = s.externality * (load - siblings) * delay
                 if siblings:
                     group = request.group_finish_s + delay
-            chained = min(request.chain_calls, s.chain_horizon)
-            if chained:
-                # The calls that follow in a chain decode here too, in the load there is now.
-                stretch = 0.0
-                if load > 0:
-                    stretch = s.externality * load * output * max(0.0, with_it - without)
-                external += chained * (decode + stretch)
             # Compute spent recomputing is compute the requests still to come do not get: as
             # many of them as the pool holds per engine now wait through it.
             external += s.opportunity * mean_waiting * prefill

@@ -107,10 +107,6 @@ class RouteRequest:
     seconds until it lands (only the planner knows; only for policies that move KV)."""
     link_wait: Mapping[str, float] = field(default_factory=dict)
     """Per engine, seconds until its NIC is done with the transfers already under way."""
-    chain_calls: int = 0
-    """Calls of its workflow that will follow it in a chain, each extending the one before at
-    once (`planner.core.chain_lengths`): they most likely run where it runs, in the load it
-    finds there. Only the planner knows it (from a submitted DAG)."""
     workflow_root: bool = False
     """The first call of a workflow the planner knows (no parents, no earlier call): where it
     runs is where the workflow's context will live."""
