@@ -19,7 +19,7 @@ import json
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from kvgate.vllm_engines import (
     free_port,
     start_engine,
 )
+from tests.vllm_tier.test_gateway_real_vllm import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -100,15 +101,6 @@ def queued_at(engine: Engine, calls: int) -> bool:
     return waiting(engine) >= calls
 
 
-def until(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 class Streamed(threading.Thread):
     """One streamed completion; records when its first and last chunks arrived."""
 
@@ -147,7 +139,8 @@ def test_the_engine_serves_queued_calls_by_the_priority_the_gateway_gives_them(
     blocker = Streamed(f"{engine.url}/v1/completions",
                        completion("A long story about lighthouses. " * 4, BLOCKER_TOKENS), {})
     blocker.start()
-    until(lambda: blocker.first is not None or blocker.error is not None, "the blocker's decode")
+    wait_for(lambda: blocker.first is not None or blocker.error is not None,
+             "the blocker's decode", timeout=60)
     calls = {}
     for name, priority, queued in (("sent-first", "9", 1), ("sent-second", "1", 2)):
         calls[name] = Streamed(
@@ -158,8 +151,8 @@ def test_the_engine_serves_queued_calls_by_the_priority_the_gateway_gives_them(
              "X-KVGate-Task": name})
         calls[name].start()
         # Forwarded at once: the engine itself holds the call in its waiting list.
-        until(functools.partial(queued_at, engine, queued),
-              f"{queued} call(s) waiting at the engine")
+        wait_for(functools.partial(queued_at, engine, queued),
+                 f"{queued} call(s) waiting at the engine", timeout=60)
     assert blocker.is_alive(), "the blocker ended before both calls queued: nothing to order"
     for t in (blocker, *calls.values()):
         t.join(timeout=300)
