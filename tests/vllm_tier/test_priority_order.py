@@ -38,7 +38,7 @@ from kvgate.vllm_engines import (
     free_port,
     start_engine,
 )
-from tests.vllm_tier.test_gateway_real_vllm import wait_for
+from tests.vllm_tier.test_gateway_real_vllm import metric, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -88,17 +88,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         engine.stop()
 
 
-def waiting(engine: Engine) -> float:
-    """The engine's own `vllm:num_requests_waiting`."""
-    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("vllm:num_requests_waiting{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("the engine's /metrics has no vllm:num_requests_waiting")
-
-
 def queued_at(engine: Engine, calls: int) -> bool:
-    return waiting(engine) >= calls
+    """The engine's own `vllm:num_requests_waiting` counts at least `calls`."""
+    return metric(engine, "vllm:num_requests_waiting") >= calls
 
 
 class Streamed(threading.Thread):
