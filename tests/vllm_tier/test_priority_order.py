@@ -94,7 +94,8 @@ def queued_at(engine: Engine, calls: int) -> bool:
 
 
 class Streamed(threading.Thread):
-    """One streamed completion; records when its first and last chunks arrived."""
+    """One streamed completion; records when its first and last events arrived, and the
+    output tokens its `usage` counts (vLLM may put several tokens in one event)."""
 
     def __init__(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
         super().__init__(daemon=True)
@@ -107,15 +108,20 @@ class Streamed(threading.Thread):
     def run(self) -> None:
         try:
             req = urllib.request.Request(
-                self.url, data=json.dumps({**self.body, "stream": True}).encode(),
+                self.url, data=json.dumps({**self.body, "stream": True,
+                                       "stream_options": {"include_usage": True}}).encode(),
                 headers={"Content-Type": "application/json", **self.headers})
             with urllib.request.urlopen(req, timeout=300) as r:
                 for line in r:
-                    if line.startswith(b"data: {"):
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[len(b"data: "):])
+                    if event.get("usage"):
+                        self.tokens = event["usage"]["completion_tokens"]
+                    if event.get("choices"):
                         now = time.monotonic()
                         self.first = self.first if self.first is not None else now
                         self.last = now
-                        self.tokens += 1
         except BaseException as e:  # re-raised by the test
             self.error = e
 
