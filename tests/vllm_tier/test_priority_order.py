@@ -54,9 +54,14 @@ from tests.vllm_tier.test_gateway_real_vllm import metric, wait_for
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 SERVED = "tiny-vllm-priority"
-BLOCKER_TOKENS = 1500
-"""The long decode the engine's one sequence slot is busy with while the calls queue (about
-3-8 s on one core here)."""
+MAX_MODEL_LEN = 65536
+BLOCKER_TOKENS = 65000
+"""The decode the engine's one sequence slot is busy with while the calls queue: minutes long
+(the tiny model's positions are not learned, so the engine may run past its config's 4,096 with
+`VLLM_ALLOW_LONG_MAX_MODEL_LEN`). The test drops it once both calls wait. It cannot be timed
+from its streamed tokens (they may reach the test only once the engine is done with it: a CI
+run saw a 1,500-token one end before the test had seen its first token), and with both cores
+loaded the calls took 8 s through the gateway to the engine while a 4,000-token one ran out."""
 PROMPT_BLOCKS = 3
 CALL_TOKENS = 40
 """Each queued call's output: its prompt's three blocks and 40 tokens fill a fourth block, so
@@ -86,7 +91,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         try:
             engine = start_engine(
                 ensure_tiny_model(), logs, name="priority", venv=venv,
-                served_model_name=SERVED, omp_bind="0",
+                served_model_name=SERVED, omp_bind="0", max_model_len=MAX_MODEL_LEN,
+                extra_env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
                 kv_events=kv_events_config(f"ipc://{sock_dir}/events"),
                 extra_args=["--max-num-seqs", "1", *PRIORITY_ARGS])
         except EngineStartError as e:
@@ -117,14 +123,15 @@ def queued_at(engine: Engine, calls: int) -> bool:
 
 
 class Streamed(threading.Thread):
-    """One streamed completion: whether it has begun to answer, and the output tokens its
-    `usage` counts (vLLM may put several tokens in one event)."""
+    """One streamed completion: the output tokens its `usage` counts (vLLM may put several
+    tokens in one event). `drop` closes the stream at its next event, which makes vLLM abort
+    the request."""
 
     def __init__(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> None:
         super().__init__(daemon=True)
         self.url, self.body, self.headers = url, body, headers
-        self.answering = False
         self.tokens = 0
+        self.drop = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -140,7 +147,8 @@ class Streamed(threading.Thread):
                     event = json.loads(line[len(b"data: "):])
                     if event.get("usage"):
                         self.tokens = event["usage"]["completion_tokens"]
-                    self.answering = self.answering or bool(event.get("choices"))
+                    if self.drop.is_set():
+                        break
         except BaseException as e:  # re-raised by the test
             self.error = e
 
@@ -176,8 +184,9 @@ def test_the_engine_serves_queued_calls_by_the_priority_the_gateway_gives_them(
     blocker = Streamed(f"{engine.url}/v1/completions",
                        completion("A long story about lighthouses. " * 4, BLOCKER_TOKENS), {})
     blocker.start()
-    wait_for(lambda: blocker.answering or blocker.error is not None,
-             "the blocker's decode", timeout=60)
+    wait_for(lambda: metric(engine, "vllm:num_requests_running") >= 1 or not blocker.is_alive(),
+             "the blocker's decode at the engine", timeout=60)
+    assert blocker.error is None, blocker.error
     rng = random.Random(29)
     prompts = {name: [rng.randrange(10, 4000) for _ in range(PROMPT_BLOCKS * BLOCK_SIZE)]
                for name in ("sent-first", "sent-second")}
@@ -190,8 +199,9 @@ def test_the_engine_serves_queued_calls_by_the_priority_the_gateway_gives_them(
         calls[name].start()
         # Forwarded at once: the engine itself holds the call in its waiting list.
         wait_for(functools.partial(queued_at, engine, queued),
-                 f"{queued} call(s) waiting at the engine", timeout=60)
-    assert blocker.is_alive(), "the blocker ended before both calls queued: nothing to order"
+                 f"{queued} call(s) waiting at the engine", timeout=120)
+    # Both wait at once behind the one running sequence, so the engine chose between them.
+    blocker.drop.set()
     for t in (blocker, *calls.values()):
         t.join(timeout=300)
         assert not t.is_alive() and t.error is None, t.error
