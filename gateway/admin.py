@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from gateway.config import EngineEntry
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.kv_events import BadEndpoint
 from gateway.proxy import Proxy, read_json
 from gateway.state import GatewayState
 
@@ -62,7 +63,8 @@ class Admin:
         if not key:
             raise AdminDisabled("the admin API is disabled: set admin_key in the gateway config")
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                   key.encode("utf-8", "surrogateescape")):
             raise Unauthorized("admin endpoints need Authorization: Bearer <admin_key>")
 
     async def list_engines(self, request: web.Request) -> web.Response:
@@ -100,6 +102,8 @@ class Admin:
             raise EngineExists(f"engine {entry.engine_name!r} is already in the pool")
         try:
             await self.state.add_engine(entry)
+        except BadEndpoint as e:
+            raise InvalidRequest(str(e), param="kv_events") from None
         except ValueError as e:
             raise EngineExists(str(e)) from None
         healthy = self.state.pool.engines[entry.engine_name].healthy
@@ -132,7 +136,7 @@ class Admin:
         route = ("/v1/completions" if request.query.get("route") == "completions"
                  else "/v1/chat/completions")
         body.setdefault("model", "-")
-        rr = await self.proxy.route_request(request, route, body)
+        rr = await self.proxy.route_request(request, route, body, dispatched=False)
         return web.json_response({
             "prompt_tokens": rr.prompt_tokens,
             "blocks": len(rr.block_keys),

@@ -24,6 +24,10 @@ from kvindex.ingest import AddKeys, EventIngestor, IndexOp, RemoveKeys, RequestR
 
 log = logging.getLogger(__name__)
 
+
+class BadEndpoint(ValueError):
+    """A KV-event endpoint libzmq will not connect to (the message says why)."""
+
 REPLAY_TIMEOUT_S = 2.0
 PROBE_INTERVAL_S = 2.0
 
@@ -99,7 +103,11 @@ class KVEventListener:
         if owner is not None and owner != source.engine:
             raise ValueError(f"KV-event topic {source.topic!r} already identifies {owner!r}")
         if source.endpoint and self._sub is not None:
-            self._sub.connect(source.endpoint)
+            try:
+                self._sub.connect(source.endpoint)
+            except zmq.ZMQError as e:  # a well-formed endpoint libzmq still refuses
+                raise BadEndpoint(f"cannot subscribe to KV events at {source.endpoint!r}: "
+                                  f"{e}") from None
         self._sources[source.engine] = source
         self._by_topic[source.topic.encode()] = source.engine
         if source.replay_endpoint:

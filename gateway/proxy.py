@@ -46,7 +46,7 @@ from kvindex.tokenizer import TokenizerError
 from planner.actions import Dispatch, Reject, Transfer, Warm
 from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
-from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
+from planner.hints import MAX_TOKENS, NO_HINTS, HintError, RequestHints, parse_hints
 from planner.policy import RouteRequest
 from planner.segments import KINDS, static_lead
 
@@ -109,6 +109,10 @@ async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, 
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("request body nests JSON arrays or objects too deeply") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise InvalidRequest(f"request body holds a value that cannot be read: {e}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return raw, body
@@ -212,9 +216,11 @@ class Proxy:
 
     async def route_request(
         self, request: web.Request, route: str, body: dict[str, Any],
-        hints: RequestHints = NO_HINTS,
+        hints: RequestHints = NO_HINTS, dispatched: bool = True,
     ) -> RouteRequest:
-        """Everything the policy may know about this request, index matches included."""
+        """Everything the policy may know about this request, index matches included.
+        `dispatched=False`: only looked at (the admin's match), so its prompt is not kept as
+        a KV move's possible origin."""
         state = self.state
         model = body.get("model")
         if model is None:
@@ -233,7 +239,7 @@ class Proxy:
         matches = {}
         if keys is not None and keys.keys:
             matches = await state.index.match(keys.keys, state.now())
-            if state.planner.moves_kv:
+            if state.planner.moves_kv and dispatched:
                 # The prompt may be the origin of a KV move (a pull, a prefetch).
                 state.mover.remember(request_id, model, keys.token_ids,
                                      (hints.workflow, hints.task or request_id)
@@ -248,7 +254,9 @@ class Proxy:
             block_size=state.config.index.block_size,
             matches=matches,
             prompt_text=keys.text if keys else "",
-            max_tokens=max_tokens if type(max_tokens) is int else None,
+            # Only a plausible length is an estimate; the engine answers for any other.
+            max_tokens=(max_tokens if type(max_tokens) is int and 0 <= max_tokens <= MAX_TOKENS
+                        else None),
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

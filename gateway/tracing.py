@@ -745,7 +745,7 @@ class Tracing:
         span count (`?limit=`, default 100)."""
         store = self._kept()
         raw = request.query.get("limit", "100")
-        if not raw.isdigit() or int(raw) < 1:
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) or int(raw) < 1:
             raise InvalidRequest(f"limit must be a positive integer, got {raw!r}", param="limit")
         return web.json_response({"traces": store.summaries(int(raw))})
 

@@ -285,7 +285,10 @@ class Upstream:
         head_lines = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", host_header,
                       b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers:
-            head_lines += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
+            # The bytes the client sent: aiohttp reads header values as UTF-8, keeping bytes
+            # that are not as surrogates.
+            head_lines += (name.encode("utf-8", "surrogateescape"), b": ",
+                           value.encode("utf-8", "surrogateescape"), b"\r\n")
         head_lines.append(b"\r\n")
         request = b"".join(head_lines) + body
         conn = self._take(key)

@@ -205,7 +205,7 @@ class MemoryWorkflowStore:
         e = self._entry(workflow_id)
         if e is None:
             return []
-        start = int(after) if after.isdigit() else 0
+        start = int(after) if after.isascii() and after.isdigit() else 0
         if len(e.events) <= start and wait_s > 0:
             async with e.grew:
                 with contextlib.suppress(TimeoutError):

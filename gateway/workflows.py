@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +34,7 @@ from gateway.tracing import TRACEPARENT, Tracing, trace_hex, workflow_trace_id
 from gateway.workflow_store import START, Json, WorkflowStore
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
 from planner.events import Event, WorkflowOver, WorkflowSubmitted
-from planner.hints import AFTER_HEADER, TASK_HEADER, WORKFLOW_HEADER
+from planner.hints import AFTER_HEADER, BODY_FIELD, TASK_HEADER, WORKFLOW_HEADER
 from planner.workflow import (
     Workflow,
     WorkflowError,
@@ -63,6 +64,10 @@ _HINT_CACHE = 10_000
 LIST_DEFAULT = 50
 LIST_MAX = 500
 """`GET /v1/workflows?limit=`: how many workflows a listing holds unless told, and at most."""
+MAX_AFTER_HEADER = 2048
+"""A task's parents go in `X-KVGate-After` up to this many characters, else in its body."""
+EVENT_ID = re.compile(r"[0-9]{1,19}(-[0-9]{1,19})?")
+"""An event id as the stores give them (the memory store's counter, a Redis stream entry's id)."""
 
 
 class WorkflowNotFound(GatewayError):
@@ -692,6 +697,9 @@ class WorkflowService:
         forward = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         trace = {k.lower(): v for k, v in request.headers.items()
                  if k.lower() in (TRACEPARENT, "tracestate")}
+        for name, value in (*forward.items(), *trace.items()):
+            if not value.isascii():  # it goes with every task's call
+                raise InvalidRequest(f"header {name} must be ASCII", param=name)
         snap = await self.submit(body, forward, trace)
         return web.json_response(snap, status=201,
                                  headers={"Location": f"/v1/workflows/{snap['id']}"})
@@ -701,7 +709,8 @@ class WorkflowService:
         raw = request.query.get("limit")
         limit = LIST_DEFAULT
         if raw is not None:
-            if not raw.isdigit() or not 1 <= int(raw) <= LIST_MAX:
+            if not (raw.isascii() and raw.isdigit() and len(raw) <= 9) \
+                    or not 1 <= int(raw) <= LIST_MAX:
                 raise InvalidRequest(f"limit must be an integer from 1 to {LIST_MAX}, "
                                      f"got {raw!r}", param="limit")
             limit = int(raw)
@@ -721,11 +730,14 @@ class WorkflowService:
         then new ones as they happen; ends after the workflow's final event."""
         wf_id = request.match_info["id"]
         await self.snapshot(wf_id)  # 404 before the stream starts
+        last = request.headers.get("Last-Event-ID") or START
+        if not EVENT_ID.fullmatch(last):
+            raise InvalidRequest(f"Last-Event-ID must be an event id this stream sent (digits, "
+                                 f"or digits-digits), got {last[:40]!r}", param="Last-Event-ID")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        last = request.headers.get("Last-Event-ID") or START
         while True:
             batch = await self.store.events(wf_id, last, wait_s=SSE_KEEPALIVE_S)
             for event_id, event in batch:
@@ -890,10 +902,15 @@ class WorkflowService:
     async def _execute(self, run: _Run, task: str) -> None:
         spec = run.spec
         body = render_task(spec, task, run.outputs)
-        after = ",".join(dependencies(spec.task(task)))
+        parents = dependencies(spec.task(task))
+        after = ",".join(parents)
         headers = {**run.headers, WORKFLOW_HEADER: run.id, TASK_HEADER: task,
                    "x-request-id": f"{run.id}/{task}", **self.tracing.task_headers(run.id, task)}
-        if after:
+        if len(after) > MAX_AFTER_HEADER:
+            # A wide join's parents overflow a header (aiohttp takes 8,190 bytes): the body's
+            # `kvgate` field says the same, and is stripped before the engine sees it.
+            body[BODY_FIELD] = {"after": list(parents)}
+        elif after:
             headers[AFTER_HEADER] = after
         try:
             outcome = await self.executor.execute(body, headers)

@@ -58,6 +58,15 @@ BODY_FIELD = "kvgate"
 _BODY_KEYS = frozenset({"workflow", "task", "after", "expect_children", "priority", "deadline_s"})
 _MAX_ID = 256
 
+MAX_TOKENS = 2**31 - 1
+"""The largest output length (`max_tokens`, `osl`, a task's `output_tokens`) the planner takes
+as an estimate; vLLM's own limit is the model's context, far below."""
+PRIORITY_LIMIT = 1_000_000
+"""An explicit priority lies within +-this (the engine's integer priority spends a million per
+unit on the workflow's rank beneath it)."""
+MAX_EXPECT_CHILDREN = 1000
+"""The most children a call may announce (a workflow spec's default task limit)."""
+
 
 def _ident(value: object, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
@@ -78,17 +87,24 @@ def _ids(value: object, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(_ident(p, where) for p in parts))
 
 
-def _int(value: object, where: str, low: int | None = None) -> int:
+def _int(value: object, where: str, low: int, high: int) -> int:
     if isinstance(value, str):
+        text = value.strip()
+        if len(text) > 24:
+            raise HintError(f"{where} must be an integer from {low} to {high}")
         try:
-            value = int(value.strip())
+            value = int(text)
         except ValueError:
             raise HintError(f"{where} must be an integer, got {value!r}") from None
     if type(value) is not int:
         raise HintError(f"{where} must be an integer")
-    if low is not None and value < low:
-        raise HintError(f"{where} must be at least {low}")
+    if not low <= value <= high:
+        raise HintError(f"{where} must be an integer from {low} to {high}, got {value}")
     return value
+
+
+def _priority(value: object, where: str) -> int:
+    return _int(value, where, -PRIORITY_LIMIT, PRIORITY_LIMIT)
 
 
 def _seconds(value: object, where: str) -> float:
@@ -127,10 +143,11 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
     if after_h is not None:
         fields["after"] = _ids(after_h, "header X-KVGate-After")
     if expect_h is not None:
-        fields["expect_children"] = _int(expect_h, "header X-KVGate-Expect-Children", 0)
+        fields["expect_children"] = _int(expect_h, "header X-KVGate-Expect-Children", 0,
+                                         MAX_EXPECT_CHILDREN)
     priority_h = get(PRIORITY_HEADER)
     if priority_h is not None:
-        fields["priority"] = _int(priority_h, "header X-KVGate-Priority")
+        fields["priority"] = _priority(priority_h, "header X-KVGate-Priority")
     deadline_h = get(DEADLINE_HEADER)
     if deadline_h is not None:
         fields["deadline_s"] = _seconds(deadline_h, "header X-KVGate-Deadline")
@@ -141,10 +158,10 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
             if not isinstance(agent, dict):
                 raise HintError("nvext.agent_hints must be an object")
             if agent.get("priority") is not None:
-                priority = _int(agent["priority"], "nvext.agent_hints.priority")
+                priority = _priority(agent["priority"], "nvext.agent_hints.priority")
                 fields.setdefault("priority", priority)
             if agent.get("osl") is not None:
-                fields["osl"] = _int(agent["osl"], "nvext.agent_hints.osl", 0)
+                fields["osl"] = _int(agent["osl"], "nvext.agent_hints.osl", 0, MAX_TOKENS)
     forwarded = None
     if BODY_FIELD in body:
         ours = body[BODY_FIELD]
@@ -161,9 +178,9 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
             fields["after"] = _ids(ours["after"], "kvgate.after")
         if ours.get("expect_children") is not None:
             fields["expect_children"] = _int(ours["expect_children"], "kvgate.expect_children",
-                                             0)
+                                             0, MAX_EXPECT_CHILDREN)
         if ours.get("priority") is not None:
-            fields["priority"] = _int(ours["priority"], "kvgate.priority")
+            fields["priority"] = _priority(ours["priority"], "kvgate.priority")
         if ours.get("deadline_s") is not None:
             if isinstance(ours["deadline_s"], str):
                 raise HintError("kvgate.deadline_s must be a positive number of seconds")

@@ -24,6 +24,8 @@ from planner.profiles import EngineProfile
 
 PRIORITY_SCALE_S = 0.001
 """Engine `priority` resolution: one unit per millisecond of remaining critical path."""
+MAX_RANK_S = 1e9
+"""A rank beyond this (a workflow declaring years of work) is sent to engines as this."""
 
 
 @dataclass
@@ -114,6 +116,7 @@ class WorkflowPriorities:
     def engine_priority(self, hints: RequestHints) -> int:
         """The rank as vLLM's integer `priority` (lower runs first)."""
         explicit, rank, _ = self.rank(hints)
+        rank = rank if rank < MAX_RANK_S else MAX_RANK_S  # also NaN: an integer for vLLM
         if hints.workflow is not None and hints.workflow in self._workflows:
             return explicit * 1_000_000 + int(rank / PRIORITY_SCALE_S)
         return explicit * 1_000_000 + int(rank)

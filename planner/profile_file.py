@@ -104,6 +104,9 @@ def load_profile_file(path: str | Path) -> EngineProfile:
         data = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise ProfileFileError(f"{p}: no such profile file") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not text
+        raise ProfileFileError(f"{p}: cannot read it as a profile file: "
+                               f"{e.strerror if isinstance(e, OSError) else e}") from None
     except yaml.YAMLError as e:
         raise ProfileFileError(f"{p}: not valid YAML: {e}") from None
     return parse_profile(data, str(p))

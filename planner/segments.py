@@ -143,7 +143,8 @@ def static_lead(messages: Sequence[object]) -> list[dict[str, Any]]:
     segment a chat template renders first."""
     lead: list[dict[str, Any]] = []
     for m in messages:
-        if not (isinstance(m, dict) and m.get("role") in SYSTEM_ROLES):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and m["role"] in SYSTEM_ROLES):
             break
         lead.append(m)
     return lead

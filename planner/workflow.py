@@ -21,6 +21,7 @@ import networkx as nx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.events import TaskSpec
+from planner.hints import MAX_TOKENS, PRIORITY_LIMIT
 from planner.segments import SYSTEM_ROLES
 
 SegmentKind = Literal["static", "shared", "transient"]
@@ -78,6 +79,10 @@ class OutputOf(BaseModel):
 TaskMessage = SegmentRef | LiteralMessage | OutputOf
 
 
+MAX_THINK_TIME_S = 86_400.0
+"""The longest tool-call gap a task may declare (a day)."""
+
+
 class Task(BaseModel):
     """One LLM call in the DAG."""
 
@@ -88,12 +93,12 @@ class Task(BaseModel):
     messages: list[TaskMessage] = Field(min_length=1)
     tools: str | None = None
     """Name of a segment whose `tools` the call offers."""
-    max_tokens: int | None = Field(default=None, gt=0)
-    output_tokens: int | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
+    output_tokens: int | None = Field(default=None, gt=0, le=MAX_TOKENS)
     """Synthetic output length for benchmarks (the engine is asked for exactly this many)."""
-    think_time_s: float = Field(default=0.0, ge=0)
+    think_time_s: float = Field(default=0.0, ge=0, le=MAX_THINK_TIME_S, allow_inf_nan=False)
     """A tool-call gap after the task's dependencies finish, before it may start."""
-    priority: int = 0
+    priority: int = Field(default=0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)
     params: dict[str, Any] = Field(default_factory=dict)
     """Extra OpenAI request fields (temperature, ...)."""
 
@@ -106,7 +111,7 @@ class Workflow(BaseModel):
     id: str | None = None
     model: str = Field(min_length=1)
     tenant: str | None = None
-    deadline_s: float | None = Field(default=None, gt=0)
+    deadline_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     segments: dict[str, Segment] = Field(default_factory=dict)
     tasks: list[Task]
 
@@ -255,7 +260,8 @@ TASK_ID = re.compile(r"[A-Za-z0-9._:@+=-]{1,128}")
 """Task ids a live run accepts: they travel in `X-KVGate-Task`/`X-KVGate-After` headers
 (comma-separated) and in request ids (`WORKFLOW/TASK`)."""
 
-RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n"})
+RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n",
+                             "kvgate"})
 """Request fields the spec itself decides; a task's `params` may not set them."""
 
 
@@ -264,6 +270,9 @@ def runnable_problems(wf: Workflow) -> list[str]:
     segments, segments without text used as messages, task ids unfit for headers, reserved
     `params`."""
     problems: list[str] = []
+    if wf.id is not None and not TASK_ID.fullmatch(wf.id):
+        problems.append(f"workflow id {wf.id!r} may hold only letters, digits and . _ : @ + = - "
+                        "(at most 128)")
     synthetic = sorted(name for name, seg in wf.segments.items() if seg.tokens is not None)
     if synthetic:
         problems.append(f"segments {', '.join(repr(n) for n in synthetic)} have synthetic "

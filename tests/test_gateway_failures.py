@@ -58,6 +58,37 @@ def test_non_object_and_empty_bodies_are_400(gateway: Child) -> None:
     assert_openai_error(body, "empty")
 
 
+def test_json_python_cannot_read_is_a_400(gateway: Child) -> None:
+    deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, body = post(f"{gateway.url}/v1/chat/completions", deep)
+    assert status == 400
+    assert_openai_error(body, "nests JSON arrays or objects too deeply")
+    digits = b'{"model": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+    status, body = post(f"{gateway.url}/v1/chat/completions", digits)
+    assert status == 400
+    assert_openai_error(body, "holds a value that cannot be read")
+
+
+def test_values_the_planner_cannot_price_leave_the_gateway_working(gateway: Child) -> None:
+    # A max_tokens beyond any float once broke the cost model, and the call, left in the
+    # release buffer, broke every call after it. The engine is the authority on it: the
+    # simulated engine, as vLLM, refuses it for the model's context.
+    url = f"{gateway.url}/v1/chat/completions"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a river."}]}
+    for huge, refusal in ((10**400, "maximum context length"), (-(10**400), "at least 1")):
+        status, body = post(url, json.dumps({**chat, "max_tokens": huge}).encode(),
+                            {"X-KVGate-Workflow": "absurd", "X-KVGate-Task": f"t{huge > 0}"})
+        assert status == 400, body
+        assert_openai_error(body, refusal)
+    # A role that is not a string, in a call the planner tags by segment.
+    odd = {**chat, "max_tokens": 2,
+           "messages": [{"role": ["system"], "content": "x"}, *chat["messages"]]}
+    status, body = post(url, json.dumps(odd).encode(), {"X-KVGate-Workflow": "odd-role"})
+    assert status < 500, body
+    status, body = post(url, json.dumps({**chat, "max_tokens": 2}).encode())
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+
+
 def test_missing_model_is_a_400_naming_the_field(gateway: Child) -> None:
     status, body = post(f"{gateway.url}/v1/chat/completions",
                         json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
@@ -165,6 +196,7 @@ class RecordingEngine:
 
     def __init__(self) -> None:
         self.requests: list[tuple[CIMultiDict[str], bytes]] = []
+        self.raw_headers: list[tuple[tuple[bytes, bytes], ...]] = []
         self.release = threading.Event()
         self.app = web.Application()
         self.app.router.add_get("/health", self.health)
@@ -184,6 +216,7 @@ class RecordingEngine:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.requests.append((CIMultiDict(request.headers), raw))
+        self.raw_headers.append(request.raw_headers)
         body = json.loads(raw)
         if "fail_with" in body:
             return web.json_response({"error": {"message": "slow down", "type": "rate_limit",
@@ -237,6 +270,25 @@ def test_unknown_fields_and_tracing_headers_pass_through(
     version, trace_id, parent, flags = got_headers["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c80319c", "01")
     assert parent != "b7ad6b7169203331"
+
+
+def test_header_bytes_outside_latin_1_reach_the_engine_unchanged(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    engine, gw = recorded
+    engine.release.set()
+    sent = {"x-title": "\u6771\u4eac agent".encode(), "x-raw": b"\xff\xfeok",
+            "x-accented": "caf\u00e9".encode("latin-1")}
+    req = urllib.request.Request(f"{gw.url}/v1/chat/completions", method="POST",
+                                 data=b'{"model": "rec", "stream": true}',
+                                 headers={"Content-Type": "application/json",
+                                          **sent})  # type: ignore[dict-item]
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+        r.read()
+    got = {name.decode().lower(): value for name, value in engine.raw_headers[-1]}
+    for name, value in sent.items():
+        assert got[name] == value, name
 
 
 def test_engine_error_status_and_body_are_relayed(recorded: tuple[RecordingEngine, Child]) -> None:

@@ -292,6 +292,21 @@ def test_admin_api_needs_the_key(cluster: Cluster) -> None:
     assert status == 401
     status, body, _ = http("POST", f"{gw.url}/admin/engines", {"url": "nope"}, admin=True)
     assert status == 400 and "url" in body["error"]["message"]
+    # A key that is not text is a wrong key, not a server error.
+    status, body, _ = http("GET", f"{gw.url}/admin/engines",
+                           headers={"Authorization": b"Bearer \xff"})  # type: ignore[dict-item]
+    assert status == 401, body
+    # Engines the gateway cannot take: a profile file it cannot read, an event endpoint libzmq
+    # refuses. Each is a 400 naming it, and the pool is unchanged.
+    for entry, fragment in (
+            ({"url": "http://127.0.0.1:1", "profile_file": str(cluster.tmp)},
+             "cannot read it as a profile file"),
+            ({"url": "http://127.0.0.1:2", "kv_events": "tcp://a b:5557"},
+             "cannot subscribe to KV events at 'tcp://a b:5557'")):
+        status, body, _ = http("POST", f"{gw.url}/admin/engines", entry, admin=True)
+        assert status == 400 and fragment in body["error"]["message"], body
+    _, engines, _ = http("GET", f"{gw.url}/admin/engines", admin=True)
+    assert [e["name"] for e in engines["engines"]] == [cluster.engine_name("a")]
 
 
 def test_two_gateways_sharing_redis_send_a_prefix_to_the_same_engine(

@@ -4,20 +4,26 @@ gateway's own routing, streamed as SSE, read and cancelled from either replica."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config import WorkflowSettings
+from gateway.workflow_store import MemoryWorkflowStore
+from gateway.workflows import TaskOutcome, WorkflowService
 from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
+from planner.hints import AFTER_HEADER, TASK_HEADER, parse_hints
 from tests.conftest import MODEL
 from tests.redis_server import RedisServer, redis_server_available
 
@@ -331,6 +337,20 @@ def mutated(change: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
      f"the workflow has {MAX_TASKS + 1} tasks; the limit is {MAX_TASKS}"),
     (mutated(lambda s: s.update(model="no-such-model")), "model 'no-such-model' is not served"),
     ([1, 2, 3], "request body must be a JSON object"),
+    # Numbers the planner could not price, and fields a live run could not send.
+    (mutated(lambda s: s["tasks"][0].update(max_tokens=10**400)),
+     "tasks.0.max_tokens: Input should be less than or equal to 2147483647"),
+    (mutated(lambda s: s["tasks"][1].update(think_time_s=float("inf"))),
+     "tasks.1.think_time_s: Input should be a finite number"),
+    (mutated(lambda s: s["tasks"][1].update(think_time_s=1e306)),
+     "tasks.1.think_time_s: Input should be less than or equal to 86400"),
+    (mutated(lambda s: s["tasks"][0].update(priority=10**12)),
+     "tasks.0.priority: Input should be less than or equal to 1000000"),
+    (mutated(lambda s: s.update(id="survey\r\nX-Evil: 1")),
+     "workflow id 'survey\\r\\nX-Evil: 1' may"),
+    (mutated(lambda s: s.update(id="s" * 200)), "(at most 128)"),
+    (mutated(lambda s: s["tasks"][0].update(params={"kvgate": {"workflow": "other"}})),
+     "task 'plan': params may not set kvgate"),
 ])
 def test_an_invalid_workflow_is_a_400_naming_the_problem(
     replicas: tuple[Child, Child], spec: Any, message: str,
@@ -339,6 +359,74 @@ def test_an_invalid_workflow_is_a_400_naming_the_problem(
     assert status == 400, body
     assert body["error"]["type"] == "invalid_request_error"
     assert message in body["error"]["message"]
+
+
+def test_bad_listing_limits_event_ids_and_forwarded_headers_are_400(
+    replicas: tuple[Child, Child],
+) -> None:
+    a, _ = replicas
+    for limit in ("%C2%B2", "9" * 5000, "0"):  # "²" passes str.isdigit
+        status, _, body = call("GET", f"{a.url}/v1/workflows?limit={limit}")
+        assert status == 400 and "limit must be an integer" in body["error"]["message"], body
+    wf = submit(a, fanout(workers=1))["id"]
+    for last in ("abc", "\u00b2", "1" * 30):
+        req = urllib.request.Request(f"{a.url}/v1/workflows/{wf}/events",
+                                     headers={"Last-Event-ID": last.encode()})  # type: ignore[dict-item]
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        assert info.value.code == 400
+        message = json.loads(info.value.read())["error"]["message"]
+        assert "Last-Event-ID must be an event id" in message
+    # An Authorization header goes with every task's call: one that is not ASCII is refused
+    # up front, not accepted and then failed task by task.
+    status, _, body = call("POST", f"{a.url}/v1/workflows", fanout(workers=1),
+                           headers={"Authorization": "Bearer \u6771\u4eac".encode()})  # type: ignore[dict-item]
+    assert status == 400 and "header Authorization must be ASCII" in body["error"]["message"]
+    wait_for(lambda: read(a, wf)["state"] == "done")
+
+
+class _Sent:
+    """An executor that answers every task at once and keeps what each was sent."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, tuple[dict[str, Any], dict[str, str]]] = {}
+
+    async def execute(self, body: dict[str, Any], headers: Mapping[str, str]) -> TaskOutcome:
+        self.calls[headers[TASK_HEADER]] = (body, dict(headers))
+        return TaskOutcome(200, {"choices": [{"message": {"content": "ok"}}],
+                                 "usage": {"prompt_tokens": 5, "completion_tokens": 1}})
+
+
+async def test_a_join_too_wide_for_a_header_sends_its_parents_in_the_body() -> None:
+    # 19 parents of 120-character ids: 2,298 characters, over what the executor puts in
+    # X-KVGate-After (2,048; aiohttp refuses a header field over 8,190 bytes, which a
+    # 1,000-task join of 128-character ids would pass many times over).
+    ids = [f"branch-{i:02d}-" + "x" * 110 for i in range(19)]
+    spec = {"id": "wide", "model": MODEL, "tasks": [
+        *({"id": t, "messages": [{"role": "user", "content": f"Part {t}"}]} for t in ids),
+        {"id": "pair", "after": ids[:2], "messages": [{"role": "user", "content": "Two."}]},
+        {"id": "join", "messages": [{"role": "user", "content": "Join."},
+                                    *({"output_of": t} for t in ids)]},
+    ]}
+    sent = _Sent()
+    service = WorkflowService(WorkflowSettings(), MemoryWorkflowStore(), sent, replica="here")
+    try:
+        wf = (await service.submit(spec))["id"]
+        for _ in range(200):
+            if (await service.snapshot(wf))["state"] != "running":
+                break
+            await asyncio.sleep(0.01)
+        assert (await service.snapshot(wf))["state"] == "done"
+    finally:
+        await service.stop()
+    body, headers = sent.calls["join"]
+    assert AFTER_HEADER not in headers and body["kvgate"] == {"after": ids}
+    # The proxy reads it as it reads the header, and strips it before the engine sees it.
+    hints, forwarded = parse_hints(CIMultiDict(headers), body)
+    assert hints.after == tuple(ids) and hints.task == "join"
+    assert forwarded is not None and "kvgate" not in forwarded
+    body, headers = sent.calls["pair"]
+    assert headers[AFTER_HEADER] == ",".join(ids[:2]) and "kvgate" not in body
 
 
 def test_malformed_json_is_a_400(replicas: tuple[Child, Child]) -> None:
