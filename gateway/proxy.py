@@ -761,11 +761,13 @@ class _Recorder:
 
     async def dispatched(self, engine: str) -> None:
         assert self.proxy.state.workflows is not None
-        await self.proxy.state.workflows.hinted_task_dispatched(self.workflow, self.task, engine)
+        await self.proxy.state.workflows.hinted_task_dispatched(
+            self.workflow, self.task, engine, request_id=self.route.request_id)
 
     def first_token(self) -> None:
         assert self.proxy.state.workflows is not None
-        self._write(self.proxy.state.workflows.hinted_first_token(self.workflow, self.task))
+        self._write(self.proxy.state.workflows.hinted_first_token(
+            self.workflow, self.task, request_id=self.route.request_id))
 
     def finished(self, flight: _Flight | None, error: str | None) -> None:
         assert self.proxy.state.workflows is not None
@@ -789,7 +791,8 @@ class _Recorder:
                           else choice.get("text"))
         self._write(self.proxy.state.workflows.hinted_task_finished(
             self.workflow, self.task, prompt_tokens=self.route.prompt_tokens or None,
-            output_tokens=output_tokens, cached_tokens=cached, output=output, error=error))
+            output_tokens=output_tokens, cached_tokens=cached, output=output, error=error,
+            request_id=self.route.request_id))
 
 
 class _RetryableFailure(Exception):

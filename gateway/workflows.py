@@ -947,14 +947,24 @@ class WorkflowService:
         rec.update(request_id=request_id, ready_s=self.clock())
         await self._hint_write(workflow, task, rec)
 
-    async def hinted_task_dispatched(self, workflow: str, task: str, engine: str) -> None:
+    def _hint_attempt(self, workflow: str, task: str, request_id: str | None) -> Json | None:
+        """The task's open record, if the call `request_id` is its latest attempt: a client
+        that sends the same task again while the first call is in flight (a retry after a
+        timeout) makes the new call the task's; the older one's news is dropped."""
+        rec = self._hint_tasks.get((workflow, task))
+        if rec is None or (request_id is not None and rec.get("request_id") != request_id):
+            return None
+        return rec
+
+    async def hinted_task_dispatched(self, workflow: str, task: str, engine: str,
+                                     request_id: str | None = None) -> None:
         """The call was sent to `engine`."""
         now = self.clock()
         run = self._runs.get(workflow)
         if run is not None:
             run.inbox.put_nowait(_Note(task, {"engine": engine, "dispatched_s": now}))
             return
-        rec = self._hint_tasks.get((workflow, task))
+        rec = self._hint_attempt(workflow, task, request_id)
         if rec is not None:
             rec.update(state=TaskState.RUNNING.value, engine=engine, dispatched_s=now)
             await self._hint_write(workflow, task, rec)
@@ -974,14 +984,15 @@ class WorkflowService:
             rec.setdefault("kv_moves", []).append(move)
             await self._hint_write(workflow, task, rec, event=False)
 
-    async def hinted_first_token(self, workflow: str, task: str) -> None:
+    async def hinted_first_token(self, workflow: str, task: str,
+                                 request_id: str | None = None) -> None:
         """The engine started answering the call (a streamed first chunk)."""
         now = self.clock()
         run = self._runs.get(workflow)
         if run is not None:
             run.inbox.put_nowait(_Note(task, {"first_token_s": now}))
             return
-        rec = self._hint_tasks.get((workflow, task))
+        rec = self._hint_attempt(workflow, task, request_id)
         if rec is not None:
             rec["first_token_s"] = now
             await self._hint_write(workflow, task, rec, event=False)
@@ -989,15 +1000,16 @@ class WorkflowService:
     async def hinted_task_finished(
         self, workflow: str, task: str, *, prompt_tokens: int | None = None,
         output_tokens: int | None = None, cached_tokens: int | None = None,
-        output: str | None = None, error: str | None = None,
+        output: str | None = None, error: str | None = None, request_id: str | None = None,
     ) -> None:
         """The call ended: answered, or failed with `error` (a client that went away counts
-        as cancelled)."""
+        as cancelled). `request_id`: the call's, when another may have taken its task over."""
         if workflow in self._runs:
             return
-        rec = self._hint_tasks.pop((workflow, task), None)
+        rec = self._hint_attempt(workflow, task, request_id)
         if rec is None:
             return
+        del self._hint_tasks[(workflow, task)]
         state = TaskState.DONE if error is None else TaskState.FAILED
         rec.update(state=state.value, finished_s=self.clock(), prompt_tokens=prompt_tokens,
                    output_tokens=output_tokens, cached_tokens=cached_tokens, output=output,

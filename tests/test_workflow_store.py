@@ -192,6 +192,24 @@ async def test_hinted_calls_build_a_workflow_readable_like_any_other(
                       ("act", "ready"), ("act", "running"), ("act", "failed")]
 
 
+async def test_a_task_sent_again_while_in_flight_is_recorded_by_its_latest_call(
+    service: WorkflowService,
+) -> None:
+    # A client retrying a call it gave up on, while the first is still at an engine.
+    await service.hinted_task_started("agent-3", "plan", [], "req-a", "m")
+    await service.hinted_task_dispatched("agent-3", "plan", "e1", request_id="req-a")
+    await service.hinted_task_started("agent-3", "plan", [], "req-b", "m")
+    await service.hinted_task_dispatched("agent-3", "plan", "e2", request_id="req-b")
+    await service.hinted_first_token("agent-3", "plan", request_id="req-a")
+    await service.hinted_task_finished("agent-3", "plan", output="stale", request_id="req-a")
+    plan = (await service.snapshot("agent-3"))["tasks"]["plan"]
+    assert (plan["state"], plan["request_id"], plan["engine"], plan["first_token_s"]) == (
+        "running", "req-b", "e2", None)
+    await service.hinted_task_finished("agent-3", "plan", output="fresh", request_id="req-b")
+    plan = (await service.snapshot("agent-3"))["tasks"]["plan"]
+    assert (plan["state"], plan["request_id"], plan["output"]) == ("done", "req-b", "fresh")
+
+
 async def test_a_hint_workflow_cannot_be_cancelled_from_the_api(
     service: WorkflowService,
 ) -> None:
