@@ -201,6 +201,9 @@ class Proxy:
         self.state = state
         self._placing: dict[str, tuple[asyncio.Future[Dispatch], RouteRequest]] = {}
         """Admitted requests whose handlers await the planner's decision."""
+        self._ids: set[str] = set()
+        """Request ids in use, from the moment a call is given one until its handler ends
+        (before the planner admits it: keying may await the index)."""
         self._timer: asyncio.TimerHandle | None = None
         """The planner's next wakeup (`Planner.next_wakeup`): a batch interval while requests
         wait in its buffer, a move's deadline, a paced request's next piece."""
@@ -228,9 +231,11 @@ class Proxy:
         if not isinstance(model, str) or not model:
             raise InvalidRequest("`model` must be a non-empty string", param="model")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        if state.planner.knows(request_id):
+        if request_id in self._ids or state.planner.knows(request_id):
             # The client reused an id still in flight: the planner needs them told apart.
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        if dispatched:
+            self._ids.add(request_id)  # released by `handle`
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:
             max_tokens = hints.osl
@@ -238,7 +243,11 @@ class Proxy:
         keys = prompt_keys(state, route, body)
         matches = {}
         if keys is not None and keys.keys:
-            matches = await state.index.match(keys.keys, state.now())
+            try:
+                matches = await state.index.match(keys.keys, state.now())
+            except BaseException:
+                self._ids.discard(request_id)
+                raise
             if state.planner.moves_kv and dispatched:
                 # The prompt may be the origin of a KV move (a pull, a prefetch).
                 state.mover.remember(request_id, model, keys.token_ids,
@@ -294,6 +303,7 @@ class Proxy:
             status, error = 500, f"internal gateway error: {e!r}"
             raise
         finally:
+            self._ids.discard(route_req.request_id)
             state.mover.forget(route_req.request_id)
             self._released_ns.pop(route_req.request_id, None)
             self._answered.pop(route_req.request_id, None)

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,19 @@ def test_a_repeated_prefix_follows_its_cache_and_hits(
         time.sleep(0.3)  # let the events land so placement uses confirmed blocks
     assert len(set(served)) == 1
     assert cached[0] == 0 and all(c > 200 for c in cached[1:])
+
+
+def test_calls_sharing_a_request_id_at_once_are_each_answered(
+    cluster: Cluster, redis_url: str,
+) -> None:
+    # Keying awaits the Redis index before the planner admits a call: two calls with one
+    # x-request-id in that window were both given it (one then hung until its timeout).
+    gw = start(cluster, ["a", "b"], redis_url)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(
+            lambda i: http("POST", f"{gw.url}/v1/chat/completions", chat(3, f"Retry {i}?"),
+                           headers={"x-request-id": "same-id"}), range(8)))
+    assert [status for status, _, _ in answers] == [200] * 8, answers
 
 
 def test_engine_restart_drops_its_stale_entries(cluster: Cluster) -> None:
