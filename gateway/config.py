@@ -40,6 +40,13 @@ def check_zmq_endpoint(v: str | None) -> str | None:
     raise ValueError(f"ZMQ endpoint must look like tcp://HOST:PORT or ipc://PATH, got {v!r}")
 
 
+def check_redis_url(url: str | None) -> None:
+    """A URL redis-py can connect with, or ValueError saying what one looks like."""
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"redis_url must start with redis://, rediss:// or unix:// (e.g. "
+                         f"redis://127.0.0.1:6379/0), got {url!r}")
+
+
 class EngineEntry(BaseModel):
     """One upstream engine (a vLLM server or a `kvgate sim`)."""
 
@@ -128,6 +135,7 @@ class IndexSettings(BaseModel):
     def _redis_needs_url(self) -> IndexSettings:
         if self.backend == "redis" and not self.redis_url:
             raise ValueError("backend 'redis' needs redis_url (e.g. redis://127.0.0.1:6379/0)")
+        check_redis_url(self.redis_url)
         return self
 
 
@@ -157,6 +165,7 @@ class WorkflowSettings(BaseModel):
     def _redis_needs_url(self) -> WorkflowSettings:
         if self.store == "redis" and not self.redis_url:
             raise ValueError("store 'redis' needs redis_url (e.g. redis://127.0.0.1:6379/0)")
+        check_redis_url(self.redis_url)
         return self
 
 
@@ -252,7 +261,7 @@ class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    port: int = Field(default=8000, ge=1, le=65535)
     engines: list[EngineEntry] = Field(min_length=1)
     policy: str = "kvgate"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
@@ -323,6 +332,10 @@ def load_config(path: str | Path, **overrides: Any) -> GatewayConfig:
         data = yaml.safe_load(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such config file") from None
+    except OSError as e:  # a directory, no permission
+        raise ConfigError(f"{p}: cannot read it: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from None
     if isinstance(data, dict):
@@ -346,7 +359,13 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
             continue
         if "." in key:
             head, tail = key.split(".", 1)
-            data.setdefault(head, {})[tail] = value
+            section = data.get(head)
+            if section is None:  # absent, or `head:` with nothing under it
+                section = data[head] = {}
+            if not isinstance(section, dict):
+                raise ConfigError(f"{head}: expected a mapping of settings (the command line "
+                                  f"sets {key}), got {section!r}")
+            section[tail] = value
         else:
             data[key] = value
     return data

@@ -471,6 +471,9 @@ async def measure(url: str, model: str, *, prefill_lengths: Sequence[int] =
             chat = await measure_chat_overhead(p, CHAT_WORDS, repeats)
         except aiohttp.ClientError as e:
             raise CalibrationError(f"engine {url}: {type(e).__name__}: {e}") from None
+        except TimeoutError:
+            raise CalibrationError(f"engine {url}: a measurement got no answer in time (the "
+                                   "engine accepts connections but does not answer)") from None
         return Measurements(prefill, decode, hits, p.reset_available, chat)
 
 

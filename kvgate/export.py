@@ -260,8 +260,13 @@ async def from_redis(url: str, namespace: str) -> list[Json]:
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
+    from gateway.config import check_redis_url
     from gateway.workflow_store import RedisWorkflowStore
 
+    try:
+        check_redis_url(url)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     store = RedisWorkflowStore.from_url(url, namespace)
     prefix = f"{namespace}:wf:"
     out = []

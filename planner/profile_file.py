@@ -55,6 +55,8 @@ def _check_value(key: str, value: Any, source: str) -> Any:
         value = _number_text(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProfileFileError(f"{source}: {key}: expected a number, got {value!r}")
+    if not math.isfinite(value):  # YAML's .inf and .nan
+        raise ProfileFileError(f"{source}: {key}: expected a finite number, got {value!r}")
     if want is int and value != int(value):
         raise ProfileFileError(f"{source}: {key}: expected an integer, got {value!r}")
     number: float = int(value) if want is int else float(value)

@@ -31,6 +31,11 @@ class WorkflowError(ValueError):
     """A workflow spec that cannot run; the message names every problem found."""
 
 
+MAX_SEGMENT_TOKENS = 10_000_000
+"""A synthetic segment's largest size (the longest contexts served are 1M tokens; a size
+beyond this was a mistake that built its token list until memory ran out)."""
+
+
 class Segment(BaseModel):
     """A reusable piece of prompt: text (or a synthetic size) and optionally tool definitions."""
 
@@ -40,7 +45,7 @@ class Segment(BaseModel):
     role: str = "system"
     content: str | None = None
     tools: list[dict[str, Any]] | None = None
-    tokens: int | None = Field(default=None, gt=0)
+    tokens: int | None = Field(default=None, gt=0, le=MAX_SEGMENT_TOKENS)
     """Synthetic size for benchmarks: deterministic tokens, the same for the same segment."""
 
     @model_validator(mode="after")

@@ -13,7 +13,7 @@ import pytest
 
 from kvgate.bench.options import BenchOptions
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Vocabulary
-from kvgate.bench.runner import prepare, run_bench
+from kvgate.bench.runner import check_options, prepare, run_bench
 from kvgate.bench.virtual import PromptBuilder, static_segment
 from kvgate.bench.workloads import (
     BenchWorkflow,
@@ -275,3 +275,60 @@ def test_same_seed_gives_an_identical_report(workload: str, args: dict[str, str]
     first = bench(**kw)
     assert first == bench(**kw)
     assert all(r["failed"] == 0 and r["workflows"] == 8 for r in first["results"].values())
+
+
+def test_a_trace_arriving_at_one_instant_is_spread_at_the_rate_asked(
+        tmp_path: Path, tokenizer: Tokenizer) -> None:
+    # Its timestamps cannot be rescaled; they used to all arrive at once whatever --rate said.
+    path = write(tmp_path, spec_line(5.0), spec_line(5.0), spec_line(5.0))
+    arrivals = prepare(BenchOptions(workflow_trace=str(path), rate=2.0), tokenizer).load.arrivals
+    assert arrivals is not None
+    times = sorted(arrivals.values())
+    assert times[0] == 0.0 and times[1] > 0.0 and times[2] > times[1]
+
+
+@pytest.mark.parametrize(("options", "problem"), [
+    (BenchOptions(workload="fanout", rate=float("nan")), "--rate must be a positive number"),
+    (BenchOptions(workload="fanout", rate=float("inf")), "--rate must be a positive number"),
+    (BenchOptions(workload="fanout", goodput=True, slo_jct=float("nan")),
+     "--slo-jct must be a number above 1"),
+    (BenchOptions(workload="fanout", workload_args={"width": "nan"}),
+     "--workload-arg width=nan: expected a finite number"),
+    (BenchOptions(workload="fanout", workload_args={"width": "1e400"}),
+     "--workload-arg width=1e400: expected a finite number"),
+    (BenchOptions(workload="react", workload_args={"think_s": "-1"}),
+     "--workload-arg think_s: expected a number at least 0"),
+    (BenchOptions(workload="claude-code", workload_args={"think_scale": "-1"}),
+     "--workload-arg think_scale: expected a number at least 0"),
+    (BenchOptions(workload="fanout", workload_args={"static_tokens": "1e10"}),
+     "segments.system.tokens: Input should be less than or equal to 10000000"),
+])
+def test_numbers_that_would_make_a_run_meaningless_are_refused(
+        tokenizer: Tokenizer, options: BenchOptions, problem: str) -> None:
+    with pytest.raises(WorkloadError, match=problem.replace("+", r"\+")):
+        check_options(options)
+        prepare(options, tokenizer)
+
+
+def test_a_dag_file_that_is_not_text_or_not_renderable_names_the_problem(
+        tmp_path: Path, tokenizer: Tokenizer) -> None:
+    binary = tmp_path / "dag.json"
+    binary.write_bytes(b'{"model": "m"\xff\xfe}')
+    with pytest.raises(WorkloadError, match="not UTF-8 text"):
+        prepare(BenchOptions(dag_file=str(binary)), tokenizer)
+    role = tmp_path / "role.json"
+    role.write_text(json.dumps({"model": "m", "tasks": [
+        {"id": "a", "output_tokens": 2, "messages": [{"role": "bot", "content": "x"}]}]}))
+    with pytest.raises(WorkloadError, match="cannot be rendered with the model's chat template"):
+        prepare(BenchOptions(dag_file=str(role), workflows=1), tokenizer)
+
+
+def test_a_synthetic_segment_too_large_to_build_is_refused(tmp_path: Path,
+                                                           tokenizer: Tokenizer) -> None:
+    spec = tmp_path / "huge.json"
+    spec.write_text(json.dumps({"model": "m", "segments": {"s": {"kind": "static",
+                                                                 "tokens": 10**10}},
+                                "tasks": [{"id": "a", "messages": [{"segment": "s"}]}]}))
+    with pytest.raises(WorkloadError, match=r"segments\.s\.tokens: Input should be less than or "
+                                            r"equal to 10000000"):
+        prepare(BenchOptions(dag_file=str(spec), workflows=1), tokenizer)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from adapters.vllm.metrics import MetricsParseError, parse_engine_load
-from gateway.config import ConfigError, parse_config
+from gateway.config import ConfigError, load_config, parse_config
 from planner.policy import EngineView, NoEngineAvailable, RouteRequest, make_policy
 
 REQ = RouteRequest(request_id="r", model="m")
@@ -61,6 +63,34 @@ def test_config_errors_name_every_bad_key() -> None:
     assert "t.yaml: engines.0.url" in text
     assert "t.yaml: policy" in text
     assert "t.yaml: port" in text
+
+
+def test_config_refuses_what_could_not_run(tmp_path: Path) -> None:
+    engines = [{"url": "http://127.0.0.1:9"}]
+    with pytest.raises(ConfigError, match="redis_url must start with redis://"):
+        parse_config({"engines": engines, "index": {"backend": "redis",
+                                                    "redis_url": "localhost:6379"}})
+    with pytest.raises(ConfigError, match="redis_url must start with redis://"):
+        parse_config({"engines": engines, "workflows": {"store": "redis",
+                                                        "redis_url": "127.0.0.1"}})
+    # Port 0 would listen on a port nobody knows, and the workflow API calls the gateway back.
+    with pytest.raises(ConfigError, match="port"):
+        parse_config({"engines": engines, "port": 0})
+    with pytest.raises(ConfigError, match="cannot read it: Is a directory"):
+        load_config(tmp_path)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"engines: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(binary)
+    # A section left empty in the file takes the command line's setting; one that is not a
+    # mapping is named.
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("engines:\n  - url: http://127.0.0.1:9\nkv_transfer:\n")
+    assert load_config(empty, **{"kv_transfer.link": "rdma"}).kv_transfer.link == "rdma"
+    text = tmp_path / "text.yaml"
+    text.write_text("engines:\n  - url: http://127.0.0.1:9\ntracing: console\n")
+    with pytest.raises(ConfigError, match="tracing: expected a mapping of settings"):
+        load_config(text, **{"tracing.endpoint": "http://127.0.0.1:4318"})
 
 
 def test_config_defaults_bind_to_loopback() -> None:

@@ -59,6 +59,9 @@ def test_missing_keys_are_named_without_base() -> None:
     ("step_overhead_s", -0.1, "step_overhead_s: must be >= 0"),
     ("params", "many", "params: expected a number"),
     ("model", "", "model: expected a non-empty string"),
+    ("layers", float("inf"), "layers: expected a finite number, got inf"),
+    ("mfu", float("nan"), "mfu: expected a finite number, got nan"),
+    ("kv_cache_bytes", float("inf"), "kv_cache_bytes: expected a finite number"),
 ])
 def test_bad_value_is_named(key: str, value: object, problem: str) -> None:
     with pytest.raises(ProfileFileError, match=problem):

@@ -394,6 +394,20 @@ def test_a_negative_expect_children_is_refused() -> None:
         hints(expect_children=-1)
 
 
+def test_hints_the_gateway_would_refuse_are_refused_where_they_are_set() -> None:
+    # Each would otherwise be a 400 on every call made in the block.
+    with pytest.raises(ValueError, match="expect_children must be an integer from 0 to 1000"):
+        task("t", expect_children=1001)
+    with pytest.raises(ValueError, match="priority must be an integer from -1000000"):
+        hints(priority=10**7)
+    for deadline in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="deadline_s must be a positive, finite"):
+            hints(deadline_s=deadline)
+    # A task id travels in comma-separated X-KVGate-After lists.
+    with pytest.raises(ValueError, match="without commas, got 'fetch,rank'"):
+        task("fetch,rank")
+
+
 def test_decorating_a_plain_function_is_a_type_error() -> None:
     def plain() -> None:
         pass
@@ -545,6 +559,9 @@ async def test_gateway_errors_become_typed_exceptions_with_its_message(gw: Clien
     assert e.value.status == 400
     with pytest.raises(WorkflowNotFound, match="no workflow 'missing-1'"):
         await gw.get("missing-1")
+    # An id is escaped into the path: `#` once cut it short (this asked for 'missing').
+    with pytest.raises(WorkflowNotFound, match="no workflow 'missing#2'"):
+        await gw.get("missing#2")
     with pytest.raises(InvalidWorkflow, match="not served"):
         await gw.submit({"model": "no-such-model", "tasks": [
             {"id": "a", "messages": [{"role": "user", "content": "x"}]}]})

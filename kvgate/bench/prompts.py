@@ -18,7 +18,7 @@ from typing import Any
 
 from xxhash import xxh3_64_intdigest
 
-from kvindex.tokenizer import Tokenizer
+from kvindex.tokenizer import Tokenizer, TokenizerError
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,8 @@ class ChatRenderer:
         full = self.tokenizer.render_chat([*lead, {"role": role, "content": _MARK}],
                                           add_generation_prompt=False)
         if not full.startswith(base) or _MARK not in full:
-            raise ValueError(f"the chat template does not render {role!r} messages in order")
+            raise TokenizerError(f"the chat template does not render {role!r} messages in "
+                                 "order")
         head, tail = full[len(base):].split(_MARK, 1)
         return head, tail
 

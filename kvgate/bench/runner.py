@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -58,7 +59,7 @@ from kvgate.bench.workloads import (
     load_workflow_trace,
 )
 from kvindex.keys import PromptKeyer
-from kvindex.tokenizer import Tokenizer
+from kvindex.tokenizer import Tokenizer, TokenizerError
 from planner.core import moves_kv_with_a_link, planner_names
 from planner.dag import DagNode, topological_order
 from planner.profiles import EngineProfile
@@ -75,8 +76,8 @@ def check_options(o: BenchOptions) -> None:
                             "--workflow-trace FILE")
     if o.rate is not None and o.concurrency is not None:
         raise WorkloadError("give at most one of --rate and --concurrency")
-    if o.rate is not None and o.rate <= 0:
-        raise WorkloadError("--rate must be positive")
+    if o.rate is not None and not (o.rate > 0 and math.isfinite(o.rate)):
+        raise WorkloadError("--rate must be a positive number of workflows per second")
     if o.concurrency is not None and o.concurrency < 1:
         raise WorkloadError("--concurrency must be at least 1")
     if o.engines < 1:
@@ -105,8 +106,9 @@ def check_options(o: BenchOptions) -> None:
             raise WorkloadError(f"--slo-bound-profile: {e}") from None
     if o.slo_jct is not None and not o.goodput:
         raise WorkloadError("--slo-jct sets the goodput SLO: use it with --goodput")
-    if o.slo_jct is not None and o.slo_jct <= 1.0:
-        raise WorkloadError("--slo-jct must be above 1 (no policy beats the lower bound)")
+    if o.slo_jct is not None and not (o.slo_jct > 1.0 and math.isfinite(o.slo_jct)):
+        raise WorkloadError("--slo-jct must be a number above 1 (no policy beats the lower "
+                            "bound)")
     if o.goodput and o.mode != "virtual":
         raise WorkloadError("--goodput searches rates in virtual time: use it with --mode "
                             "virtual")
@@ -167,7 +169,13 @@ def prepare(o: BenchOptions, tokenizer: Tokenizer | None = None) -> Prepared:
         load = Load(arrivals=poisson_arrivals(workflows, rate, o.seed))
     else:
         load = Load(arrivals=trace_arrivals(workflows))
-    tasks = [(wf.id, [(t, builder.shape(wf, t)) for t in _topological(wf)]) for wf in workflows]
+    tasks = []
+    for wf in workflows:
+        try:
+            tasks.append((wf.id, [(t, builder.shape(wf, t)) for t in _topological(wf)]))
+        except TokenizerError as e:  # e.g. a message role the model's chat template refuses
+            raise WorkloadError(f"workflow {wf.id}: its prompts cannot be rendered with the "
+                                f"model's chat template: {e}") from None
     arrivals = load.arrivals
 
     def bound_for(p: EngineProfile) -> LowerBound:

@@ -145,9 +145,11 @@ class Load:
 def poisson_arrivals(workflows: list[BenchWorkflow], rate: float, seed: int) -> dict[str, float]:
     """Arrival times: trace timestamps rescaled to `rate`, else a seeded Poisson process."""
     timed = [w for w in workflows if w.arrival_s is not None]
-    if timed and len(timed) == len(workflows):
-        first = min(w.arrival_s or 0.0 for w in timed)
-        span = max(w.arrival_s or 0.0 for w in timed) - first
+    first = min((w.arrival_s or 0.0 for w in timed), default=0.0)
+    span = max((w.arrival_s or 0.0 for w in timed), default=0.0) - first
+    # A trace whose arrivals have no spread (one instant, or one workflow) cannot be rescaled
+    # to `rate`: it arrives as the Poisson process below does.
+    if timed and len(timed) == len(workflows) and (span > 0 or len(timed) == 1):
         scale = 1.0 if rate <= 0 or span <= 0 else (len(timed) - 1) / rate / span
         return {w.id: ((w.arrival_s or 0.0) - first) * scale for w in workflows}
     rng = random.Random(seed)

@@ -21,7 +21,14 @@ from typing import Any
 import yaml
 
 from kvgate.bench.prompts import ChatMessage, Content, Piece, Vocabulary
-from planner.workflow import LiteralMessage, OutputOf, SegmentRef, Workflow, load_workflow
+from planner.workflow import (
+    LiteralMessage,
+    OutputOf,
+    SegmentRef,
+    Workflow,
+    WorkflowError,
+    load_workflow,
+)
 
 
 def find_traces() -> Path:
@@ -102,9 +109,19 @@ class WorkloadArgs:
         if raw is None:
             return default
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
             raise WorkloadError(f"--workload-arg {key}={raw}: expected a number") from None
+        if not math.isfinite(value):
+            raise WorkloadError(f"--workload-arg {key}={raw}: expected a finite number")
+        return value
+
+    def seconds(self, key: str, default: float) -> float:
+        """A non-negative number (a time, or a factor on one)."""
+        value = self.num(key, default)
+        if value < 0:
+            raise WorkloadError(f"--workload-arg {key}: expected a number at least 0")
+        return value
 
     def count(self, key: str, default: int) -> int:
         """A non-negative integer argument (0 turns the feature it sizes off)."""
@@ -158,7 +175,7 @@ def fanout_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
     (`worker_static_tokens`, its instructions and tools) and the question, not the parent's
     context."""
     width = a.int("width", 8)
-    think = a.num("think_s", 0.0)
+    think = a.seconds("think_s", 0.0)
     out = {"plan": a.int("plan_tokens", 128), "research": a.int("research_tokens", 256),
            "reduce": a.int("reduce_tokens", 256)}
     segments, head = _head(a, agent, 4000)
@@ -187,7 +204,7 @@ def fanout_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
 def react_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
     """One agent, `turns` tool-call turns with think time; the context grows every turn."""
     turns = a.int("turns", 8)
-    think = a.num("think_s", 2.0)
+    think = a.seconds("think_s", 2.0)
     step = a.int("step_tokens", 128)
     segments, head = _head(a, agent, 4000)
     segments["task"] = _seg("transient", a.int("task_tokens", 300), "user")
@@ -263,11 +280,14 @@ def load_dag_file(path: str | Path) -> Workflow:
         text = p.read_text()
     except OSError as e:
         raise WorkloadError(f"cannot read --dag-file {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise WorkloadError(f"cannot read --dag-file {p}: not UTF-8 text ({e.reason} at byte "
+                            f"{e.start})") from None
+    as_yaml = p.suffix in (".yaml", ".yml")
     try:
-        data = yaml.safe_load(text) if p.suffix in (".yaml", ".yml") else json.loads(text)
+        data = yaml.safe_load(text) if as_yaml else json.loads(text)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
-        raise WorkloadError(f"{p}: not valid {'YAML' if p.suffix != '.json' else 'JSON'}: {e}") \
-            from None
+        raise WorkloadError(f"{p}: not valid {'YAML' if as_yaml else 'JSON'}: {e}") from None
     try:
         return load_workflow(data, str(p))
     except ValueError as e:
@@ -283,6 +303,9 @@ def load_workflow_trace(path: str | Path, vocab: Vocabulary,
         lines = p.read_text().splitlines()
     except OSError as e:
         raise WorkloadError(f"cannot read --workflow-trace {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise WorkloadError(f"cannot read --workflow-trace {p}: not UTF-8 text ({e.reason} at "
+                            f"byte {e.start})") from None
     out: list[BenchWorkflow] = []
     for n, line in enumerate(lines, 1):
         if limit is not None and len(out) >= limit:
@@ -478,7 +501,8 @@ def claude_code(a: WorkloadArgs, vocab: Vocabulary, limit: int,
 
     Returns the workflows and how many requests were clipped to `max_tokens` (prompt+output).
     """
-    rp = _Replay(vocab, a.num("think_scale", 1.0), a.num("max_think_s", 60.0), max_tokens)
+    rp = _Replay(vocab, a.seconds("think_scale", 1.0), a.seconds("max_think_s", 60.0),
+                 max_tokens)
     only_subagents = _cc_sessions(a) == "subagents"
     files = sorted(_trace_file("weka-claude-code").glob("trace_*.json.gz"))
     out: list[BenchWorkflow] = []
@@ -543,8 +567,11 @@ def build_workload(name: str | None, dag_file: str | None, args: dict[str, str],
                          for i in range(workflows)])
     if name in DAG_WORKLOADS:
         agent_types = a.int("agent_types", 1)
-        specs = [load_workflow({"model": model, **DAG_WORKLOADS[name](a, k)}, name)
-                 for k in range(agent_types)]
+        try:
+            specs = [load_workflow({"model": model, **DAG_WORKLOADS[name](a, k)}, name)
+                     for k in range(agent_types)]
+        except WorkflowError as e:  # a size from --workload-arg beyond what a spec takes
+            raise WorkloadError(f"--workload-arg: {e}") from None
         a.check_all_used(name)
         # A stream of its own, so agent types do not follow the Poisson gaps of the same seed.
         pick = random.Random(f"agent-types:{seed}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,6 +20,11 @@ import aiohttp
 
 from kvgate.sdk.dag import Dag
 from kvgate.sdk.hooks import http_client
+
+
+def _workflow_path(workflow_id: str) -> str:
+    """The workflow's resource path, its id escaped (an id may hold `/`, `#`, `?`)."""
+    return f"/v1/workflows/{urllib.parse.quote(workflow_id, safe='')}"
 
 
 class KVGateError(Exception):
@@ -166,11 +172,11 @@ class Client:
 
     async def get(self, workflow_id: str) -> WorkflowSnapshot:
         """The workflow as it is now (submitted or hint mode)."""
-        return WorkflowSnapshot(await self._json("GET", f"/v1/workflows/{workflow_id}"))
+        return WorkflowSnapshot(await self._json("GET", _workflow_path(workflow_id)))
 
     async def cancel(self, workflow_id: str) -> WorkflowSnapshot:
         """Cancel a running submitted workflow; its snapshot."""
-        return WorkflowSnapshot(await self._json("DELETE", f"/v1/workflows/{workflow_id}"))
+        return WorkflowSnapshot(await self._json("DELETE", _workflow_path(workflow_id)))
 
     async def events(self, workflow_id: str,
                      last_event_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
@@ -181,7 +187,7 @@ class Client:
         if last_event_id is not None:
             headers["Last-Event-ID"] = last_event_id
         timeout = aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s)
-        url = f"{self.base_url}/v1/workflows/{workflow_id}/events"
+        url = f"{self.base_url}{_workflow_path(workflow_id)}/events"
         try:
             async with self._client().get(url, headers=headers, timeout=timeout) as resp:
                 if resp.status != 200:

@@ -227,6 +227,24 @@ EXPECT_CHILDREN_HEADER = "X-KVGate-Expect-Children"
 PRIORITY_HEADER = "X-KVGate-Priority"
 DEADLINE_HEADER = "X-KVGate-Deadline"
 
+# The gateway's ranges for these hints (planner/hints.py): refused here, where the code that
+# sets them is, rather than as a 400 on every call made in the block.
+PRIORITY_LIMIT = 1_000_000
+MAX_EXPECT_CHILDREN = 1000
+
+
+def _check_expect_children(value: int | None) -> None:
+    if value is not None and (type(value) is not int
+                              or not 0 <= value <= MAX_EXPECT_CHILDREN):
+        raise ValueError(f"expect_children must be an integer from 0 to {MAX_EXPECT_CHILDREN}")
+
+
+def _check_name(name: str | None, what: str) -> None:
+    # A task id travels in comma-separated X-KVGate-After lists.
+    if name is not None and (not isinstance(name, str) or not name.strip() or "," in name):
+        raise ValueError(f"a {what} name must be a non-empty string without commas, "
+                         f"got {name!r}")
+
 
 @dataclass
 class Call:
@@ -291,14 +309,15 @@ class hints:
 
     def __init__(self, *, expect_children: int | None = None, priority: int | None = None,
                  deadline_s: float | None = None) -> None:
-        if expect_children is not None and (type(expect_children) is not int
-                                            or expect_children < 0):
-            raise ValueError("expect_children must be a non-negative integer")
-        if priority is not None and type(priority) is not int:
-            raise ValueError("priority must be an integer")
+        _check_expect_children(expect_children)
+        if priority is not None and (type(priority) is not int
+                                     or not -PRIORITY_LIMIT <= priority <= PRIORITY_LIMIT):
+            raise ValueError(f"priority must be an integer from -{PRIORITY_LIMIT} to "
+                             f"{PRIORITY_LIMIT}")
         if deadline_s is not None and (isinstance(deadline_s, bool) or not
-                                       isinstance(deadline_s, int | float) or deadline_s <= 0):
-            raise ValueError("deadline_s must be a positive number of seconds")
+                                       isinstance(deadline_s, int | float)
+                                       or not 0 < deadline_s < float("inf")):
+            raise ValueError("deadline_s must be a positive, finite number of seconds")
         self._extra: dict[str, str] = {}
         if expect_children is not None:
             self._extra[EXPECT_CHILDREN_HEADER] = str(expect_children)
@@ -400,9 +419,8 @@ class TaskScope:
     `task`)."""
 
     def __init__(self, name: str | None, expect_children: int | None) -> None:
-        if expect_children is not None and (type(expect_children) is not int
-                                            or expect_children < 0):
-            raise ValueError("expect_children must be a non-negative integer")
+        _check_expect_children(expect_children)
+        _check_name(name, "task")
         self.name = name
         self.expect_children = expect_children
         self._entered: tuple[_Scope, _Scope, _Lane, frozenset[int],
