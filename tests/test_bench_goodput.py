@@ -131,7 +131,8 @@ def test_compute_utilisation_is_a_fraction_that_grows_with_load() -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["--slo-jct", "2"], "--slo-jct sets the goodput SLO"),
-    (["--goodput", "--slo-jct", "0"], "--slo-jct must be above 1"),
+    (["--goodput", "--slo-jct", "0"], "--slo-jct must be a number above 1"),
+    (["--goodput", "--slo-jct", "nan"], "--slo-jct must be a number above 1"),
     (["--goodput", "--mode", "live"], "--goodput searches rates in virtual time"),
     (["--goodput", "--goodput-precision", "2"], "--goodput-precision must be between"),
     (["--slo-bound-profile", "h100-llama3-8b"], "--slo-bound-profile sets the goodput SLO's"),
