@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -56,6 +58,8 @@ def _listen_error(host: str, port: int, error: OSError) -> str:
     if error.errno == errno.EADDRNOTAVAIL:
         return (f"cannot listen on {host}:{port}: no local interface has that address; use "
                 f"--host 127.0.0.1 (or an address of this machine)")
+    if error.errno is None:  # not the socket's: e.g. a --tokenizer directory that is not one
+        return f"cannot start: {what}"
     return f"cannot listen on {host}:{port}: {what}"
 
 
@@ -72,7 +76,7 @@ def _sim(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvgate sim: {e}", file=sys.stderr)
         return 2
-    block_size = args.block_size or profile.block_size
+    block_size = args.block_size if args.block_size is not None else profile.block_size
     if block_size <= 0:
         print("kvgate sim: --block-size must be positive", file=sys.stderr)
         return 2
@@ -113,6 +117,12 @@ def _sim(args: argparse.Namespace) -> int:
 def _vllm_pool(args: argparse.Namespace) -> int:
     from kvgate.vllm_pool import main_args
 
+    if args.run_dir is not None and Path(args.run_dir).exists() and \
+            not Path(args.run_dir).is_dir():
+        print(f"kvgate vllm-pool: --run-dir {args.run_dir}: is a file, not a directory",
+              file=sys.stderr)
+        return 2
+
     return main_args(args.engines, args.nixl, args.cores, args.serve, args.run_dir,
                      args.health_timeout, engine_pace=args.engine_pace,
                      engine_priority=args.engine_priority)
@@ -128,6 +138,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _microbench(args: argparse.Namespace) -> int:
     import json
 
+    problem = _output_path("--json", args.json)
+    if problem is not None:
+        print(f"kvgate microbench: {problem}", file=sys.stderr)
+        return 2
     failed = False
     if args.what == "placement":
         from kvgate.benchmarks.placement import compare, format_results
@@ -215,6 +229,7 @@ def _link_arg(text: str) -> str:
 
 
 def _jobs_arg(value: str) -> int:
+    """A whole number at least 1 (a count of things a run makes or times)."""
     try:
         jobs = int(value)
     except ValueError:
@@ -222,6 +237,44 @@ def _jobs_arg(value: str) -> int:
     if jobs < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {jobs}")
     return jobs
+
+
+_positive_int = _jobs_arg
+
+
+def _count_arg(value: str) -> int:
+    """A whole number at least 0."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {n}")
+    return n
+
+
+def _positive_number(value: str) -> float:
+    """A finite number above 0 (seconds, a scale)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not (x > 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {value}")
+    return x
+
+
+def _output_path(option: str, path: str | None) -> str | None:
+    """Why `path` cannot be written (a directory, or a missing parent), before the work that
+    would fill it; None when it can (or when the option is unset, or `-`)."""
+    if path is None or path == "-":
+        return None
+    p = Path(path)
+    if p.is_dir():
+        return f"{option} {path}: is a directory; give a file name"
+    if not p.parent.is_dir():
+        return f"{option} {path}: no directory {p.parent} to write it in"
+    return None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -237,6 +290,11 @@ def _bench(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         workload_args[key] = value
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        problem = _output_path(option, path)
+        if problem is not None:
+            print(f"kvgate bench: {problem}", file=sys.stderr)
+            return 2
     options = BenchOptions(
         workload=args.workload, dag_file=args.dag_file, workload_args=workload_args,
         policies=[p.strip() for p in args.policy.split(",") if p.strip()],
@@ -262,8 +320,6 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from kvgate.calibrate import CalibrationError, calibrate
     from planner.profile_file import profile_to_yaml
     from planner.profiles import get_profile
@@ -275,6 +331,10 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 2
     if args.repeats < 1:
         print("kvgate calibrate: --repeats must be at least 1", file=sys.stderr)
+        return 2
+    problem = _output_path("--out", args.out)  # checked before minutes of measuring
+    if problem is not None:
+        print(f"kvgate calibrate: {problem}", file=sys.stderr)
         return 2
     try:
         profile, record = calibrate(args.engine, args.model or base.model, base,
@@ -311,10 +371,14 @@ def _export_workflows(args: argparse.Namespace) -> int:
         print("kvgate export-workflows: give exactly one of --gateway URL or --redis URL",
               file=sys.stderr)
         return 2
+    problem = _output_path("--output", args.output)
+    if problem is not None:
+        print(f"kvgate export-workflows: {problem}", file=sys.stderr)
+        return 2
     if args.limit is not None and args.limit <= 0:
         print("kvgate export-workflows: --limit must be positive", file=sys.stderr)
         return 2
-    if args.since is not None and args.since <= 0:
+    if args.since is not None and not (args.since > 0 and math.isfinite(args.since)):
         print("kvgate export-workflows: --since must be a positive number of seconds",
               file=sys.stderr)
         return 2
@@ -396,9 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "overrides --profile")
     m.add_argument("--model", help="served model name (default: the profile's model)")
     m.add_argument("--block-size", type=int, help="KV block size in tokens (default: profile's)")
-    m.add_argument("--kv-blocks", type=int, help="KV blocks in the pool (default: from profile)")
+    m.add_argument("--kv-blocks", type=_positive_int,
+                   help="KV blocks in the pool (default: from profile)")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--time-scale", type=float, default=1.0,
+    m.add_argument("--time-scale", type=_positive_number, default=1.0,
                    help="multiply simulated step times (0.1 = ten times faster than the GPU)")
     m.add_argument("--tokenizer", help="HF tokenizer directory (default: the shipped tiny one)")
     m.add_argument("--kv-events", help="ZMQ endpoint for KV events (binds if it has *)")
@@ -427,13 +492,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="also write the report here")
     b.add_argument("--policy", default="kvgate,round-robin,least-loaded",
                    help="placement: policies to compare")
-    b.add_argument("--engines", type=int, default=4, help="placement: simulated engines")
-    b.add_argument("--agents", type=int, default=8, help="placement: concurrent agents")
-    b.add_argument("--turns", type=int, default=6, help="placement: calls per agent")
-    b.add_argument("--output-tokens", type=int, default=16, help="placement: tokens per call")
-    b.add_argument("--blocks", type=int, default=1_000_000, help="index: indexed blocks")
-    b.add_argument("--index-engines", type=int, default=64, help="index: engines")
-    b.add_argument("--iterations", type=int, default=300, help="index: lookups timed")
+    b.add_argument("--engines", type=_positive_int, default=4, help="placement: simulated engines")
+    b.add_argument("--agents", type=_positive_int, default=8, help="placement: concurrent agents")
+    b.add_argument("--turns", type=_positive_int, default=6, help="placement: calls per agent")
+    b.add_argument("--output-tokens", type=_positive_int, default=16,
+                   help="placement: tokens per call")
+    b.add_argument("--blocks", type=_positive_int, default=1_000_000, help="index: indexed blocks")
+    b.add_argument("--index-engines", type=_positive_int, default=64, help="index: engines")
+    b.add_argument("--iterations", type=_positive_int, default=300, help="index: lookups timed")
     b.add_argument("--concurrency", type=int, default=1,
                    help="proxy: concurrent clients (1 isolates overhead; more adds CPU contention)")
     b.add_argument("--rounds", type=int, default=40,
@@ -484,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mode", choices=["virtual", "live"], default="virtual")
     bench.add_argument("--json", help="write the JSON report here")
     bench.add_argument("--plot", help="write JCT/TTFT/utilisation plots here (PNG)")
-    bench.add_argument("--time-scale", type=float, default=None,
+    bench.add_argument("--time-scale", type=_positive_number, default=None,
                        help="live mode: scale simulated step times (default 1 for cpu-tiny, "
                             "0.1 for GPU profiles)")
     bench.add_argument("--fidelity", action="store_true",
@@ -564,7 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "in their gateway entries (scheduling_policy: priority), so the "
                          "planner's DAG ranks reach them, as the benchmark runs kvgate's")
     vp.add_argument("--run-dir", help="engine and gateway logs here (default: a new temp dir)")
-    vp.add_argument("--health-timeout", type=float, default=300.0,
+    vp.add_argument("--health-timeout", type=_positive_number, default=300.0,
                     help="seconds each engine may take to become healthy")
     vp.set_defaults(func=_vllm_pool)
 
@@ -585,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--since", type=float, metavar="SECONDS",
                    help="only workflows created within the last SECONDS")
     x.add_argument("--limit", type=int, metavar="N", help="only the newest N workflows")
-    x.add_argument("--static-tokens", type=int, metavar="N",
+    x.add_argument("--static-tokens", type=_count_arg, metavar="N",
                    help="size of the static segment every workflow of a model and tenant "
                         "shares (default: estimated from root tasks' cached tokens)")
     x.add_argument("-o", "--output", default="-", metavar="FILE.jsonl",
@@ -603,10 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
     n.set_defaults(func=_native)
 
     d = sub.add_parser("demo", help="start simulated engines + gateway and run a sample workflow")
-    d.add_argument("--engines", type=int, default=4)
+    d.add_argument("--engines", type=_positive_int, default=4)
     d.add_argument("--profile", default="h100-llama3-8b")
     d.add_argument("--policy", default="kvgate")
-    d.add_argument("--workers", type=int, default=6, help="parallel researcher tasks")
+    d.add_argument("--workers", type=_positive_int, default=6, help="parallel researcher tasks")
     d.add_argument("--keep", action="store_true",
                    help="keep the pool running after the summary (to watch the timeline page)")
     d.set_defaults(func=_demo)

@@ -6,8 +6,12 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from kvgate.cli import main
+from kvgate.procs import free_port
 
 
 def kvgate(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -58,3 +62,58 @@ def test_a_bad_engine_url_and_an_unknown_policy_are_named() -> None:
 def test_an_unknown_log_level_is_a_usage_error() -> None:
     out = kvgate("--log-level", "loud", "demo")
     assert out.returncode == 2 and "invalid choice: 'LOUD'" in out.stderr
+
+
+@pytest.mark.parametrize(("argv", "problem"), [
+    (["sim", "--port", "1", "--block-size", "0"], "--block-size must be positive"),
+    (["sim", "--port", "1", "--kv-blocks", "0"], "argument --kv-blocks: must be at least 1"),
+    (["sim", "--port", "1", "--time-scale", "nan"],
+     "argument --time-scale: must be a finite number above 0, got nan"),
+    (["microbench", "placement", "--agents", "0"], "argument --agents: must be at least 1"),
+    (["microbench", "index", "--iterations", "0"], "argument --iterations: must be at least 1"),
+    (["bench", "--workload", "fanout", "--time-scale", "inf"],
+     "argument --time-scale: must be a finite number above 0"),
+    (["vllm-pool", "--health-timeout", "0"], "argument --health-timeout: must be a finite"),
+    (["export-workflows", "--redis", "redis://127.0.0.1:1/0", "--static-tokens", "-5"],
+     "argument --static-tokens: must be at least 0, got -5"),
+    (["export-workflows", "--redis", "redis://127.0.0.1:1/0", "--since", "nan"],
+     "--since must be a positive number of seconds"),
+    (["demo", "--workers", "0"], "argument --workers: must be at least 1"),
+])
+def test_numbers_that_make_no_sense_are_usage_errors(
+        argv: list[str], problem: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Each used to be taken: a default in its place (0 blocks), a traceback later (0 agents,
+    # 0 iterations), or a run that could only fail (a zero health timeout).
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code  # type: ignore[assignment]
+    assert code == 2
+    assert problem in capsys.readouterr().err
+
+
+def test_an_output_that_cannot_be_written_is_named_before_the_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-dir" / "out.yaml"
+    for argv, problem in (
+            (["bench", "--workload", "fanout", "--json", str(tmp_path)],
+             f"--json {tmp_path}: is a directory"),
+            (["bench", "--workload", "fanout", "--plot", str(missing)],
+             f"no directory {missing.parent}"),
+            # Checked before calibrating (minutes against a real engine); nothing listens here.
+            (["calibrate", "--engine", "http://127.0.0.1:9", "--out", str(missing)],
+             f"--out {missing}: no directory"),
+            (["export-workflows", "--redis", "redis://127.0.0.1:1/0", "-o", str(tmp_path)],
+             "--output"),
+            (["microbench", "index", "--json", str(missing)], "--json"),
+            (["vllm-pool", "--run-dir", str(tmp_path / "file")], "is a file")):
+        (tmp_path / "file").write_text("")
+        assert main(argv) == 2, argv
+        assert problem in capsys.readouterr().err, argv
+
+
+def test_a_tokenizer_that_cannot_load_is_not_called_a_listen_error(tmp_path: Path) -> None:
+    done = kvgate("serve", "--engines", "http://127.0.0.1:9", "--port", str(free_port()),
+                  "--tokenizer", str(tmp_path / "no-such-tokenizer"))
+    assert done.returncode == 1
+    assert "kvgate serve: cannot start:" in done.stderr and "cannot listen" not in done.stderr
