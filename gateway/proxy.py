@@ -141,8 +141,9 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
             isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
         ):
             return state.keyer.completion(prompt, extras)
-    except (TokenizerError, ValueError, TypeError, KeyError) as e:
-        log.debug("prompt could not be keyed: %s", e)
+    except (TokenizerError, ValueError, TypeError, KeyError, RecursionError) as e:
+        # RecursionError: tools nested deeper than the template's `tojson` goes.
+        log.debug("prompt could not be keyed: %r", e)
     return None
 
 
@@ -234,8 +235,19 @@ class Proxy:
         if request_id in self._ids or state.planner.knows(request_id):
             # The client reused an id still in flight: the planner needs them told apart.
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-        if dispatched:
-            self._ids.add(request_id)  # released by `handle`
+        if not dispatched:
+            return await self._route(request_id, route, body, hints, dispatched)
+        self._ids.add(request_id)  # released by `handle`, or here if this raises
+        try:
+            return await self._route(request_id, route, body, hints, dispatched)
+        except BaseException:
+            self._ids.discard(request_id)
+            raise
+
+    async def _route(self, request_id: str, route: str, body: dict[str, Any],
+                     hints: RequestHints, dispatched: bool) -> RouteRequest:
+        state = self.state
+        model = body["model"]
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:
             max_tokens = hints.osl
@@ -243,11 +255,7 @@ class Proxy:
         keys = prompt_keys(state, route, body)
         matches = {}
         if keys is not None and keys.keys:
-            try:
-                matches = await state.index.match(keys.keys, state.now())
-            except BaseException:
-                self._ids.discard(request_id)
-                raise
+            matches = await state.index.match(keys.keys, state.now())
             if state.planner.moves_kv and dispatched:
                 # The prompt may be the origin of a KV move (a pull, a prefetch).
                 state.mover.remember(request_id, model, keys.token_ids,
@@ -281,12 +289,20 @@ class Proxy:
             raise InvalidRequest(str(e), param="kvgate") from None
         if stripped is not None:
             body = stripped
-            raw = json.dumps(body).encode()
+            try:
+                raw = json.dumps(body).encode()
+            except RecursionError:
+                raise InvalidRequest("request body nests JSON arrays or objects too "
+                                     "deeply") from None
         route_req = await self.route_request(request, route, body, hints)
-        trace = state.tracing.call(
-            request.headers, route, route_req.request_id, route_req.model,
-            _call_attributes(route_req, hints), hints.workflow,
-            hints.task or route_req.request_id, hints.after, arrived_ns)
+        try:
+            trace = state.tracing.call(
+                request.headers, route, route_req.request_id, route_req.model,
+                _call_attributes(route_req, hints), hints.workflow,
+                hints.task or route_req.request_id, hints.after, arrived_ns)
+        except BaseException:
+            self._ids.discard(route_req.request_id)
+            raise
         status, error = 0, None
         try:
             resp = await self._handle(request, route, raw, body, hints, route_req, arrived, trace)
@@ -742,6 +758,8 @@ class _Recorder:
         self.tenant = tenant
         self._last: asyncio.Future[None] | None = None
         """The previous background write: writes land in the order they were made."""
+        self.attempt = uuid.uuid4().hex
+        """This call's token in the task's record (a retry may reuse its request id)."""
 
     def _write(self, work: Coroutine[Any, Any, None]) -> None:
         previous = self._last
@@ -767,17 +785,17 @@ class _Recorder:
         assert self.proxy.state.workflows is not None
         await self.proxy.state.workflows.hinted_task_started(
             self.workflow, self.task, self.after, self.route.request_id, self.route.model,
-            self.tenant)
+            self.tenant, attempt=self.attempt)
 
     async def dispatched(self, engine: str) -> None:
         assert self.proxy.state.workflows is not None
         await self.proxy.state.workflows.hinted_task_dispatched(
-            self.workflow, self.task, engine, request_id=self.route.request_id)
+            self.workflow, self.task, engine, attempt=self.attempt)
 
     def first_token(self) -> None:
         assert self.proxy.state.workflows is not None
         self._write(self.proxy.state.workflows.hinted_first_token(
-            self.workflow, self.task, request_id=self.route.request_id))
+            self.workflow, self.task, attempt=self.attempt))
 
     def finished(self, flight: _Flight | None, error: str | None) -> None:
         assert self.proxy.state.workflows is not None
@@ -802,7 +820,7 @@ class _Recorder:
         self._write(self.proxy.state.workflows.hinted_task_finished(
             self.workflow, self.task, prompt_tokens=self.route.prompt_tokens or None,
             output_tokens=output_tokens, cached_tokens=cached, output=output, error=error,
-            request_id=self.route.request_id))
+            attempt=self.attempt))
 
 
 class _RetryableFailure(Exception):

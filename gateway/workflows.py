@@ -434,6 +434,8 @@ class WorkflowService:
         self._hint_workflows: dict[str, tuple[bool, float]] = {}
         """Hint-mode workflow ids seen here: (the store holds it as hints, when checked)."""
         self._hint_tasks: dict[tuple[str, str], Json] = {}
+        self._hint_attempts: dict[tuple[str, str], str | None] = {}
+        """The token of each open hint-mode task's latest call."""
         self._listener: asyncio.Task[None] | None = None
         self.instance = f"{replica}/{uuid.uuid4().hex[:12]}"
         """This process among the replicas: what its workflow leases name."""
@@ -937,34 +939,40 @@ class WorkflowService:
     # -- hint mode: called by the proxy for calls that name a workflow --------------------------
 
     async def hinted_task_started(self, workflow: str, task: str, after: Sequence[str],
-                                  request_id: str, model: str, tenant: str | None = None) -> None:
+                                  request_id: str, model: str, tenant: str | None = None,
+                                  attempt: str | None = None) -> None:
         """A call naming `workflow`/`task` arrived. For a workflow of the API (its own task
         calls) this is a no-op; otherwise the call becomes a task of a hint-mode workflow,
-        created on its first call."""
+        created on its first call. `attempt`: a token unique to this call, which its later
+        news carries (see `_hint_attempt`)."""
         if workflow in self._runs or not await self._is_hint_workflow(workflow, model, tenant):
             return
         rec = task_record(after, TaskState.READY)
         rec.update(request_id=request_id, ready_s=self.clock())
+        self._hint_attempts[(workflow, task)] = attempt
         await self._hint_write(workflow, task, rec)
 
-    def _hint_attempt(self, workflow: str, task: str, request_id: str | None) -> Json | None:
-        """The task's open record, if the call `request_id` is its latest attempt: a client
-        that sends the same task again while the first call is in flight (a retry after a
-        timeout) makes the new call the task's; the older one's news is dropped."""
+    def _hint_attempt(self, workflow: str, task: str, attempt: str | None) -> Json | None:
+        """The task's open record, if the call `attempt` is its latest: a client that sends
+        the same task again while the first call is in flight (a retry after a timeout) makes
+        the new call the task's, and the older one's news is dropped. Matched by a token of
+        the call's own, not its request id, which a retry may reuse once the first call's
+        handler is over and its last news still on the way."""
         rec = self._hint_tasks.get((workflow, task))
-        if rec is None or (request_id is not None and rec.get("request_id") != request_id):
+        if rec is None or (attempt is not None
+                           and self._hint_attempts.get((workflow, task)) != attempt):
             return None
         return rec
 
     async def hinted_task_dispatched(self, workflow: str, task: str, engine: str,
-                                     request_id: str | None = None) -> None:
+                                     attempt: str | None = None) -> None:
         """The call was sent to `engine`."""
         now = self.clock()
         run = self._runs.get(workflow)
         if run is not None:
             run.inbox.put_nowait(_Note(task, {"engine": engine, "dispatched_s": now}))
             return
-        rec = self._hint_attempt(workflow, task, request_id)
+        rec = self._hint_attempt(workflow, task, attempt)
         if rec is not None:
             rec.update(state=TaskState.RUNNING.value, engine=engine, dispatched_s=now)
             await self._hint_write(workflow, task, rec)
@@ -985,14 +993,14 @@ class WorkflowService:
             await self._hint_write(workflow, task, rec, event=False)
 
     async def hinted_first_token(self, workflow: str, task: str,
-                                 request_id: str | None = None) -> None:
+                                 attempt: str | None = None) -> None:
         """The engine started answering the call (a streamed first chunk)."""
         now = self.clock()
         run = self._runs.get(workflow)
         if run is not None:
             run.inbox.put_nowait(_Note(task, {"first_token_s": now}))
             return
-        rec = self._hint_attempt(workflow, task, request_id)
+        rec = self._hint_attempt(workflow, task, attempt)
         if rec is not None:
             rec["first_token_s"] = now
             await self._hint_write(workflow, task, rec, event=False)
@@ -1000,13 +1008,14 @@ class WorkflowService:
     async def hinted_task_finished(
         self, workflow: str, task: str, *, prompt_tokens: int | None = None,
         output_tokens: int | None = None, cached_tokens: int | None = None,
-        output: str | None = None, error: str | None = None, request_id: str | None = None,
+        output: str | None = None, error: str | None = None, attempt: str | None = None,
     ) -> None:
         """The call ended: answered, or failed with `error` (a client that went away counts
-        as cancelled). `request_id`: the call's, when another may have taken its task over."""
+        as cancelled). `attempt`: the call's token, when another may have taken its task
+        over."""
         if workflow in self._runs:
             return
-        rec = self._hint_attempt(workflow, task, request_id)
+        rec = self._hint_attempt(workflow, task, attempt)
         if rec is None:
             return
         del self._hint_tasks[(workflow, task)]
@@ -1040,6 +1049,7 @@ class WorkflowService:
     async def _hint_write(self, workflow: str, task: str, rec: Json, event: bool = True) -> None:
         if rec["state"] in {s.value for s in TERMINAL}:
             self._hint_tasks.pop((workflow, task), None)
+            self._hint_attempts.pop((workflow, task), None)
         else:
             self._hint_tasks[(workflow, task)] = rec
         # Hint-mode workflows never say they are over: they expire ttl_s after their last call.

@@ -34,6 +34,7 @@ from typing import Any
 
 from kvgate.bench.prompts import ChatMessage, ChatRenderer, Vocabulary
 from kvindex.tokenizer import Tokenizer
+from planner.workflow import MAX_THINK_TIME_S
 
 Json = dict[str, Any]
 
@@ -196,7 +197,9 @@ def workflow_line(snapshot: Json, static_tokens: int, sizer: PromptSizer, arriva
         started = max((_number(tasks[d], "finished_s") or created for d in deps[t]),
                       default=created)
         ready = _number(rec, "ready_s")
-        think = max(0.0, ready - started) if ready is not None else 0.0
+        # A gap beyond what a spec takes (a day) is replayed as a day.
+        think = min(MAX_THINK_TIME_S,
+                    max(0.0, ready - started) if ready is not None else 0.0)
         task: Json = {"id": t, "messages": messages[t],
                       "output_tokens": int(rec["output_tokens"])}
         # Dependencies whose output the prompt does not carry still order the DAG.

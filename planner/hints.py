@@ -65,7 +65,8 @@ PRIORITY_LIMIT = 1_000_000
 """An explicit priority lies within +-this (the engine's integer priority spends a million per
 unit on the workflow's rank beneath it)."""
 MAX_EXPECT_CHILDREN = 1000
-"""The most children a call may announce (a workflow spec's default task limit)."""
+"""A call announcing more children counts as announcing this many: the planner prepares at
+most this many destinations for a fan-out (a workflow spec's default task limit)."""
 
 
 def _ident(value: object, where: str) -> str:
@@ -99,7 +100,8 @@ def _int(value: object, where: str, low: int, high: int) -> int:
     if type(value) is not int:
         raise HintError(f"{where} must be an integer")
     if not low <= value <= high:
-        raise HintError(f"{where} must be an integer from {low} to {high}, got {value}")
+        shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}..."
+        raise HintError(f"{where} must be an integer from {low} to {high}, got {shown}")
     return value
 
 
@@ -143,8 +145,8 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
     if after_h is not None:
         fields["after"] = _ids(after_h, "header X-KVGate-After")
     if expect_h is not None:
-        fields["expect_children"] = _int(expect_h, "header X-KVGate-Expect-Children", 0,
-                                         MAX_EXPECT_CHILDREN)
+        fields["expect_children"] = min(MAX_EXPECT_CHILDREN, _int(
+            expect_h, "header X-KVGate-Expect-Children", 0, MAX_TOKENS))
     priority_h = get(PRIORITY_HEADER)
     if priority_h is not None:
         fields["priority"] = _priority(priority_h, "header X-KVGate-Priority")
@@ -177,8 +179,8 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
         if ours.get("after") is not None:
             fields["after"] = _ids(ours["after"], "kvgate.after")
         if ours.get("expect_children") is not None:
-            fields["expect_children"] = _int(ours["expect_children"], "kvgate.expect_children",
-                                             0, MAX_EXPECT_CHILDREN)
+            fields["expect_children"] = min(MAX_EXPECT_CHILDREN, _int(
+                ours["expect_children"], "kvgate.expect_children", 0, MAX_TOKENS))
         if ours.get("priority") is not None:
             fields["priority"] = _priority(ours["priority"], "kvgate.priority")
         if ours.get("deadline_s") is not None:

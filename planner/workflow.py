@@ -265,6 +265,10 @@ TASK_ID = re.compile(r"[A-Za-z0-9._:@+=-]{1,128}")
 """Task ids a live run accepts: they travel in `X-KVGate-Task`/`X-KVGate-After` headers
 (comma-separated) and in request ids (`WORKFLOW/TASK`)."""
 
+WORKFLOW_ID = re.compile(r"[!-.0-~]([ -.0-~]{0,126}[!-.0-~])?")
+"""A live workflow's id: it travels in headers (no control characters, nothing a header
+strips) and in `/v1/workflows/{id}` paths (no `/`)."""
+
 RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n",
                              "kvgate"})
 """Request fields the spec itself decides; a task's `params` may not set them."""
@@ -275,9 +279,9 @@ def runnable_problems(wf: Workflow) -> list[str]:
     segments, segments without text used as messages, task ids unfit for headers, reserved
     `params`."""
     problems: list[str] = []
-    if wf.id is not None and not TASK_ID.fullmatch(wf.id):
-        problems.append(f"workflow id {wf.id!r} may hold only letters, digits and . _ : @ + = - "
-                        "(at most 128)")
+    if wf.id is not None and not WORKFLOW_ID.fullmatch(wf.id):
+        problems.append(f"workflow id {wf.id!r} may hold printable ASCII but `/`, without "
+                        "spaces around it (at most 128 characters)")
     synthetic = sorted(name for name, seg in wf.segments.items() if seg.tokens is not None)
     if synthetic:
         problems.append(f"segments {', '.join(repr(n) for n in synthetic)} have synthetic "

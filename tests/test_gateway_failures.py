@@ -67,6 +67,17 @@ def test_json_python_cannot_read_is_a_400(gateway: Child) -> None:
     status, body = post(f"{gateway.url}/v1/chat/completions", digits)
     assert status == 400
     assert_openai_error(body, "holds a value that cannot be read")
+    # Tools nested just shallower than the parser's limit parse, but are deeper than the chat
+    # template's `tojson` can go: the call is forwarded unkeyed, for the engine to judge.
+    statuses = set()
+    for depth in range(900, 1000):
+        chat = (f'{{"model": "{MODEL}", "max_tokens": 1, "messages": [{{"role": "user", '
+                f'"content": "hi"}}], "tools": [{{"type": "function", "function": {{"name": '
+                f'"f", "parameters": {"[" * depth}{"]" * depth}}}}}]}}')
+        status, body = post(f"{gateway.url}/v1/chat/completions", chat.encode())
+        statuses.add(status)
+        assert status < 500, (depth, body)
+    assert 400 in statuses  # the deepest: the gateway's own parser refuses them
 
 
 def test_values_the_planner_cannot_price_leave_the_gateway_working(gateway: Child) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
-from planner.hints import NO_HINTS, HintError, RequestHints, parse_hints
+from planner.hints import MAX_EXPECT_CHILDREN, NO_HINTS, HintError, RequestHints, parse_hints
 
 BODY: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -62,11 +62,13 @@ def test_dynamo_agent_hints_are_read_and_nvext_forwarded() -> None:
     ({"X-KVGate-Workflow": "w", "X-KVGate-Expect-Children": "x"}, {},
      "header X-KVGate-Expect-Children must be an integer"),
     ({"X-KVGate-Workflow": "w", "X-KVGate-Expect-Children": "-1"}, {},
-     "must be an integer from 0 to 1000, got -1"),
-    # Sizes the planner would loop over or could not price.
-    ({"X-KVGate-Workflow": "w", "X-KVGate-Expect-Children": "1000000000000"}, {},
-     "header X-KVGate-Expect-Children must be an integer from 0 to 1000"),
-    ({}, {"kvgate": {"workflow": "w", "expect_children": 1001}}, "kvgate.expect_children must"),
+     "must be an integer from 0 to 2147483647, got -1"),
+    # Numbers the planner could not price.
+    ({"X-KVGate-Workflow": "w", "X-KVGate-Expect-Children": "1" * 30}, {},
+     "header X-KVGate-Expect-Children must be an integer from 0 to 2147483647"),
+    ({}, {"kvgate": {"workflow": "w", "expect_children": 10**40}},
+     "kvgate.expect_children must be an integer from 0 to 2147483647, got 10000000000000000000"
+     "..."),
     ({"X-KVGate-Priority": "9" * 5000}, {}, "header X-KVGate-Priority must be an integer from"),
     ({}, {"kvgate": {"priority": -10**7}}, "kvgate.priority must be an integer from -1000000"),
     ({}, {"nvext": {"agent_hints": {"priority": 10**400}}}, "nvext.agent_hints.priority must"),
@@ -92,3 +94,12 @@ def test_bad_hints_name_the_problem(headers: dict[str, str], body: dict[str, Any
                                     message: str) -> None:
     with pytest.raises(HintError, match=message.replace("(", r"\(").replace("`", "`")):
         parse_hints(CIMultiDict(headers), {**BODY, **body})
+
+
+def test_more_children_than_the_planner_prepares_for_count_as_that_many() -> None:
+    # A fan-out of 10^12 once looped the event loop in prefetch planning.
+    for headers, body in (({"X-KVGate-Expect-Children": "1000000000"}, BODY),
+                          ({}, {**BODY, "kvgate": {"expect_children": 5000}})):
+        hints, _ = parse_hints(CIMultiDict({"X-KVGate-Workflow": "w", **headers}),
+                               dict(body))
+        assert hints.expect_children == MAX_EXPECT_CHILDREN == 1000

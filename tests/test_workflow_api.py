@@ -347,8 +347,9 @@ def mutated(change: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
     (mutated(lambda s: s["tasks"][0].update(priority=10**12)),
      "tasks.0.priority: Input should be less than or equal to 1000000"),
     (mutated(lambda s: s.update(id="survey\r\nX-Evil: 1")),
-     "workflow id 'survey\\r\\nX-Evil: 1' may"),
-    (mutated(lambda s: s.update(id="s" * 200)), "(at most 128)"),
+     "workflow id 'survey\\r\\nX-Evil: 1' may hold printable ASCII"),
+    (mutated(lambda s: s.update(id="s" * 200)), "(at most 128 characters)"),
+    (mutated(lambda s: s.update(id="team/survey")), "workflow id 'team/survey' may"),
     (mutated(lambda s: s["tasks"][0].update(params={"kvgate": {"workflow": "other"}})),
      "task 'plan': params may not set kvgate"),
 ])

@@ -195,19 +195,19 @@ async def test_hinted_calls_build_a_workflow_readable_like_any_other(
 async def test_a_task_sent_again_while_in_flight_is_recorded_by_its_latest_call(
     service: WorkflowService,
 ) -> None:
-    # A client retrying a call it gave up on, while the first is still at an engine.
-    await service.hinted_task_started("agent-3", "plan", [], "req-a", "m")
-    await service.hinted_task_dispatched("agent-3", "plan", "e1", request_id="req-a")
-    await service.hinted_task_started("agent-3", "plan", [], "req-b", "m")
-    await service.hinted_task_dispatched("agent-3", "plan", "e2", request_id="req-b")
-    await service.hinted_first_token("agent-3", "plan", request_id="req-a")
-    await service.hinted_task_finished("agent-3", "plan", output="stale", request_id="req-a")
+    # A client retrying a call it gave up on, while the first is still at an engine; the
+    # retry may even reuse the first call's request id once that call's handler is over.
+    await service.hinted_task_started("agent-3", "plan", [], "req-a", "m", attempt="first")
+    await service.hinted_task_dispatched("agent-3", "plan", "e1", attempt="first")
+    await service.hinted_task_started("agent-3", "plan", [], "req-a", "m", attempt="retry")
+    await service.hinted_task_dispatched("agent-3", "plan", "e2", attempt="retry")
+    await service.hinted_first_token("agent-3", "plan", attempt="first")
+    await service.hinted_task_finished("agent-3", "plan", output="stale", attempt="first")
     plan = (await service.snapshot("agent-3"))["tasks"]["plan"]
-    assert (plan["state"], plan["request_id"], plan["engine"], plan["first_token_s"]) == (
-        "running", "req-b", "e2", None)
-    await service.hinted_task_finished("agent-3", "plan", output="fresh", request_id="req-b")
+    assert (plan["state"], plan["engine"], plan["first_token_s"]) == ("running", "e2", None)
+    await service.hinted_task_finished("agent-3", "plan", output="fresh", attempt="retry")
     plan = (await service.snapshot("agent-3"))["tasks"]["plan"]
-    assert (plan["state"], plan["request_id"], plan["output"]) == ("done", "req-b", "fresh")
+    assert (plan["state"], plan["output"]) == ("done", "fresh")
 
 
 async def test_a_hint_workflow_cannot_be_cancelled_from_the_api(

@@ -488,6 +488,8 @@ class SimEngine:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"Request body is not valid JSON: {e}") from None
+        except (RecursionError, ValueError) as e:  # nested too deep; a 5,000-digit integer
+            raise APIError(400, f"Request body cannot be read: {e}") from None
         if not isinstance(body, dict):
             raise APIError(400, "Request body must be a JSON object.")
         model = body.get("model")

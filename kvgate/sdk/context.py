@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
+from planner.hints import MAX_TOKENS, PRIORITY_LIMIT
+
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
@@ -227,23 +229,24 @@ EXPECT_CHILDREN_HEADER = "X-KVGate-Expect-Children"
 PRIORITY_HEADER = "X-KVGate-Priority"
 DEADLINE_HEADER = "X-KVGate-Deadline"
 
-# The gateway's ranges for these hints (planner/hints.py): refused here, where the code that
-# sets them is, rather than as a 400 on every call made in the block.
-PRIORITY_LIMIT = 1_000_000
-MAX_EXPECT_CHILDREN = 1000
+# The gateway's ranges for these hints (planner/hints.py) are checked here, where the code
+# that sets them is, rather than answered with a 400 on every call made in the block.
+MAX_NAME = 200
+"""A task name's most characters (its id, NAME-N, goes in headers the gateway caps at 256)."""
 
 
 def _check_expect_children(value: int | None) -> None:
-    if value is not None and (type(value) is not int
-                              or not 0 <= value <= MAX_EXPECT_CHILDREN):
-        raise ValueError(f"expect_children must be an integer from 0 to {MAX_EXPECT_CHILDREN}")
+    if value is not None and (type(value) is not int or not 0 <= value <= MAX_TOKENS):
+        raise ValueError(f"expect_children must be an integer from 0 to {MAX_TOKENS}")
 
 
 def _check_name(name: str | None, what: str) -> None:
-    # A task id travels in comma-separated X-KVGate-After lists.
-    if name is not None and (not isinstance(name, str) or not name.strip() or "," in name):
-        raise ValueError(f"a {what} name must be a non-empty string without commas, "
-                         f"got {name!r}")
+    # A task id travels in comma-separated X-KVGate-After lists, and the gateway strips
+    # what it reads from a header.
+    if name is not None and (not isinstance(name, str) or not name or name != name.strip()
+                             or "," in name or len(name) > MAX_NAME):
+        raise ValueError(f"a {what} name must be a non-empty string without commas or "
+                         f"surrounding spaces, at most {MAX_NAME} characters, got {name!r}")
 
 
 @dataclass
