@@ -228,15 +228,19 @@ def _link_arg(text: str) -> str:
     return text
 
 
-def _jobs_arg(value: str) -> int:
-    """A whole number at least 1 (a count of things a run makes or times)."""
+def _whole(value: str, least: int) -> int:
     try:
-        jobs = int(value)
+        n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if jobs < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {jobs}")
-    return jobs
+    if n < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
+    return n
+
+
+def _jobs_arg(value: str) -> int:
+    """A whole number at least 1 (a count of things a run makes or times)."""
+    return _whole(value, 1)
 
 
 _positive_int = _jobs_arg
@@ -244,13 +248,7 @@ _positive_int = _jobs_arg
 
 def _count_arg(value: str) -> int:
     """A whole number at least 0."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {n}")
-    return n
+    return _whole(value, 0)
 
 
 def _positive_number(value: str) -> float:

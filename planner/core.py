@@ -744,14 +744,22 @@ class Planner:
             busy = self.moves.nic_wait(now)
             if arriving or busy:
                 route = replace(route, arriving=arriving, link_wait=busy)
+        reason: str | None = None
         try:
             choice = self.policy.choose(route, views, now)
         except Hold:
             return False
         except NoEngineAvailable as e:
+            reason = e.reason
+        except (ArithmeticError, ValueError) as e:
+            # A call the cost model cannot price (a length beyond any float: the gateway bounds
+            # what it passes, but a driver might not) is refused alone, not left in the buffer
+            # to fail every release after it.
+            reason = f"the planner could not price this call: {type(e).__name__}: {e}"
+        if reason is not None:
             del self._requests[rid]
             req.move(RequestState.REJECTED)
-            actions.append(Reject(rid, route.model, e.reason,
+            actions.append(Reject(rid, route.model, reason,
                                   route.model in self._known_models, tuple(self.models())))
             return True
         placement = placement_of(choice)

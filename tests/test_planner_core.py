@@ -498,3 +498,19 @@ def test_a_workflows_first_call_goes_where_the_fewest_workflows_live() -> None:
     p.on_event(WorkflowOver("w1"), 3.0)
     p.on_event(WorkflowOver("w2"), 3.0)
     assert {v.name: v.homed_workflows for v in p.views()} == {"a": 0, "b": 1}
+
+
+def test_a_call_the_cost_model_cannot_price_is_refused_alone() -> None:
+    # A length beyond any float once overflowed the cost model inside a batch release, and the
+    # call, left in the buffer, failed every release after it.
+    p = planner("kvgate")
+    bad = call("huge")
+    p.admit(Call(replace(bad.route, max_tokens=10**400)), 0.0)
+    p.admit(call("fine"), 0.0)
+    actions = p.release(0.0)
+    (reject,) = [a for a in actions if isinstance(a, Reject)]
+    assert reject.request_id == "huge" and "could not price this call" in reject.reason
+    assert [a.request_id for a in actions if isinstance(a, Dispatch)] == ["fine"]
+    assert not p.knows("huge")
+    p.admit(call("later"), 1.0)
+    assert [a.request_id for a in p.release(1.0) if isinstance(a, Dispatch)] == ["later"]
