@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 STATE_KEY = web.AppKey("state", GatewayState)
 
 
+def _route_label(request: web.Request) -> str:
+    """The route a request matched, as declared (`/v1/workflows/{id}`): a label value from a
+    bounded set, whatever path a client sends."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     state = request.app[STATE_KEY]
@@ -38,7 +45,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         resp: web.StreamResponse = await handler(request)
         return resp
     except GatewayError as e:
-        state.metrics.requests.labels(request.path, str(e.status)).inc()
+        state.metrics.requests.labels(_route_label(request), str(e.status)).inc()
         return e.response()
     except web.HTTPException as e:
         if e.status < 400:

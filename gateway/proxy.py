@@ -41,6 +41,7 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from gateway.workflow_store import names_a_store_key
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
 from planner.actions import Dispatch, Reject, Transfer, Warm
@@ -287,6 +288,10 @@ class Proxy:
             hints, stripped = parse_hints(request.headers, body)
         except HintError as e:
             raise InvalidRequest(str(e), param="kvgate") from None
+        if hints.workflow is not None and names_a_store_key(hints.workflow):
+            raise InvalidRequest(f"workflow id {hints.workflow!r} is reserved (it would name a "
+                                 "key of the workflow store: index, running, or one ending in "
+                                 ":ev or :lease)", param="kvgate")
         if stripped is not None:
             body = stripped
             try:

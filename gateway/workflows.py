@@ -31,7 +31,7 @@ from gateway.config import WorkflowSettings
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import ENGINE_HEADER, read_json
 from gateway.tracing import TRACEPARENT, Tracing, trace_hex, workflow_trace_id
-from gateway.workflow_store import START, Json, WorkflowStore
+from gateway.workflow_store import START, Json, WorkflowStore, names_a_store_key
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
 from planner.events import Event, WorkflowOver, WorkflowSubmitted
 from planner.hints import AFTER_HEADER, BODY_FIELD, TASK_HEADER, WORKFLOW_HEADER
@@ -649,7 +649,7 @@ class WorkflowService:
 
     async def snapshot(self, workflow_id: str) -> Json:
         """The workflow's current snapshot, or WorkflowNotFound."""
-        snap = await self.store.get(workflow_id)
+        snap = None if names_a_store_key(workflow_id) else await self.store.get(workflow_id)
         if snap is None:
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (unknown or expired)")
         return hint_state(snap) if snap.get("source") == "hints" else snap

@@ -362,6 +362,29 @@ def test_an_invalid_workflow_is_a_400_naming_the_problem(
     assert message in body["error"]["message"]
 
 
+def test_ids_that_name_the_stores_own_keys_are_unknown_and_unlabelled(
+    replicas: tuple[Child, Child],
+) -> None:
+    # The replicas share a Redis store, whose own keys sit beside the workflows' hashes: reads
+    # of those names were 500s (WRONGTYPE), and every 404's raw path became a metrics series.
+    a, _ = replicas
+    wf = submit(a, fanout(workers=1))["id"]
+    for name in ("index", "running", f"{wf}:ev", f"{wf}:lease"):
+        for path in (f"/v1/workflows/{name}", f"/v1/workflows/{name}/events"):
+            status, _, body = call("GET", f"{a.url}{path}")
+            assert status == 404 and "no workflow" in body["error"]["message"], (path, body)
+    status, _, body = call("POST", f"{a.url}/v1/chat/completions",
+                           {"model": MODEL, "max_tokens": 1,
+                            "messages": [{"role": "user", "content": "hi"}]},
+                           headers={"X-KVGate-Workflow": "index"})
+    assert status == 400 and "workflow id 'index' is reserved" in body["error"]["message"]
+    with urllib.request.urlopen(f"{a.url}/metrics", timeout=10) as r:
+        routes = {s.labels["route"] for f in text_string_to_metric_families(r.read().decode())
+                  for s in f.samples if s.name == "kvgate_requests_total"}
+    assert "/v1/workflows/{id}" in routes and not any(":ev" in r or "index" in r for r in routes)
+    wait_for(lambda: read(a, wf)["state"] == "done")
+
+
 def test_bad_listing_limits_event_ids_and_forwarded_headers_are_400(
     replicas: tuple[Child, Child],
 ) -> None:
