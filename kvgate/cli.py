@@ -38,10 +38,16 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kvgate serve: invalid configuration:\n{e}", file=sys.stderr)
         return 2
+    import zmq
+
     try:
         run(config)
     except OSError as e:
         print(f"kvgate serve: {_listen_error(config.host, config.port, e)}", file=sys.stderr)
+        return 1
+    except zmq.ZMQError as e:  # the KV-event endpoint (kv_events_bind) cannot be bound
+        print(f"kvgate serve: cannot bind the KV-event endpoint {config.kv_events_bind}: "
+              f"{e.strerror}", file=sys.stderr)
         return 1
     return 0
 

@@ -117,3 +117,12 @@ def test_a_tokenizer_that_cannot_load_is_not_called_a_listen_error(tmp_path: Pat
                   "--tokenizer", str(tmp_path / "no-such-tokenizer"))
     assert done.returncode == 1
     assert "kvgate serve: cannot start:" in done.stderr and "cannot listen" not in done.stderr
+
+
+def test_a_kv_event_port_in_use_is_named(taken_port: int) -> None:
+    done = kvgate("serve", "--engines", "http://127.0.0.1:9", "--port", str(free_port()),
+                  "--kv-events-bind", f"tcp://127.0.0.1:{taken_port}")
+    assert done.returncode == 1
+    assert (f"kvgate serve: cannot bind the KV-event endpoint tcp://127.0.0.1:{taken_port}: "
+            "Address already in use") in done.stderr
+    assert "Traceback" not in done.stderr

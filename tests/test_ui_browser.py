@@ -51,27 +51,29 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
     setup of test_kv_moves_live.py, where a fan-out's parent is prefetched to its children)."""
     logs = tmp_path_factory.mktemp("ui-browser")
     events = free_port()
+    sim_ports = [free_port() for _ in range(4)]
     sims: list[Child] = []
     gateway = None
     try:
-        for i in range(4):
-            port = free_port()
-            sims.append(spawn(f"sim-{i}", [
-                "sim", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                "--seed", str(i), "--kv-events", f"tcp://127.0.0.1:{events}",
-                "--kv-transfer-config", CONNECTOR, "--kv-link", "rdma",
-                "--enable-prompt-tokens-details"], f"http://127.0.0.1:{port}", logs))
-        for sim in sims:
-            wait_healthy(sim)
+        # The gateway first, so it binds the KV-event port at once (the engines' PUBs connect
+        # and retry until it does): a CI run saw that port taken while four engines started.
         port = free_port()
         config = {"host": "127.0.0.1", "port": port, "policy": "kvgate",
                   "kv_events_bind": f"tcp://127.0.0.1:{events}", "scrape_interval_s": 0.2,
                   "health_interval_s": 0.5, "kv_transfer": {"link": "rdma"},
-                  "engines": [{"url": s.url} for s in sims]}
+                  "engines": [{"url": f"http://127.0.0.1:{p}"} for p in sim_ports]}
         path = logs / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
         gateway = spawn("gateway", ["serve", "--config", str(path)],
                         f"http://127.0.0.1:{port}", logs)
+        for i, sim_port in enumerate(sim_ports):
+            sims.append(spawn(f"sim-{i}", [
+                "sim", "--host", "127.0.0.1", "--port", str(sim_port), "--model", MODEL,
+                "--seed", str(i), "--kv-events", f"tcp://127.0.0.1:{events}",
+                "--kv-transfer-config", CONNECTOR, "--kv-link", "rdma",
+                "--enable-prompt-tokens-details"], f"http://127.0.0.1:{sim_port}", logs))
+        for sim in sims:
+            wait_healthy(sim)
         wait_healthy(gateway)
         yield gateway
     finally:
