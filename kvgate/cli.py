@@ -244,12 +244,9 @@ def _whole(value: str, least: int) -> int:
     return n
 
 
-def _jobs_arg(value: str) -> int:
+def _positive_int(value: str) -> int:
     """A whole number at least 1 (a count of things a run makes or times)."""
     return _whole(value, 1)
-
-
-_positive_int = _jobs_arg
 
 
 def _count_arg(value: str) -> int:
@@ -590,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help="like --engine-urls, with a gateway config for them (their "
                                "KV-event sockets, tokenizer, link), as `kvgate vllm-pool` "
                                "prints it")
-    bench.add_argument("--jobs", type=_jobs_arg, default=None, metavar="N",
+    bench.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
                        help="virtual mode: run up to N policies at once, each in a forked "
                             "worker process (default: the CPUs this process may use; 1 runs "
                             "them one after another in this process); results do not depend "

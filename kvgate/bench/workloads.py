@@ -273,16 +273,21 @@ DAG_WORKLOADS: dict[str, Callable[[WorkloadArgs, int], dict[str, Any]]] = {
 }
 
 
+def _read_text(p: Path, option: str) -> str:
+    """The file's text; WorkloadError naming the option and why it cannot be read."""
+    try:
+        return p.read_text()
+    except OSError as e:
+        raise WorkloadError(f"cannot read {option} {p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise WorkloadError(f"cannot read {option} {p}: not UTF-8 text ({e.reason} at byte "
+                            f"{e.start})") from None
+
+
 def load_dag_file(path: str | Path) -> Workflow:
     """A workflow spec from a JSON or YAML file; WorkloadError names the file and problem."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise WorkloadError(f"cannot read --dag-file {p}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise WorkloadError(f"cannot read --dag-file {p}: not UTF-8 text ({e.reason} at byte "
-                            f"{e.start})") from None
+    text = _read_text(p, "--dag-file")
     as_yaml = p.suffix in (".yaml", ".yml")
     try:
         data = yaml.safe_load(text) if as_yaml else json.loads(text)
@@ -299,13 +304,7 @@ def load_workflow_trace(path: str | Path, vocab: Vocabulary,
     """`--workflow-trace`: JSON Lines, each a workflow spec plus its `arrival_s` (the first
     `limit` lines); WorkloadError names the file, the line and the problem."""
     p = Path(path)
-    try:
-        lines = p.read_text().splitlines()
-    except OSError as e:
-        raise WorkloadError(f"cannot read --workflow-trace {p}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise WorkloadError(f"cannot read --workflow-trace {p}: not UTF-8 text ({e.reason} at "
-                            f"byte {e.start})") from None
+    lines = _read_text(p, "--workflow-trace").splitlines()
     out: list[BenchWorkflow] = []
     for n, line in enumerate(lines, 1):
         if limit is not None and len(out) >= limit:
