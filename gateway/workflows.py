@@ -34,7 +34,13 @@ from gateway.tracing import TRACEPARENT, Tracing, trace_hex, workflow_trace_id
 from gateway.workflow_store import START, Json, WorkflowStore, names_a_store_key
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
 from planner.events import Event, WorkflowOver, WorkflowSubmitted
-from planner.hints import AFTER_HEADER, BODY_FIELD, TASK_HEADER, WORKFLOW_HEADER
+from planner.hints import (
+    AFTER_HEADER,
+    BODY_FIELD,
+    MAX_AFTER_HEADER,
+    TASK_HEADER,
+    WORKFLOW_HEADER,
+)
 from planner.workflow import (
     Workflow,
     WorkflowError,
@@ -64,8 +70,6 @@ _HINT_CACHE = 10_000
 LIST_DEFAULT = 50
 LIST_MAX = 500
 """`GET /v1/workflows?limit=`: how many workflows a listing holds unless told, and at most."""
-MAX_AFTER_HEADER = 2048
-"""A task's parents go in `X-KVGate-After` up to this many characters, else in its body."""
 EVENT_ID = re.compile(r"[0-9]{1,19}(-[0-9]{1,19})?")
 """An event id as the stores give them (the memory store's counter, a Redis stream entry's id)."""
 

@@ -54,6 +54,10 @@ DEADLINE_HEADER = "x-kvgate-deadline"
 SESSION_HEADER = "x-session-id"
 BODY_FIELD = "kvgate"
 """`extra_body={"kvgate": {...}}`: read, then stripped before the body reaches the engine."""
+MAX_AFTER_HEADER = 2048
+"""Clients of the gateway's own (its workflow runner, the SDK) send a call's parents in
+`X-KVGate-After` up to this many characters, else in the body's `kvgate.after`: HTTP servers cap
+a header field (aiohttp at 8,190 bytes), and a proxy in front of the gateway may cap lower."""
 
 _BODY_KEYS = frozenset({"workflow", "task", "after", "expect_children", "priority", "deadline_s"})
 _MAX_ID = 256

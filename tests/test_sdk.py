@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import httpx2
@@ -40,6 +41,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, str]] = []
+        self.bodies: list[dict[str, Any]] = []
         self.fail_first = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
@@ -47,6 +49,7 @@ class Recorder:
     async def _chat(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.calls.append({k.lower(): v for k, v in request.headers.items()})
+        self.bodies.append(body)
         if self.fail_first > 0:
             self.fail_first -= 1
             return web.json_response({"error": {"message": "busy"}}, status=503)
@@ -155,6 +158,36 @@ async def test_gathered_tasks_are_a_fan_out_and_the_next_task_joins_them(
     assert result.id.startswith("research-")
     assert recorder.after() == {"ask-1": [], "ask-2": ["ask-1"], "ask-3": ["ask-1"],
                                 "ask-4": ["ask-1"], "ask-5": ["ask-2", "ask-3", "ask-4"]}
+
+
+WIDE = "a-research-step-with-a-long-descriptive-name-for-a-wide-join"
+"""A task name long enough that 40 siblings' ids overflow a header's worth (2,048 characters)."""
+
+
+async def test_a_join_too_wide_for_a_header_sends_its_parents_in_the_body(
+    kv: Client, recorder: Recorder
+) -> None:
+    @task(WIDE)
+    async def step() -> str:
+        return await chat(kv)
+
+    @workflow
+    async def wide() -> None:
+        await asyncio.gather(*(step() for _ in range(40)))
+        async with task("join"):
+            await kv.openai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                extra_body={"kvgate": {"priority": 3}})
+
+    await wide.run()
+    siblings = sorted(f"{WIDE}-{i}" for i in range(1, 41))
+    assert len(",".join(siblings)) > 2048
+    join = recorder.calls[-1]
+    assert join["x-kvgate-task"] == "join-1" and "x-kvgate-after" not in join
+    # The parents join what the caller put in the body's `kvgate` field.
+    assert recorder.bodies[-1]["kvgate"]["priority"] == 3
+    assert sorted(recorder.bodies[-1]["kvgate"]["after"]) == siblings
+    assert all("kvgate" not in b for b in recorder.bodies[:-1])
 
 
 async def test_a_sibling_that_starts_late_does_not_extend_a_finished_sibling(
@@ -479,6 +512,27 @@ async def test_a_fan_out_workflow_shows_up_at_the_gateway_with_its_parents(
                      "ask-5": ["ask-2", "ask-3", "ask-4"]}
     engines = {s.url.removeprefix("http://") for s in sims}
     assert all(r["engine"] in engines and r["state"] == "done" for r in snap.tasks.values())
+
+
+async def test_a_join_too_wide_for_a_header_reaches_the_gateway_whole(gw: Client) -> None:
+    # 140 parents: 8,991 characters, past what aiohttp takes in a header field (8,190 bytes).
+    @task(WIDE)
+    async def step(i: int) -> str:
+        r = await gw.openai.chat.completions.create(
+            model=MODEL, max_tokens=1, messages=[{"role": "user", "content": f"part {i}"}])
+        return str(r.choices[0].message.content)
+
+    @workflow("wide")
+    async def wide() -> None:
+        await asyncio.gather(*(step(i) for i in range(140)))
+        await step(140)
+
+    result = await wide.run()
+    snap = await gw.wait(result.id, timeout_s=60)
+    assert snap.state == "done"
+    parents = sorted(f"{WIDE}-{i}" for i in range(1, 141))
+    assert len(",".join(parents)) > 8190
+    assert sorted(snap.tasks[f"{WIDE}-141"]["after"]) == parents
 
 
 CONTEXT = "The survey covers caching, batching, routing and scheduling of agent calls. " * 6

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
-from planner.hints import MAX_TOKENS, PRIORITY_LIMIT
+from planner.hints import MAX_AFTER_HEADER, MAX_TOKENS, PRIORITY_LIMIT
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -257,9 +257,18 @@ class Call:
     task: str
     after: tuple[str, ...]
     headers: dict[str, str]
+    """The hint headers to send with the request."""
     _scope: _Scope = field(repr=False)
     _extends: frozenset[int] = field(repr=False)
     _lane: _Lane = field(repr=False)
+
+    @property
+    def body_hints(self) -> dict[str, Any] | None:
+        """What goes in the request body's `kvgate` field besides `headers`: the parents of a
+        join too wide for a header (`{"after": [...]}`), else None."""
+        if self.after and AFTER_HEADER not in self.headers:
+            return {"after": list(self.after)}
+        return None
 
     def finished(self) -> None:
         """The call was answered: later work may extend it."""
@@ -271,8 +280,9 @@ class Call:
 def start_call(retry: bool = False) -> Call | None:
     """A call is being sent from the current context: its hints, or None outside a workflow.
     A retry (`retry=True`) reuses the id of the call this asyncio task has in flight.
-    The httpx hooks use it; another HTTP client sends `call.headers` with the request and
-    calls `call.finished()` once it is answered."""
+    The httpx hooks use it; another HTTP client sends `call.headers` with the request (and
+    `call.body_hints`, when not None, as the JSON body's `kvgate` field) and calls
+    `call.finished()` once it is answered."""
     here = _here()
     if here is None:
         return None
@@ -282,7 +292,7 @@ def start_call(retry: bool = False) -> Call | None:
     after, extends = scope.parents(lane)
     call_id = scope.next_call_id()
     headers = {WORKFLOW_HEADER: scope.run.id, TASK_HEADER: call_id}
-    if after:
+    if after and len(",".join(after)) <= MAX_AFTER_HEADER:
         headers[AFTER_HEADER] = ",".join(after)
     if scope.expect_children is not None:
         headers[EXPECT_CHILDREN_HEADER] = str(scope.expect_children)

@@ -9,10 +9,12 @@ that names its own workflow (`X-KVGate-Workflow`) is left alone.
 
 from __future__ import annotations
 
+import json
 import weakref
 from typing import Any
 
-from kvgate.sdk.context import WORKFLOW_HEADER, Call, start_call
+from kvgate.sdk.context import AFTER_HEADER, WORKFLOW_HEADER, Call, start_call
+from planner.hints import BODY_FIELD
 
 _ANNOTATED = ("/chat/completions", "/completions")
 _RETRY_HEADER = "x-stainless-retry-count"
@@ -33,7 +35,38 @@ async def on_request(request: Any) -> None:
         return
     for name, value in call.headers.items():
         request.headers[name] = value
+    extra = call.body_hints
+    if extra is not None and not _put_in_body(request, extra):
+        # Not a JSON body the hook can rewrite: the header, however long, and the gateway
+        # (or a proxy before it) says whether it takes it.
+        request.headers[AFTER_HEADER] = ",".join(call.after)
     _in_flight[request] = call
+
+
+def _put_in_body(request: Any, extra: dict[str, Any]) -> bool:
+    """Merge `extra` into the JSON body's `kvgate` field (fields the caller set there win);
+    False when the body is not a JSON object already read into memory."""
+    content = getattr(request, "_content", None)
+    if not isinstance(content, bytes) or "json" not in request.headers.get("content-type", ""):
+        return False
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return False
+    if not isinstance(body, dict):
+        return False
+    ours = body.get(BODY_FIELD)
+    if ours is None:
+        ours = body[BODY_FIELD] = {}
+    elif not isinstance(ours, dict):
+        return False  # the gateway answers the caller's own malformed field with a 400
+    for key, value in extra.items():
+        ours.setdefault(key, value)
+    new = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    request.stream = type(request.stream)(new)
+    request._content = new
+    request.headers["content-length"] = str(len(new))
+    return True
 
 
 async def on_response(response: Any) -> None:
