@@ -736,10 +736,30 @@ class VirtualRun:
                 if self._over < total:
                     if self._doomed():
                         break
-                    self._push(t + self.scrape_s, "scrape", None)
+                    self._push(self._next_scrape(t), "scrape", None)
                 continue
             self._kick()
         return self._result()
+
+    def _next_scrape(self, t: float) -> float:
+        """When to scrape after the scrape at `t`: the next tick of the scrape clock, or, when
+        the ticks before the next event could change nothing, the last of them.
+
+        Engine figures change only at events, so such ticks would read what this one read;
+        with nothing waiting to be released they reach no decision, and with no workflow
+        under way `_doomed` reads the same at each. Skipping them keeps the clock's ticks (the
+        same float additions) and the reports exact, and spares a run at a low arrival rate
+        a scrape of every engine per tick of the idle time between workflows."""
+        step = self.scrape_s
+        nxt = t + step
+        if self.planner.pending or (self.give_up is not None and self._runs):
+            return nxt
+        following = self._heap.next_time()
+        if following == float("inf"):
+            return nxt
+        while nxt + step < following:
+            nxt += step
+        return nxt
 
     def _doomed(self) -> bool:
         """The run's mean JCT can no longer stay within its `GiveUp`; records the least it
