@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from adapters.vllm.transport import TransportError, nixl_transfer, warm
 from gateway.tracing import MoveTrace
@@ -26,22 +26,30 @@ RECENT_ORIGINS = 64
 """Finished requests whose prompts a move may still copy (each up to a context's token ids)."""
 
 
+class Origin(NamedTuple):
+    """The prompt a move copies a prefix of, and what besides its tokens keys its KV."""
+
+    model: str
+    token_ids: tuple[int, ...]
+    cache_salt: str | None
+
+
 class KvMover:
     """Runs each move as a task: the two NIXL legs, or a warm-up."""
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
-        self._origins: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._origins: dict[str, Origin] = {}
         self._tasks_of: dict[str, tuple[str, str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._recent: OrderedDict[str, tuple[tuple[str, tuple[int, ...]],
-                                             tuple[str, str] | None]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[Origin, tuple[str, str] | None]] = OrderedDict()
 
     def remember(self, request_id: str, model: str, token_ids: tuple[int, ...],
-                 task: tuple[str, str] | None = None) -> None:
+                 task: tuple[str, str] | None = None, cache_salt: str | None = None) -> None:
         """A request's prompt, while it may be a move's origin; `task` is its (workflow, task)
-        when it belongs to one (the workflow's status lists the moves it caused)."""
-        self._origins[request_id] = (model, token_ids)
+        when it belongs to one (the workflow's status lists the moves it caused); `cache_salt`
+        its salt, which a copy of its prefix keeps."""
+        self._origins[request_id] = Origin(model, token_ids, cache_salt)
         if task is not None:
             self._tasks_of[request_id] = task
 
@@ -79,38 +87,49 @@ class KvMover:
             raise TransportError(f"engine {engine} is not in the pool")
         return pool.engines[engine].url
 
-    async def _run(self, move: Transfer | Warm, origin: tuple[str, tuple[int, ...]] | None,
+    async def _run(self, move: Transfer | Warm, origin: Origin | None,
                    task: tuple[str, str] | None, trace: MoveTrace) -> None:
         state = self.state
         kind = "transfer" if isinstance(move, Transfer) else "warm"
         started = time.monotonic()
         m = state.metrics
+        error: str | None = None
         try:
-            if origin is None or len(origin[1]) < move.tokens:
+            if origin is None or len(origin.token_ids) < move.tokens:
                 raise TransportError(f"origin request {move.origin} is gone")
-            model, ids = origin[0], origin[1][:move.tokens]
+            ids = origin.token_ids[:move.tokens]
             session = state.session
             assert session is not None
             if isinstance(move, Transfer):
                 await nixl_transfer(session, (move.source, self._url(move.source)),
-                                    (move.destination, self._url(move.destination)), model, ids,
-                                    headers=trace.headers())
+                                    (move.destination, self._url(move.destination)),
+                                    origin.model, ids, headers=trace.headers(),
+                                    cache_salt=origin.cache_salt)
                 m.kv_move_bytes.labels(move.reason).inc(move.num_bytes)
             else:
-                await warm(session, self._url(move.engine), move.engine, model, ids,
-                           headers=trace.headers())
+                await warm(session, self._url(move.engine), move.engine, origin.model, ids,
+                           headers=trace.headers(), cache_salt=origin.cache_salt)
         except TransportError as e:
-            log.warning("%s %s (%s) failed: %s", kind, move.move_id, move.reason, e)
+            error = str(e)
+        except Exception as e:  # whatever ends a move, the planner must hear that it did
+            log.exception("%s %s (%s) raised", kind, move.move_id, move.reason)
+            error = f"{type(e).__name__}: {e}"
+        # The planner first (requests may wait for this move), the workflow's record after.
+        if error is not None:
+            log.warning("%s %s (%s) failed: %s", kind, move.move_id, move.reason, error)
             m.kv_moves.labels(kind, move.reason, "failed").inc()
-            trace.end(str(e))
-            await self._report(task, move, started, str(e))
-            state.notify(TransferFailed(move.move_id, str(e)))
-            return
-        m.kv_moves.labels(kind, move.reason, "done").inc()
-        trace.end(None)
-        m.kv_move_seconds.labels(kind).observe(time.monotonic() - started)
-        await self._report(task, move, started, None)
-        state.notify(TransferDone(move.move_id))
+            trace.end(error)
+            state.notify(TransferFailed(move.move_id, error))
+        else:
+            m.kv_moves.labels(kind, move.reason, "done").inc()
+            trace.end(None)
+            m.kv_move_seconds.labels(kind).observe(time.monotonic() - started)
+            state.notify(TransferDone(move.move_id))
+        try:
+            await self._report(task, move, started, error)
+        except Exception:  # the workflow store is away: the move itself is over either way
+            log.warning("%s %s: could not list it in workflow %s's record", kind,
+                        move.move_id, task[0] if task else None, exc_info=True)
 
     async def _report(self, task: tuple[str, str] | None, move: Transfer | Warm, started: float,
                 error: str | None) -> None:

@@ -261,7 +261,8 @@ class Proxy:
                 # The prompt may be the origin of a KV move (a pull, a prefetch).
                 state.mover.remember(request_id, model, keys.token_ids,
                                      (hints.workflow, hints.task or request_id)
-                                     if hints.workflow is not None else None)
+                                     if hints.workflow is not None else None,
+                                     key_extras(body).cache_salt)
         state.later(state.metrics.lookup_time.observe, time.perf_counter() - t0)
         return RouteRequest(
             request_id=request_id,

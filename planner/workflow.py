@@ -115,7 +115,8 @@ class Workflow(BaseModel):
 
     id: str | None = None
     model: str = Field(min_length=1)
-    tenant: str | None = None
+    tenant: str | None = Field(default=None, min_length=1, max_length=256)
+    """Its calls' `cache_salt` (vLLM takes no empty salt)."""
     deadline_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     segments: dict[str, Segment] = Field(default_factory=dict)
     tasks: list[Task]
@@ -270,8 +271,9 @@ WORKFLOW_ID = re.compile(r"[!-.0-~]([ -.0-~]{0,126}[!-.0-~])?")
 strips) and in `/v1/workflows/{id}` paths (no `/`)."""
 
 RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n",
-                             "kvgate"})
-"""Request fields the spec itself decides; a task's `params` may not set them."""
+                             "kvgate", "cache_salt"})
+"""Request fields the spec itself decides; a task's `params` may not set them (`cache_salt`:
+the workflow's `tenant` is its calls' salt, and no task runs outside it)."""
 
 
 def runnable_problems(wf: Workflow) -> list[str]:

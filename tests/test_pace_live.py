@@ -81,10 +81,12 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         thread.start()
         assert first.wait(30)
         time.sleep(0.5)  # a scrape and a few steps: the gateway sees it decoding
-        # A client's own `vllm_xargs` too: the gateway adds the cap beside it.
+        # A client's own `vllm_xargs` too: the gateway adds the cap beside it. Salted: the
+        # pieces must be computed under the call's salt to be found by it.
         answer = client.chat.completions.create(
             model=MODEL, max_tokens=4,
-            extra_body={"ignore_eos": True, "vllm_xargs": {"client_note": "kept"}},
+            extra_body={"ignore_eos": True, "vllm_xargs": {"client_note": "kept"},
+                        "cache_salt": "tenant-a"},
             messages=[{"role": "user", "content": "Summarise this. " + "lorem ipsum " * 1500}])
         thread.join(60)
         assert not errors, errors
@@ -116,8 +118,8 @@ def test_a_long_prompt_beside_a_decode_is_computed_in_pieces_first(
     if policy == "kvgate":
         assert pieces >= 2 and paced == 1
         assert requests == 2 + pieces
-        # The call found its pieces in the engine's own prefix cache: computed ahead, in steps
-        # beside the decode.
+        # The call found its pieces in the engine's own prefix cache (under its salt): computed
+        # ahead, in steps beside the decode.
         assert cached >= 1000
         assert largest <= 512
     elif policy in ("kvgate-engine-pace", "kvgate+kvgate-pace"):

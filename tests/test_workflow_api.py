@@ -352,6 +352,10 @@ def mutated(change: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
     (mutated(lambda s: s.update(id="team/survey")), "workflow id 'team/survey' may"),
     (mutated(lambda s: s["tasks"][0].update(params={"kvgate": {"workflow": "other"}})),
      "task 'plan': params may not set kvgate"),
+    # The tenant is the calls' salt: a task may not unsalt itself, and vLLM takes no empty one.
+    (mutated(lambda s: s.update(tenant="acme") or s["tasks"][0].update(
+        params={"cache_salt": None})), "task 'plan': params may not set cache_salt"),
+    (mutated(lambda s: s.update(tenant="")), "tenant: String should have at least 1 character"),
 ])
 def test_an_invalid_workflow_is_a_400_naming_the_problem(
     replicas: tuple[Child, Child], spec: Any, message: str,

@@ -8,6 +8,8 @@ Both are plain OpenAI `/v1/completions` calls with the prefix as token ids (VLLM
   in its prefix cache. This is how the upstream toy proxy drives a P/D pair; here the prefix
   alone is the prompt, so the legs replicate it.
 - `warm`: the prefix alone, `max_tokens` 1, to one engine: it computes and caches it.
+Both carry the origin request's `cache_salt`, which vLLM hashes into the first block: the copy
+has the same KV identity as the origin's prefix.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ async def _complete(session: aiohttp.ClientSession, url: str, name: str, body: d
     try:
         async with session.post(f"{url}/v1/completions", json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-            text = await r.text()
+            text = (await r.read()).decode("utf-8", "replace")
             if r.status != 200:
                 raise TransportError(f"engine {name} answered {r.status}: {text[:200]}")
     except (aiohttp.ClientError, TimeoutError) as e:
@@ -47,32 +49,42 @@ async def _complete(session: aiohttp.ClientSession, url: str, name: str, body: d
     return answer
 
 
+def _prefix(model: str, token_ids: Sequence[int], cache_salt: str | None) -> dict[str, Any]:
+    """A leg's body: the prefix as token ids, one token out, under the origin's `cache_salt`
+    (the salt is part of the KV's identity: unsalted, the copy would serve other tenants and
+    not the origin's)."""
+    body: dict[str, Any] = {"model": model, "prompt": list(token_ids), "max_tokens": 1,
+                            "stream": False}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    return body
+
+
 async def warm(session: aiohttp.ClientSession, url: str, name: str, model: str,
                token_ids: Sequence[int], timeout_s: float = 120.0,
-               headers: Mapping[str, str] | None = None) -> None:
+               headers: Mapping[str, str] | None = None, cache_salt: str | None = None) -> None:
     """Compute the prefix on the engine (it stays in its prefix cache); `headers` go with the
     request (e.g. the move's `traceparent`)."""
-    await _complete(session, url, name, {"model": model, "prompt": list(token_ids),
-                                         "max_tokens": 1, "stream": False}, timeout_s, headers)
+    await _complete(session, url, name, _prefix(model, token_ids, cache_salt), timeout_s,
+                    headers)
 
 
 async def nixl_transfer(session: aiohttp.ClientSession, source: tuple[str, str],
                         destination: tuple[str, str], model: str, token_ids: Sequence[int],
-                        timeout_s: float = 120.0, headers: Mapping[str, str] | None = None
-                        ) -> dict[str, Any]:
+                        timeout_s: float = 120.0, headers: Mapping[str, str] | None = None,
+                        cache_salt: str | None = None) -> dict[str, Any]:
     """Copy the prefix's KV from `source` to `destination` ((name, url) each) by the two legs;
     returns the params leg 1 answered (what leg 2 pulled). `headers` go with both legs."""
     src_name, src_url = source
     dst_name, dst_url = destination
-    ids = list(token_ids)
     first = await _complete(session, src_url, src_name, {
-        "model": model, "prompt": ids, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": dict(REMOTE_DECODE)}, timeout_s, headers)
+        **_prefix(model, token_ids, cache_salt), "kv_transfer_params": dict(REMOTE_DECODE)},
+        timeout_s, headers)
     params = first.get("kv_transfer_params")
     if not isinstance(params, dict) or not params.get("remote_block_ids"):
         raise TransportError(f"engine {src_name} exported no KV blocks (is it running a KV "
                              "connector such as NixlConnector?)")
     await _complete(session, dst_url, dst_name, {
-        "model": model, "prompt": ids, "max_tokens": 1, "stream": False,
-        "kv_transfer_params": params}, timeout_s, headers)
+        **_prefix(model, token_ids, cache_salt), "kv_transfer_params": params},
+        timeout_s, headers)
     return params
