@@ -29,6 +29,9 @@ class BadEndpoint(ValueError):
     """A KV-event endpoint libzmq will not connect to (the message says why)."""
 
 REPLAY_TIMEOUT_S = 2.0
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_UNKNOWN_TOPICS = 1000
+"""Unknown topics remembered (each logged once); more are counted, not kept."""
 PROBE_INTERVAL_S = 2.0
 
 
@@ -74,7 +77,11 @@ class KVEventListener:
         """Open the SUB socket and start reading it at once."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVHWM, 0)
+        # vLLM's publisher queues up to 100,000 batches (its `hwm`); so may we. A message
+        # past MAXMSGSIZE drops its sender's connection (a batch of a 1M-token prompt's
+        # blocks is about 5 MB).
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if self.bind:
             sub.bind(self.bind)
         for s in self._sources.values():
@@ -141,10 +148,17 @@ class KVEventListener:
         """Call into the socket regularly: libzmq sends a SUB's subscription to a newly
         connected PUB only while the application processes the socket's commands, and an
         edge-triggered wake-up that was missed would otherwise leave an engine unheard."""
-        assert self._sub is not None
         while True:
             await asyncio.sleep(0.5)
-            self._sub.getsockopt(zmq.EVENTS)
+            self._poke()
+
+    def _poke(self) -> None:
+        """Process the socket's pending commands. Through the asyncio socket's `get`, which
+        re-arms the reader when messages are waiting: plain `getsockopt(EVENTS)` (the C
+        method) would consume libzmq's one edge-triggered wake-up, and a message that arrived
+        while the loop was busy would leave `recv_multipart` asleep for good."""
+        assert self._sub is not None
+        self._sub.get(zmq.EVENTS)
 
     async def _probe_silent(self) -> None:
         """Every PROBE_INTERVAL_S, replay from 0 any engine with a replay endpoint that we have
@@ -180,12 +194,22 @@ class KVEventListener:
         engine = self._by_topic.get(topic)
         if engine is None:
             self.unknown_topic_messages += 1
-            if topic not in self._unknown_topics:
+            if (topic not in self._unknown_topics
+                    and len(self._unknown_topics) < MAX_UNKNOWN_TOPICS):
                 self._unknown_topics.add(topic)
-                log.warning("KV events with unknown topic %r ignored", topic)
+                log.warning("KV events with unknown topic %r ignored", topic[:200])
             return
         async with self._lock(engine):
-            result = self.ingestor.on_message(engine, decode_seq(seq_frame), payload)
+            try:
+                result = self.ingestor.on_message(engine, decode_seq(seq_frame), payload)
+            except Exception:
+                # The batch was taken in part: start over for this engine rather than keep
+                # a view that may hold what the engine has dropped.
+                log.exception("KV event batch from %s could not be applied; resyncing it",
+                              engine)
+                self.malformed_messages += 1
+                await self.apply(self.ingestor.forget(engine, "a batch could not be applied"))
+                return
             try:
                 await self.apply(result.ops)
             except Exception:

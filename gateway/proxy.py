@@ -80,6 +80,11 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
     return out
 
 
+REPORT_MODE = "kv_cache_report_mode"
+"""A `vllm_xargs` key the proxy drops: how the engine reports reused blocks in its KV events,
+which the gateway's index reads (vLLM's default, "incremental", announces each block once)."""
+
+
 def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> bytes:
     """The request body `raw` (parsed: `body`) with `fields` set. Fields the body lacks are
     spliced in before its closing brace, so a long prompt is not serialised again (a paced
@@ -293,6 +298,12 @@ class Proxy:
             raise InvalidRequest(f"workflow id {hints.workflow!r} is reserved (it would name a "
                                  "key of the workflow store: index, running, or one ending in "
                                  ":ev or :lease)", param="kvgate")
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict) and REPORT_MODE in xargs:
+            # "full" makes vLLM announce every block a call reuses again: the index would take
+            # each for another copy, which no BlockRemoved ever takes back.
+            stripped = {**(stripped or body),
+                        "vllm_xargs": {k: v for k, v in xargs.items() if k != REPORT_MODE}}
         if stripped is not None:
             body = stripped
             try:

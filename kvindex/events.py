@@ -7,11 +7,13 @@ earlier releases sent positional arrays with the tag first. `decode_batch` accep
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 ExternalBlockHash = int | bytes
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+"""A token id as the index keys it (four bytes); anything else is a malformed event."""
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -31,7 +33,7 @@ class BlockStored(KVCacheEvent):
 
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
+    token_ids: list[TokenId]
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -100,11 +102,17 @@ def encode_batch(batch: EventBatch) -> bytes:
     return _encoder.encode(batch)
 
 
-def _from_positional(item: list[Any]) -> WireEvent:
-    tag = item[0]
+_MAP_TYPES: dict[str, type[KVCacheEvent]] = {
+    "BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
+    "AllBlocksCleared": AllBlocksCleared,
+}
+
+
+def _from_positional(item: list[Any]) -> WireEvent | None:
+    tag = item[0] if item else None
     fields = _POSITIONAL_FIELDS.get(tag) if isinstance(tag, str) else None
     if fields is None:
-        raise KVEventDecodeError(f"unknown KV event tag {tag!r}")
+        return None
     values = dict(zip(fields, item[1:], strict=False))
     if tag == "BlockStored":
         values.setdefault("lora_id", None)
@@ -117,22 +125,51 @@ def _from_positional(item: list[Any]) -> WireEvent:
     return AllBlocksCleared()
 
 
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode a payload in either layout; raises KVEventDecodeError naming the problem."""
+def _one_event(item: Any) -> WireEvent | None:
+    """One event in either layout; None for an event type this module does not know."""
+    if isinstance(item, dict):
+        kind = _MAP_TYPES.get(item.get("type"))  # type: ignore[arg-type]
+        if kind is None:
+            return None
+        return msgspec.convert(item, kind)  # type: ignore[return-value]
+    if isinstance(item, list):
+        return _from_positional(item)
+    raise TypeError(f"an event is a map or an array, not {type(item).__name__}")
+
+
+def decode_batch(payload: bytes, unknown: list[str] | None = None) -> KVEventBatch:
+    """Decode a payload in either layout; raises KVEventDecodeError naming the problem.
+
+    An event of a type this module does not know (a later vLLM's) is left out, its tag
+    appended to `unknown`: the rest of its batch still counts."""
     try:
         return _map_decoder.decode(payload)
     except msgspec.ValidationError:
         pass
     except msgspec.DecodeError as e:
         raise KVEventDecodeError(f"KV event payload is not msgpack: {e}") from None
-    raw = _raw_decoder.decode(payload)
+    try:
+        raw = _raw_decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise KVEventDecodeError(f"KV event payload is not msgpack: {e}") from None
     if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
         raise KVEventDecodeError("KV event payload is not an [ts, events, dp_rank] array")
     try:
-        events = [_from_positional(e) for e in raw[1]]
-        rank = raw[2] if len(raw) > 2 else None
-        return KVEventBatch(ts=float(raw[0]), events=events, data_parallel_rank=rank)
-    except (msgspec.ValidationError, TypeError, IndexError) as e:
+        events: list[WireEvent] = []
+        for item in raw[1]:
+            event = _one_event(item)
+            if event is not None:
+                events.append(event)
+            elif unknown is not None:
+                tag = item.get("type") if isinstance(item, dict) else item[0] if item else None
+                unknown.append(repr(tag))
+        ts, rank = raw[0], raw[2] if len(raw) > 2 else None
+        if isinstance(ts, bool) or not isinstance(ts, int | float):
+            raise TypeError(f"the batch's timestamp is a {type(ts).__name__}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"the batch's data-parallel rank is a {type(rank).__name__}")
+        return KVEventBatch(ts=float(ts), events=events, data_parallel_rank=rank)
+    except (msgspec.ValidationError, TypeError, ValueError, IndexError, KeyError) as e:
         raise KVEventDecodeError(f"malformed KV event: {e}") from None
 
 

@@ -14,6 +14,7 @@ the replays on the engine's replay socket.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from kvindex.events import (
 )
 from kvindex.index import DEFAULT_TIER, BlockKey, InMemoryIndex
 from kvindex.keys import KeyExtras, block_key, chain_keys
+
+log = logging.getLogger(__name__)
 
 EngineHash = int | bytes
 
@@ -113,6 +116,8 @@ class IngestStats:
     restarts: int = 0
     resyncs: int = 0
     decode_errors: int = 0
+    unknown_events: int = 0
+    """Events of a type this release does not know (a later vLLM's), skipped one by one."""
 
 
 @dataclass
@@ -138,6 +143,7 @@ class EventIngestor:
         self.stats = IngestStats()
         self._engines: dict[str, _EngineState] = {}
         self._replay_generation = 0
+        self._unknown_tags: set[str] = set()
 
     def engine_blocks(self, engine: str) -> int:
         """Engine block hashes currently mapped for `engine`."""
@@ -286,11 +292,20 @@ class EventIngestor:
     # -- applying -------------------------------------------------------------------------------
 
     def _decode(self, payload: bytes) -> KVEventBatch | None:
+        unknown: list[str] = []
         try:
-            return decode_batch(payload)
-        except KVEventDecodeError:
+            batch = decode_batch(payload, unknown)
+        except KVEventDecodeError as e:
             self.stats.decode_errors += 1
+            log.warning("KV event batch dropped: %s", e)
             return None
+        if unknown:
+            self.stats.unknown_events += len(unknown)
+            for tag in unknown:
+                if tag not in self._unknown_tags and len(self._unknown_tags) < 100:
+                    self._unknown_tags.add(tag)
+                    log.warning("KV events of unknown type %s skipped", tag)
+        return batch
 
     def _reset(self, state: _EngineState, engine: str, reason: str, result: IngestResult) -> None:
         self.stats.resyncs += 1

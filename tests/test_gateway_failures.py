@@ -283,6 +283,24 @@ def test_unknown_fields_and_tracing_headers_pass_through(
     assert parent != "b7ad6b7169203331"
 
 
+def test_the_kv_event_report_mode_is_taken_out_of_vllm_xargs(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    # "full" would make the engine announce every reused block again, which the gateway's
+    # index would count as copies no removal takes back; the client's other xargs stay.
+    engine, gw = recorded
+    engine.release.set()
+    body = {"model": "rec", "messages": [], "stream": True,
+            "vllm_xargs": {"kv_cache_report_mode": "full", "client_note": "kept"}}
+    req = urllib.request.Request(f"{gw.url}/v1/chat/completions", method="POST",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+    got = json.loads(engine.requests[-1][1])
+    assert got == {**body, "vllm_xargs": {"client_note": "kept"}}
+
+
 def test_header_bytes_outside_latin_1_reach_the_engine_unchanged(
     recorded: tuple[RecordingEngine, Child],
 ) -> None:

@@ -184,6 +184,55 @@ def test_undecodable_payload_is_counted_not_fatal() -> None:
     assert h.held_blocks(TOKENS) == 1
 
 
+def test_a_batch_with_a_bad_field_is_dropped_whole_and_leaves_nothing_stale() -> None:
+    # The removal of block 1 rides with a store whose token ids the index cannot key: the
+    # batch is dropped, and the gap it leaves resyncs the engine (no replay endpoint here).
+    h = Harness()
+    h.feed(0, payload(stored([1], None, TOKENS[:16], 16)))
+    bad = msgspec.msgpack.encode([0.0, [
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None,
+         "token_ids": [-1] * 16, "block_size": 16, "lora_id": None, "medium": "GPU",
+         "lora_name": None}], 0])
+    h.feed(1, bad)
+    assert h.ingestor.stats.decode_errors == 1
+    h.feed(2, payload(stored([3], None, TOKENS[16:32], 16)))
+    assert h.held_blocks(TOKENS) == 0  # block 1 is gone
+    assert h.held_blocks(TOKENS[16:32]) == 1
+
+
+def test_events_of_an_unknown_type_are_skipped_and_the_rest_of_their_batch_counts() -> None:
+    for layout in ("map", "positional"):
+        h = Harness()
+        if layout == "map":
+            events: list[Any] = [
+                {"type": "BlockPinned", "block_hashes": [1]},
+                {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                 "token_ids": TOKENS[:16], "block_size": 16, "lora_id": None, "medium": "GPU",
+                 "lora_name": None}]
+        else:
+            events = [["BlockPinned", [1]], ["BlockStored", [1], None, TOKENS[:16], 16]]
+        h.feed(0, msgspec.msgpack.encode([0.0, events, 0]))
+        assert h.ingestor.stats.unknown_events == 1, layout
+        assert h.ingestor.stats.decode_errors == 0, layout
+        assert h.held_blocks(TOKENS) == 1, layout
+
+
+def test_malformed_batches_in_every_shape_are_decode_errors() -> None:
+    stored_map = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                  "token_ids": TOKENS[:16], "block_size": 16, "lora_id": None,
+                  "medium": "GPU", "lora_name": None}
+    for bad in ([0.0, [5], 0], ["noon", [["AllBlocksCleared"]], 0],
+                [0.0, [{"type": "BlockRemoved"}], 0], [0.0, [stored_map], "rank"],
+                [0.0, [{**stored_map, "token_ids": [2**32] * 16}], 0]):
+        h = Harness()
+        h.feed(0, msgspec.msgpack.encode(bad))
+        assert h.ingestor.stats.decode_errors == 1, bad
+    h = Harness()
+    h.feed(0, msgspec.msgpack.encode([0.0, [stored_map], 0])[:-4])  # truncated
+    assert h.ingestor.stats.decode_errors == 1
+
+
 def test_forgetting_an_engine_clears_it() -> None:
     h = Harness()
     h.feed(0, payload(stored([1], None, TOKENS[:16], 16)))
