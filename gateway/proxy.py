@@ -80,6 +80,8 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
     return out
 
 
+RECORD_TIMEOUT_S = 5.0
+"""How long a hint-mode call waits for its workflow record's first write."""
 REPORT_MODE = "kv_cache_report_mode"
 """A `vllm_xargs` key the proxy drops: how the engine reports reused blocks in its KV events,
 which the gateway's index reads (vLLM's default, "incremental", announces each block once)."""
@@ -383,7 +385,7 @@ class Proxy:
                     sent_headers = headers.copy()
                     engine_trace.inject(sent_headers)
             if recorder is not None:
-                await recorder.dispatched(engine)
+                recorder.dispatched(engine)
             sent = raw
             extra: dict[str, Any] = {}
             if d.priority is not None and state.priority_engine(engine):
@@ -559,7 +561,11 @@ class Proxy:
         metrics = state.metrics
         try:
             assert state.pool is not None and state.upstream is not None
-            url = state.pool.engines[engine].url
+            entry = state.pool.engines.get(engine)
+            if entry is None:  # removed through the admin API while the call was placed
+                flight.status = RETRYING
+                raise _RetryableFailure(f"{engine} left the pool")
+            url = entry.url
             if d.speculative_keys:
                 await state.index.add_speculative(engine, d.speculative_keys, state.now(),
                                                   d.speculative_ttl_s)
@@ -760,9 +766,11 @@ def _usage_event(events: bytes) -> bytes | None:
 class _Recorder:
     """Reports a hint-mode call's progress to the workflow service (`GET /v1/workflows/{id}`).
 
-    `started` and `dispatched` are awaited in order before the call goes on, so the record
-    exists before anything updates it; first token and finish are written in the background
-    (a client hanging up must not lose them)."""
+    `started` is awaited before the call is placed, so the record exists before anything
+    updates it; the rest is written in the background, in order (nothing stands between a
+    placement and the engine call, and a client hanging up must not lose the end). The record
+    is the call's account, not the call: a store that cannot write it (Redis away or slow
+    past RECORD_TIMEOUT_S) leaves the call unrecorded, not failed."""
 
     def __init__(self, proxy: Proxy, hints: RequestHints, route: RouteRequest,
                  tenant: str | None) -> None:
@@ -777,6 +785,8 @@ class _Recorder:
         """The previous background write: writes land in the order they were made."""
         self.attempt = uuid.uuid4().hex
         """This call's token in the task's record (a retry may reuse its request id)."""
+        self.unrecorded = False
+        """Its first write failed: the rest are not made."""
 
     def _write(self, work: Coroutine[Any, Any, None]) -> None:
         previous = self._last
@@ -799,23 +809,35 @@ class _Recorder:
         return cls(proxy, hints, route, salt if isinstance(salt, str) else None)
 
     async def started(self) -> None:
-        assert self.proxy.state.workflows is not None
-        await self.proxy.state.workflows.hinted_task_started(
-            self.workflow, self.task, self.after, self.route.request_id, self.route.model,
-            self.tenant, attempt=self.attempt)
+        workflows = self.proxy.state.workflows
+        assert workflows is not None
+        try:
+            await asyncio.wait_for(workflows.hinted_task_started(
+                self.workflow, self.task, self.after, self.route.request_id, self.route.model,
+                self.tenant, attempt=self.attempt), RECORD_TIMEOUT_S)
+        except Exception as e:  # TimeoutError, the store's own errors
+            log.warning("workflow %s, task %s: its record could not be written (%r); the "
+                        "call goes on unrecorded", self.workflow, self.task, e)
+            self.unrecorded = True
 
-    async def dispatched(self, engine: str) -> None:
-        assert self.proxy.state.workflows is not None
-        await self.proxy.state.workflows.hinted_task_dispatched(
-            self.workflow, self.task, engine, attempt=self.attempt)
+    def dispatched(self, engine: str) -> None:
+        workflows = self.proxy.state.workflows
+        assert workflows is not None
+        if not self.unrecorded:
+            self._write(workflows.hinted_task_dispatched(
+                self.workflow, self.task, engine, attempt=self.attempt, at=workflows.clock()))
 
     def first_token(self) -> None:
         assert self.proxy.state.workflows is not None
+        if self.unrecorded:
+            return
         self._write(self.proxy.state.workflows.hinted_first_token(
             self.workflow, self.task, attempt=self.attempt))
 
     def finished(self, flight: _Flight | None, error: str | None) -> None:
         assert self.proxy.state.workflows is not None
+        if self.unrecorded:
+            return
         output = None
         output_tokens = flight.streamed_tokens if flight is not None else None
         cached = None

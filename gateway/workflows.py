@@ -969,9 +969,10 @@ class WorkflowService:
         return rec
 
     async def hinted_task_dispatched(self, workflow: str, task: str, engine: str,
-                                     attempt: str | None = None) -> None:
-        """The call was sent to `engine`."""
-        now = self.clock()
+                                     attempt: str | None = None, at: float | None = None
+                                     ) -> None:
+        """The call was sent to `engine` (`at`, on `clock`; by default now)."""
+        now = self.clock() if at is None else at
         run = self._runs.get(workflow)
         if run is not None:
             run.inbox.put_nowait(_Note(task, {"engine": engine, "dispatched_s": now}))

@@ -506,3 +506,27 @@ def test_engine_dying_mid_json_body_is_a_502_naming_the_engine(
                                            spawn_gateway)
     assert status == 502
     assert "cutter" in error["message"] and error["code"] == "engine_failed"
+
+
+def test_a_hint_mode_call_goes_on_when_the_workflow_store_is_away(
+    spawn_sim: Callable[..., Child], spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    # The workflow record is the call's account, not the call: with Redis gone the call is
+    # answered (it was a 500), unrecorded, and the engine's load is given back.
+    from tests.redis_server import RedisServer
+    from tests.test_kv_moves_live import metrics
+
+    sim = spawn_sim()
+    with RedisServer() as url:
+        gw = spawn_gateway({"engines": [{"url": sim.url}],
+                            "workflows": {"store": "redis", "redis_url": url}})
+        wait_healthy(gw)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="none", max_retries=0)
+    for task in ("plan", "work"):
+        answer = client.chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-KVGate-Workflow": "away-1", "X-KVGate-Task": task})
+        assert answer.choices[0].message.content is not None
+    in_flight = [v for (name, _), v in metrics(gw.url).items()
+                 if name == "kvgate_engine_in_flight"]
+    assert in_flight == [0.0]

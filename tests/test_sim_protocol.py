@@ -560,9 +560,14 @@ def test_kvindex_decode_batch_both_layouts() -> None:
         assert isinstance(cleared, KAllCleared)
 
     for garbage in (b"\xc1\xff not msgpack", b"", msgspec.msgpack.encode({"ts": 1}),
-                    msgspec.msgpack.encode([ts, [["NoSuchEvent", 1]], 0])):
+                    msgspec.msgpack.encode([ts, [7], 0])):
         with pytest.raises(KVEventDecodeError):
             decode_batch(garbage)
+    # An event of a type a later vLLM may add is left out; its batch's others are kept.
+    unknown: list[str] = []
+    batch = decode_batch(msgspec.msgpack.encode([ts, [["NoSuchEvent", 1],
+                                                      ["AllBlocksCleared"]], 0]), unknown)
+    assert [type(e) for e in batch.events] == [KAllCleared] and unknown == ["'NoSuchEvent'"]
 
 
 def test_sglang_worker_info_endpoints_describe_the_engine(tmp_path: Path) -> None:
