@@ -22,6 +22,15 @@ from planner.events import EngineHealth, EngineJoined, EngineLeft, EngineScraped
 log = logging.getLogger(__name__)
 
 
+def model_ids(body: object) -> frozenset[str]:
+    """The model ids of an engine's `/v1/models` answer; ValueError naming what is wrong."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+        raise ValueError("/v1/models did not answer {\"data\": [{\"id\": ...}, ...]}")
+    return frozenset(m["id"] for m in data)
+
+
 @dataclass
 class EngineState:
     """Mutable live state of one engine, owned by the pool."""
@@ -150,9 +159,8 @@ class EnginePool:
             if ok:
                 # Every time: adapters load at run time and a restarted engine may serve others.
                 async with self._session.get(f"{state.url}/v1/models", timeout=timeout) as r:
-                    body = await r.json()
-                    state.models = frozenset(m["id"] for m in body.get("data", []))
-        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as e:
+                    state.models = model_ids(await r.json())
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             ok = False
             refused = isinstance(e, aiohttp.ClientConnectorError)
             log.debug("health check of %s failed: %r", state.name, e)
@@ -177,7 +185,7 @@ class EnginePool:
             async with self._session.get(f"{state.url}/metrics", timeout=timeout) as r:
                 text = await r.text()
             load = parse_engine_load(text)
-        except (TimeoutError, aiohttp.ClientError, MetricsParseError) as e:
+        except (TimeoutError, aiohttp.ClientError, MetricsParseError, UnicodeDecodeError) as e:
             log.debug("scrape of %s failed: %r", state.name, e)
             return
         restarted = (

@@ -683,7 +683,13 @@ class WorkflowService:
             raise WorkflowNotCancellable(f"workflow {workflow_id!r} is already {snap['state']}")
         if (self.store.shared and workflow_id not in self._runs
                 and await self.store.claim(workflow_id, self.instance, self.settings.lease_s)):
-            # Nobody drives it (its replica is gone): cancel it here.
+            # Nobody drives it now: its replica is gone, or has just ended it (its last write
+            # gives up the lease), so read it again before ending it here.
+            snap = await self.snapshot(workflow_id)
+            if snap["state"] != "running":
+                await self.store.release(self.instance, [workflow_id])
+                raise WorkflowNotCancellable(f"workflow {workflow_id!r} is already "
+                                             f"{snap['state']}")
             await self._end_undriven({k: v for k, v in snap.items() if k != "tasks"},
                                      snap.get("tasks") or {}, TaskState.CANCELLED,
                                      self.clock())

@@ -530,3 +530,46 @@ def test_a_hint_mode_call_goes_on_when_the_workflow_store_is_away(
     in_flight = [v for (name, _), v in metrics(gw.url).items()
                  if name == "kvgate_engine_in_flight"]
     assert in_flight == [0.0]
+
+
+class GarbageEngine:
+    """An engine whose `/v1/models` and `/metrics` answer nothing a health check can read."""
+
+    def __init__(self, models: bytes) -> None:
+        self.models_body = models
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/metrics", self.metrics)
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.models_body, content_type="application/json")
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=b"\xff\xfe vllm:num_requests_running 0\n",
+                            content_type="text/plain")
+
+
+@pytest.mark.parametrize("models", [b"[1, 2]", b'"ok"', b'{"data": [{"name": "m"}]}',
+                                    b'{"data": [{"id": "\xff"}]}'])
+def test_an_engine_answering_garbage_is_unhealthy_not_a_crash(
+    models: bytes, threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_sim: Callable[..., Child], spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    sim = spawn_sim()
+    garbage = threaded_server(GarbageEngine(models).app)
+    gw = spawn_gateway({"engines": [{"url": sim.url}, {"url": garbage.url}],
+                        "admin_key": "k" * 32})
+    wait_healthy(gw)  # it starts: the good engine serves
+    with urllib.request.urlopen(f"{gw.url}/health", timeout=10) as r:
+        engines = json.loads(r.read())["engines"]
+    assert engines == {sim.url.removeprefix("http://"): True,
+                       garbage.url.removeprefix("http://"): False}
+    other = threaded_server(GarbageEngine(models).app)
+    status, body = post(f"{gw.url}/admin/engines", json.dumps({"url": other.url}).encode(),
+                        {"Authorization": f"Bearer {'k' * 32}"})
+    assert (status, body) == (201, {"name": other.url.removeprefix("http://"),
+                                    "healthy": False})

@@ -18,7 +18,13 @@ import yaml
 
 from gateway.config import WorkflowSettings
 from gateway.workflow_store import MemoryWorkflowStore, RedisWorkflowStore
-from gateway.workflows import MAX_RESUMES, TaskOutcome, WorkflowService, task_record
+from gateway.workflows import (
+    MAX_RESUMES,
+    TaskOutcome,
+    WorkflowNotCancellable,
+    WorkflowService,
+    task_record,
+)
 from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
 from planner.hints import TASK_HEADER
 from tests.conftest import MODEL
@@ -299,3 +305,51 @@ async def test_a_replica_whose_lease_was_taken_over_writes_nothing_more(
         assert "slow" in gate.bodies and "last" not in gate.bodies
     finally:
         await stalled.stop()
+
+
+class StaleRead(RedisWorkflowStore):
+    """A store whose next `get` runs `hook` before it returns what it read (the reader acts
+    on a snapshot another replica has since changed)."""
+
+    hook: Any = None
+
+    async def get(self, workflow_id: str) -> Any:
+        snap = await super().get(workflow_id)
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            await hook()
+        return snap
+
+
+async def test_a_delete_that_read_a_workflow_just_before_it_ended_leaves_it_done(
+    redis_url: str,
+) -> None:
+    ns = f"t{uuid.uuid4().hex[:12]}"
+    gate = Gate("last")
+    driver = WorkflowService(WorkflowSettings(store="redis", redis_url=redis_url),
+                             RedisWorkflowStore.from_url(redis_url, ns), gate, replica="a")
+    stale = StaleRead.from_url(redis_url, ns)
+    other = WorkflowService(WorkflowSettings(store="redis", redis_url=redis_url), stale,
+                            Recorder(), replica="b")
+    try:
+        wf = (await driver.submit(chain()))["id"]
+        await asyncio.wait_for(gate.reached.wait(), 10)
+
+        async def the_driver_ends_it() -> None:
+            gate.release.set()
+            for _ in range(500):
+                if wf not in driver._runs:
+                    return
+                await asyncio.sleep(0.01)
+
+        stale.hook = the_driver_ends_it
+        with pytest.raises(WorkflowNotCancellable, match="already done"):
+            await other.cancel(wf)
+        snap = await driver.snapshot(wf)
+        assert snap["state"] == "done"
+        assert snap["tasks"]["last"]["output"] == "<last answer>"
+        events = [e["state"] for _, e in await stale.events(wf) if e["type"] == "workflow"]
+        assert events == ["done"]
+    finally:
+        await driver.stop()
+        await other.stop()
