@@ -53,6 +53,10 @@ from planner.workflow import (
 
 log = logging.getLogger(__name__)
 
+PERSIST_RETRIES_S = (0.1, 0.3, 1.0, 2.0)
+"""Waits before writing a workflow's state again when the store failed (about 3.4 s in all,
+within a lease's default 10 s)."""
+
 
 SSE_KEEPALIVE_S = 15.0
 """A comment line this often on a quiet event stream (keeps proxies from timing it out)."""
@@ -798,7 +802,12 @@ class WorkflowService:
                                            ttl_s=self.settings.ttl_s, owner=self._owner):
                 self._lost(run)
         except Exception:
+            # Its state could not be written (the store is away past every retry): its calls
+            # are aborted, and with a shared store its lease lapses and another replica goes
+            # on from what was written.
             log.exception("workflow %s: its driver failed", run.id)
+            for job in run.inflight.values():
+                job.cancel()
         finally:
             for handle in run.timers.values():
                 handle.cancel()
@@ -886,9 +895,19 @@ class WorkflowService:
         changes.events.append(task_event(run.id, task, rec))
 
     async def _persist(self, run: _Run, changes: _Changes) -> None:
-        if not await self.store.update(run.id, workflow=run.workflow,
-                                       tasks={t: run.tasks[t] for t in changes.tasks},
-                                       events=changes.events, owner=self._owner):
+        tasks = {t: run.tasks[t] for t in changes.tasks}
+        for delay in (*PERSIST_RETRIES_S, None):
+            try:
+                written = await self.store.update(run.id, workflow=run.workflow, tasks=tasks,
+                                                  events=changes.events, owner=self._owner)
+                break
+            except Exception as e:  # the store's errors: a Redis blip, a failover
+                if delay is None:
+                    raise
+                log.warning("workflow %s: its state could not be written (%r); again in "
+                            "%.1f s", run.id, e, delay)
+                await asyncio.sleep(delay)
+        if not written:
             self._lost(run)
 
     @property

@@ -353,3 +353,61 @@ async def test_a_delete_that_read_a_workflow_just_before_it_ended_leaves_it_done
     finally:
         await driver.stop()
         await other.stop()
+
+
+class Blinking(MemoryWorkflowStore):
+    """A store whose writes fail while `down` is above 0 (each failure counts one down)."""
+
+    down = 0
+
+    async def update(self, *args: Any, **kwargs: Any) -> bool:
+        if self.down > 0:
+            self.down -= 1
+            raise ConnectionError("the store is away")
+        return await super().update(*args, **kwargs)
+
+
+async def test_a_store_blip_is_written_through_and_the_workflow_goes_on() -> None:
+    store, gate = Blinking(), Gate("slow")
+    service = WorkflowService(WorkflowSettings(), store, gate, replica="a")
+    try:
+        wf = (await service.submit(chain()))["id"]
+        await asyncio.wait_for(gate.reached.wait(), 10)
+        store.down = 2  # the next two writes fail, the third lands
+        gate.release.set()
+        await asyncio.wait_for(service._runs[wf].over.wait(), 10)
+        snap = await service.snapshot(wf)
+        assert snap["state"] == "done"
+        assert sorted(gate.bodies) == ["first", "last", "slow"]
+    finally:
+        await service.stop()
+
+
+async def test_a_store_away_for_good_aborts_the_workflows_calls_in_flight() -> None:
+    store, gate = Blinking(), Gate("quick")
+    aborted = asyncio.Event()
+
+    async def held(body: dict[str, Any], headers: Mapping[str, str]) -> TaskOutcome:
+        if headers[TASK_HEADER] == "held":
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                aborted.set()
+                raise
+        return await Gate.execute(gate, body, headers)
+
+    gate.execute = held  # type: ignore[method-assign]
+    service = WorkflowService(WorkflowSettings(), store, gate, replica="a")
+    spec = {"id": "pair", "model": MODEL, "tasks": [
+        {"id": t, "output_tokens": 8, "messages": [{"role": "user", "content": t}]}
+        for t in ("quick", "held")]}
+    try:
+        await service.submit(spec)
+        await asyncio.wait_for(gate.reached.wait(), 10)
+        # `quick` ends while `held` runs, and the write of its end never lands.
+        store.down = 100
+        gate.release.set()
+        await asyncio.wait_for(aborted.wait(), 10)
+    finally:
+        store.down = 0
+        await service.stop()
