@@ -87,6 +87,11 @@ class _Connection(asyncio.Protocol):
         except ProtocolError as e:
             self._fail(e if exc is None else exc)
             return
+        if exc is not None and events:
+            # A body framed by the connection's end ended in an error (a reset), not a close:
+            # it may be cut short.
+            self._fail(exc)
+            return
         self._deliver(events)
 
     def _deliver(self, events: list[Event]) -> None:

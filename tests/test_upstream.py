@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -346,3 +348,29 @@ async def test_while_waiting_runs_once_per_request_after_it_is_written(
     # connection is new to it; the next ones reuse it.
     assert seen == [0, 1, 1]
     await up.close()
+
+
+async def test_a_body_until_close_that_ends_in_a_reset_is_broken() -> None:
+    # No Content-Length, no chunks: the body runs until the connection closes. A reset is not
+    # a close: the answer may be cut short.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npartial")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    up = Upstream(connect_timeout_s=5)
+    try:
+        resp = await up.post(f"http://127.0.0.1:{port}", "/reset", b"{}", [], 5)
+        with pytest.raises(UpstreamBroken):
+            await resp.read()
+        resp.release()
+    finally:
+        await up.close()
+        server.close()
+        await server.wait_closed()
