@@ -21,6 +21,7 @@ from gateway.errors import GatewayError
 from gateway.metrics import IngestCollector
 from gateway.proxy import Proxy
 from gateway.state import GatewayState
+from gateway.tenants import TENANT_KEY, NotPermitted
 from gateway.ui import TimelineUI
 from gateway.workflow_store import make_store
 from gateway.workflows import LoopbackExecutor, TaskExecutor, WorkflowService, loopback_url
@@ -36,6 +37,30 @@ def _route_label(request: web.Request) -> str:
     bounded set, whatever path a client sends."""
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
+
+
+_OPERATOR_READS = ("/v1/workflows", "/v1/traces", "/v1/models")
+
+
+@web.middleware
+async def _tenants(request: web.Request, handler: Any) -> web.StreamResponse:
+    """With tenants configured: whom each `/v1/` call is from (gateway/tenants.py)."""
+    path = request.path
+    if path.startswith("/v1/"):
+        tenant = request.app[STATE_KEY].tenancy.resolve(request.headers)
+        traces = path.startswith("/v1/traces") or (  # /v1/workflows/{id}/trace
+            path.startswith("/v1/workflows/") and path.count("/") == 4
+            and path.endswith("/trace"))
+        if tenant.operator:
+            if not path.startswith(_OPERATOR_READS) or (
+                    request.method == "POST" and path == "/v1/workflows"):
+                raise NotPermitted("the admin key reads and cancels workflows and reads "
+                                   "traces; calls need a tenant's key")
+        elif traces:
+            raise NotPermitted("traces show every tenant's calls: they need the admin key")
+        request[TENANT_KEY] = tenant
+    resp: web.StreamResponse = await handler(request)
+    return resp
 
 
 @web.middleware
@@ -74,7 +99,8 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
     )
     state.workflows = workflows
     # The proxy enforces max_body_bytes itself with a clear error; aiohttp's own limit stays off.
-    app = web.Application(middlewares=[_errors], client_max_size=0)
+    middlewares = [_errors, _tenants] if state.tenancy.enabled else [_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=0)
     app[STATE_KEY] = state
     index_stats = IndexStats(keys=0, entries=0, speculative_entries=0, engines=0)
 

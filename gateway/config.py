@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -255,6 +256,31 @@ class TracingSettings(BaseModel):
         return self.exporter != ["none"]
 
 
+MIN_KEY_CHARS = 16
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class TenantEntry(BaseModel):
+    """One tenant: the API keys its clients send, and whom it shares cached prefixes with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keys: list[str] = Field(min_length=1)
+    """`Authorization: Bearer KEY` values that stand for this tenant (at least 16 characters)."""
+    prefix_group: str | None = None
+    """Tenants with the same group share cached prefixes (one `cache_salt`); by default a
+    tenant shares with nobody."""
+
+    @field_validator("keys")
+    @classmethod
+    def _long_keys(cls, v: list[str]) -> list[str]:
+        for key in v:
+            if len(key) < MIN_KEY_CHARS or not key.isascii() or key != key.strip():
+                raise ValueError(f"a tenant key must be at least {MIN_KEY_CHARS} ASCII "
+                                 "characters without surrounding spaces")
+        return v
+
+
 class GatewayConfig(BaseModel):
     """Everything `kvgate serve` needs."""
 
@@ -283,6 +309,29 @@ class GatewayConfig(BaseModel):
     """HF tokenizer directory the engines load (default: the shipped tiny tokenizer)."""
     admin_key: str | None = None
     """Key for /admin endpoints (Authorization: Bearer KEY); without one they are disabled."""
+    tenants: dict[str, TenantEntry] = Field(default_factory=dict)
+    """With tenants, every `/v1/` call needs a tenant's key (or, to read workflows and
+    traces, the admin key), and each tenant's calls are cached apart from the others'."""
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key(cls, v: str | None) -> str | None:
+        if v is not None and v != v.strip():
+            raise ValueError("admin_key has spaces or a line break around it (a key read "
+                             "from a file keeps its newline)")
+        return v
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, TenantEntry]) -> dict[str, TenantEntry]:
+        for name in v:
+            if not TENANT_NAME.fullmatch(name):
+                raise ValueError(f"tenant name {name!r}: letters, digits and . _ - (at most "
+                                 "64, starting with a letter or digit)")
+        keys = [k for t in v.values() for k in t.keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key stands for one tenant only; a key is listed twice")
+        return v
 
     @field_validator("policy")
     @classmethod
@@ -296,6 +345,13 @@ class GatewayConfig(BaseModel):
     @classmethod
     def _bind_endpoint(cls, v: str | None) -> str | None:
         return check_zmq_endpoint(v)
+
+    @model_validator(mode="after")
+    def _admin_key_is_no_tenants(self) -> GatewayConfig:
+        if self.admin_key is not None and any(self.admin_key in t.keys
+                                              for t in self.tenants.values()):
+            raise ValueError("the admin key may not also be a tenant's key")
+        return self
 
     @model_validator(mode="after")
     def _unique_engine_names(self) -> GatewayConfig:

@@ -34,6 +34,7 @@ from gateway.errors import (
     NoHealthyEngine,
 )
 from gateway.state import GatewayState
+from gateway.tenants import TENANT_KEY, Tenant
 from gateway.tracing import NO_CALL, CallTrace, EngineCallTrace, NoCall
 from gateway.upstream import (
     UpstreamConnectError,
@@ -300,6 +301,10 @@ class Proxy:
             raise InvalidRequest(f"workflow id {hints.workflow!r} is reserved (it would name a "
                                  "key of the workflow store: index, running, or one ending in "
                                  ":ev or :lease)", param="kvgate")
+        tenant = request.get(TENANT_KEY)
+        if tenant is not None:
+            # The tenant's salt, whatever the client sent: tenants are cached apart.
+            stripped = {**(stripped or body), "cache_salt": tenant.salt}
         xargs = body.get("vllm_xargs")
         if isinstance(xargs, dict) and REPORT_MODE in xargs:
             # "full" makes vLLM announce every block a call reuses again: the index would take
@@ -354,7 +359,8 @@ class Proxy:
             hints = replace(hints, task=route_req.request_id)
         # The client's x-request-id is forwarded untouched; vLLM uses it as its request id.
         headers = forward_headers(request.headers)
-        recorder = _Recorder.start(self, hints, route_req, body) if hints.in_workflow else None
+        recorder = (_Recorder.start(self, hints, route_req, body, request.get(TENANT_KEY))
+                    if hints.in_workflow else None)
         static = static_blocks(state, route, body) if hints.in_workflow else 0
         if recorder is not None:
             await recorder.started()
@@ -773,7 +779,7 @@ class _Recorder:
     past RECORD_TIMEOUT_S) leaves the call unrecorded, not failed."""
 
     def __init__(self, proxy: Proxy, hints: RequestHints, route: RouteRequest,
-                 tenant: str | None) -> None:
+                 tenant: str | None, owned: bool = False) -> None:
         assert hints.workflow is not None and hints.task is not None
         self.proxy = proxy
         self.workflow = hints.workflow
@@ -781,6 +787,8 @@ class _Recorder:
         self.after = hints.after
         self.route = route
         self.tenant = tenant
+        self.owned = owned
+        """Tenants are configured: the workflow must be `tenant`'s."""
         self._last: asyncio.Future[None] | None = None
         """The previous background write: writes land in the order they were made."""
         self.attempt = uuid.uuid4().hex
@@ -801,10 +809,13 @@ class _Recorder:
 
     @classmethod
     def start(cls, proxy: Proxy, hints: RequestHints, route: RouteRequest,
-              body: dict[str, Any]) -> _Recorder | None:
-        """A recorder for the call, or None when the gateway keeps no workflows."""
+              body: dict[str, Any], tenant: Tenant | None) -> _Recorder | None:
+        """A recorder for the call, or None when the gateway keeps no workflows. The
+        workflow's tenant: the caller's (tenants configured), else the call's salt."""
         if proxy.state.workflows is None:
             return None
+        if tenant is not None:
+            return cls(proxy, hints, route, tenant.name, owned=True)
         salt = body.get("cache_salt")
         return cls(proxy, hints, route, salt if isinstance(salt, str) else None)
 
@@ -814,7 +825,9 @@ class _Recorder:
         try:
             await asyncio.wait_for(workflows.hinted_task_started(
                 self.workflow, self.task, self.after, self.route.request_id, self.route.model,
-                self.tenant, attempt=self.attempt), RECORD_TIMEOUT_S)
+                self.tenant, attempt=self.attempt, owned=self.owned), RECORD_TIMEOUT_S)
+        except GatewayError:
+            raise  # another tenant's workflow: the call is refused
         except Exception as e:  # TimeoutError, the store's own errors
             log.warning("workflow %s, task %s: its record could not be written (%r); the "
                         "call goes on unrecorded", self.workflow, self.task, e)

@@ -15,6 +15,7 @@ from gateway.later import Later
 from gateway.metrics import EngineCollector, EngineFigures, GatewayMetrics
 from gateway.moves import KvMover
 from gateway.pool import EnginePool
+from gateway.tenants import Tenancy
 from gateway.tracing import Tracing
 from gateway.upstream import Upstream
 from kvindex.index import InMemoryIndex, KVIndexBackend
@@ -65,6 +66,8 @@ class GatewayState:
         self.tracing = Tracing(config.tracing)
         """Spans of calls, KV moves and workflows, and their exporters (gateway/tracing.py)."""
         self.tracing.flush_pending = self.later.flush
+        self.tenancy = Tenancy(config.tenants, config.admin_key)
+        """Whom each `/v1/` call is from, with tenants configured (gateway/tenants.py)."""
         self.tokenizer = Tokenizer.load(config.tokenizer)
         self.keyer = PromptKeyer(self.tokenizer, config.index.block_size)
         self.index: KVIndexBackend = make_index(config)

@@ -30,6 +30,7 @@ from aiohttp import web
 from gateway.config import WorkflowSettings
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import ENGINE_HEADER, read_json
+from gateway.tenants import Tenant, caller
 from gateway.tracing import TRACEPARENT, Tracing, trace_hex, workflow_trace_id
 from gateway.workflow_store import START, Json, WorkflowStore, names_a_store_key
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
@@ -439,7 +440,9 @@ class WorkflowService:
         """Spans of the workflows run here (root, tasks), and the trace ids of hint-mode ones."""
         self._runs: dict[str, _Run] = {}
         self._drivers: set[asyncio.Task[None]] = set()
-        self._hint_workflows: dict[str, tuple[bool, float]] = {}
+        self._hint_workflows: dict[str, tuple[bool, Any, float]] = {}
+        """Per workflow id a hint-mode call named: whether it is a hint-mode workflow, its
+        tenant, and when that was read."""
         """Hint-mode workflow ids seen here: (the store holds it as hints, when checked)."""
         self._hint_tasks: dict[tuple[str, str], Json] = {}
         self._hint_attempts: dict[tuple[str, str], str | None] = {}
@@ -655,21 +658,28 @@ class WorkflowService:
                                  f"available: {', '.join(models)}", param="model")
         return spec
 
-    async def snapshot(self, workflow_id: str) -> Json:
-        """The workflow's current snapshot, or WorkflowNotFound."""
+    async def snapshot(self, workflow_id: str, viewer: Tenant | None = None) -> Json:
+        """The workflow's current snapshot, or WorkflowNotFound (also when `viewer`, with
+        tenants configured, is another tenant than its owner)."""
         snap = None if names_a_store_key(workflow_id) else await self.store.get(workflow_id)
-        if snap is None:
+        if snap is None or (viewer is not None and not viewer.may_see(snap.get("tenant"))):
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (unknown or expired)")
         return hint_state(snap) if snap.get("source") == "hints" else snap
 
-    async def recent(self, limit: int) -> list[Json]:
-        """Summaries of the newest `limit` workflows (see `workflow_summary`), newest first."""
-        snaps = await self.store.recent(limit)
+    async def recent(self, limit: int, viewer: Tenant | None = None) -> list[Json]:
+        """Summaries of the newest `limit` workflows (see `workflow_summary`), newest first
+        (`viewer`'s own, with tenants configured)."""
+        snaps = await self.store.recent(limit if viewer is None else LIST_MAX)
+        if viewer is not None:
+            snaps = [s for s in snaps if viewer.may_see(s.get("tenant"))][:limit]
         return [workflow_summary(hint_state(s) if s.get("source") == "hints" else s)
                 for s in snaps]
 
-    async def cancel(self, workflow_id: str) -> tuple[Json, bool]:
+    async def cancel(self, workflow_id: str, viewer: Tenant | None = None
+                     ) -> tuple[Json, bool]:
         """Cancel a running workflow; its snapshot, and whether the cancel has landed yet."""
+        if viewer is not None:
+            await self.snapshot(workflow_id, viewer)  # another tenant's: 404
         run = self._runs.get(workflow_id)
         if run is not None and not run.dag.over:
             run.inbox.put_nowait(_Cancel())
@@ -716,6 +726,12 @@ class WorkflowService:
         for name, value in (*forward.items(), *trace.items()):
             if not value.isascii():  # it goes with every task's call
                 raise InvalidRequest(f"header {name} must be ASCII", param=name)
+        viewer = caller(request)
+        if viewer is not None and isinstance(body, dict):
+            if body.get("tenant") not in (None, viewer.name):
+                raise InvalidRequest(f"`tenant` is set by your key (to {viewer.name!r}); "
+                                     f"leave it out", param="tenant")
+            body = {**body, "tenant": viewer.name}
         snap = await self.submit(body, forward, trace)
         return web.json_response(snap, status=201,
                                  headers={"Location": f"/v1/workflows/{snap['id']}"})
@@ -730,22 +746,24 @@ class WorkflowService:
                 raise InvalidRequest(f"limit must be an integer from 1 to {LIST_MAX}, "
                                      f"got {raw!r}", param="limit")
             limit = int(raw)
-        return web.json_response({"object": "list", "data": await self.recent(limit)})
+        return web.json_response({"object": "list",
+                                  "data": await self.recent(limit, caller(request))})
 
     async def handle_get(self, request: web.Request) -> web.Response:
         """GET /v1/workflows/{id}: the snapshot."""
-        return web.json_response(await self.snapshot(request.match_info["id"]))
+        return web.json_response(await self.snapshot(request.match_info["id"],
+                                                     caller(request)))
 
     async def handle_delete(self, request: web.Request) -> web.Response:
         """DELETE /v1/workflows/{id}: cancel; 200 once cancelled, 202 if still landing."""
-        snap, landed = await self.cancel(request.match_info["id"])
+        snap, landed = await self.cancel(request.match_info["id"], caller(request))
         return web.json_response(snap, status=200 if landed else 202)
 
     async def handle_events(self, request: web.Request) -> web.StreamResponse:
         """GET /v1/workflows/{id}/events: every event from the start (or after `Last-Event-ID`),
         then new ones as they happen; ends after the workflow's final event."""
         wf_id = request.match_info["id"]
-        await self.snapshot(wf_id)  # 404 before the stream starts
+        await self.snapshot(wf_id, caller(request))  # 404 before the stream starts
         last = request.headers.get("Last-Event-ID") or START
         if not EVENT_ID.fullmatch(last):
             raise InvalidRequest(f"Last-Event-ID must be an event id this stream sent (digits, "
@@ -969,12 +987,21 @@ class WorkflowService:
 
     async def hinted_task_started(self, workflow: str, task: str, after: Sequence[str],
                                   request_id: str, model: str, tenant: str | None = None,
-                                  attempt: str | None = None) -> None:
+                                  attempt: str | None = None, owned: bool = False) -> None:
         """A call naming `workflow`/`task` arrived. For a workflow of the API (its own task
         calls) this is a no-op; otherwise the call becomes a task of a hint-mode workflow,
         created on its first call. `attempt`: a token unique to this call, which its later
-        news carries (see `_hint_attempt`)."""
-        if workflow in self._runs or not await self._is_hint_workflow(workflow, model, tenant):
+        news carries (see `_hint_attempt`). `owned` (tenants configured): the workflow must
+        be `tenant`'s, else WorkflowNotFound."""
+        run = self._runs.get(workflow)
+        if run is not None:
+            if owned and run.workflow.get("tenant") != tenant:
+                raise WorkflowNotFound(f"no workflow {workflow!r} of yours")
+            return
+        hints, owner = await self._is_hint_workflow(workflow, model, tenant)
+        if owned and owner != tenant:
+            raise WorkflowNotFound(f"no workflow {workflow!r} of yours")
+        if not hints:
             return
         rec = task_record(after, TaskState.READY)
         rec.update(request_id=request_id, ready_s=self.clock())
@@ -1055,26 +1082,30 @@ class WorkflowService:
                    error=error)
         await self._hint_write(workflow, task, rec)
 
-    async def _is_hint_workflow(self, workflow: str, model: str, tenant: str | None) -> bool:
+    async def _is_hint_workflow(self, workflow: str, model: str, tenant: str | None
+                                ) -> tuple[bool, Any]:
+        """Whether `workflow` is a hint-mode one (made now if it is new), and its tenant."""
         known = self._hint_workflows.get(workflow)
         # Re-checked now and then: an idle hint-mode workflow expires from the store.
-        if known is not None and time.monotonic() - known[1] < self.settings.ttl_s / 2:
-            return known[0]
+        if known is not None and time.monotonic() - known[2] < self.settings.ttl_s / 2:
+            return known[0], known[1]
         meta: Json = {"id": workflow, "source": "hints", "model": model, "tenant": tenant,
                       "state": "running", "created_s": self.clock(), "finished_s": None,
                       "replica": self.replica,
                       "trace_id": trace_hex(workflow_trace_id(workflow))
                       if self.tracing.enabled else None}
+        owner: Any = tenant
         if await self.store.create(meta, {}):
             hints = True
         else:
             snap = await self.store.get(workflow)
             hints = snap is not None and snap.get("source") == "hints"
+            owner = snap.get("tenant") if snap is not None else tenant
         self._hint_workflows.pop(workflow, None)
         if len(self._hint_workflows) >= _HINT_CACHE:
             self._hint_workflows.pop(next(iter(self._hint_workflows)))
-        self._hint_workflows[workflow] = (hints, time.monotonic())
-        return hints
+        self._hint_workflows[workflow] = (hints, owner, time.monotonic())
+        return hints, owner
 
     async def _hint_write(self, workflow: str, task: str, rec: Json, event: bool = True) -> None:
         if rec["state"] in {s.value for s in TERMINAL}:

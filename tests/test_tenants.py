@@ -1,0 +1,161 @@
+"""Tenants (gateway/tenants.py): with tenants configured every `/v1/` call needs a key, a
+tenant's calls are cached under the gateway's salt for it (whatever the client sends), and a
+tenant's workflows are its own; the admin key reads them all and makes no calls."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+
+from gateway.config import ConfigError, parse_config
+from kvgate.procs import Child, wait_healthy
+from tests.conftest import MODEL, ThreadedServer
+from tests.test_gateway_failures import RecordingEngine
+from tests.test_workflow_api import call
+
+ADMIN = "admin-" + "a" * 26
+ACME, ACME_LABS, BETA = "sk-acme-" + "1" * 24, "sk-labs-" + "2" * 24, "sk-beta-" + "3" * 24
+TENANTS = {"acme": {"keys": [ACME], "prefix_group": "acme"},
+           "acme-labs": {"keys": [ACME_LABS], "prefix_group": "acme"},
+           "beta": {"keys": [BETA]}}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def spec(wf_id: str) -> dict[str, Any]:
+    return {"id": wf_id, "model": MODEL, "tasks": [
+        {"id": "t", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}]}
+
+
+@pytest.fixture
+def recorded(threaded_server: Callable[[web.Application], ThreadedServer],
+             spawn_gateway: Callable[[dict[str, Any]], Child]) -> tuple[RecordingEngine, Child]:
+    engine = RecordingEngine()
+    engine.release.set()
+    server = threaded_server(engine.app)
+    gw = spawn_gateway({"engines": [{"url": server.url}], "tenants": TENANTS,
+                        "admin_key": ADMIN})
+    wait_healthy(gw)
+    return engine, gw
+
+
+@pytest.fixture
+def served(spawn_sim: Callable[..., Child],
+           spawn_gateway: Callable[[dict[str, Any]], Child]) -> Child:
+    sim = spawn_sim()
+    gw = spawn_gateway({"engines": [{"url": sim.url}], "tenants": TENANTS, "admin_key": ADMIN})
+    wait_healthy(gw)
+    return gw
+
+
+def chat(gw: Child, key: str, body: dict[str, Any]) -> tuple[int, Any]:
+    status, _, answer = call("POST", f"{gw.url}/v1/chat/completions",
+                             {"model": "rec", "messages": [], "stream": True, **body},
+                             headers=auth(key)) if key else call(
+        "POST", f"{gw.url}/v1/chat/completions", {"model": "rec", "messages": []})
+    return status, answer
+
+
+def test_every_call_needs_a_tenants_key(recorded: tuple[RecordingEngine, Child]) -> None:
+    _, gw = recorded
+    status, answer = chat(gw, "", {})
+    assert status == 401 and "Authorization: Bearer KEY" in answer["error"]["message"]
+    status, answer = chat(gw, "sk-nobody-" + "9" * 20, {})
+    assert status == 401 and "not one of this gateway's" in answer["error"]["message"]
+    status, answer = chat(gw, ADMIN, {})
+    assert status == 403 and "calls need a tenant's key" in answer["error"]["message"]
+    status, _, models = call("GET", f"{gw.url}/v1/models")
+    assert status == 401
+    status, _, models = call("GET", f"{gw.url}/v1/models", headers=auth(BETA))
+    assert status == 200 and [m["id"] for m in models["data"]] == ["rec"]
+
+
+def test_a_tenants_calls_carry_the_gateways_salt_for_it(
+        recorded: tuple[RecordingEngine, Child]) -> None:
+    engine, gw = recorded
+    salts = {}
+    for key in (ACME, ACME_LABS, BETA):
+        # A client's own salt (here another tenant's) does not choose its cache.
+        urllib.request.urlopen(urllib.request.Request(
+            f"{gw.url}/v1/chat/completions", method="POST",
+            data=json.dumps({"model": "rec", "messages": [], "stream": True,
+                             "cache_salt": "kvgate-tenant:beta"}).encode(),
+            headers={"Content-Type": "application/json", **auth(key)}), timeout=30).read()
+        salts[key] = json.loads(engine.requests[-1][1])["cache_salt"]
+    # One prefix group shares a salt; another tenant has its own.
+    assert salts[ACME] == salts[ACME_LABS] == "kvgate-tenant:acme"
+    assert salts[BETA] == "kvgate-tenant:beta"
+
+
+def test_a_tenants_workflows_are_its_own(served: Child) -> None:
+    gw = served
+    url = f"{gw.url}/v1/workflows"
+    status, _, snap = call("POST", url, {**spec("mine"), "tenant": "beta"}, headers=auth(ACME))
+    assert status == 400 and "set by your key" in snap["error"]["message"]
+    status, _, snap = call("POST", url, spec("mine"), headers=auth(ACME))
+    assert status == 201 and snap["tenant"] == "acme"
+    wf = snap["id"]
+    for method, path in (("GET", f"/{wf}"), ("GET", f"/{wf}/events"), ("DELETE", f"/{wf}")):
+        status, _, answer = call(method, url + path, headers=auth(BETA))
+        assert status == 404, (method, path, answer)
+    # Not even a tenant sharing acme's prefixes reads it.
+    assert call("GET", f"{url}/{wf}", headers=auth(ACME_LABS))[0] == 404
+    assert [w["id"] for w in call("GET", url, headers=auth(BETA))[2]["data"]] == []
+    assert [w["id"] for w in call("GET", url, headers=auth(ACME))[2]["data"]] == [wf]
+    deadline = time.monotonic() + 30
+    while call("GET", f"{url}/{wf}", headers=auth(ACME))[2]["state"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # Its task's call went through the gateway under the submitter's key.
+    assert call("GET", f"{url}/{wf}", headers=auth(ACME))[2]["state"] == "done"
+    # The operator reads every tenant's, and submits none.
+    assert call("GET", f"{url}/{wf}", headers=auth(ADMIN))[0] == 200
+    assert [w["id"] for w in call("GET", url, headers=auth(ADMIN))[2]["data"]] == [wf]
+    assert call("POST", url, spec("ops"), headers=auth(ADMIN))[0] == 403
+
+
+def test_hint_mode_calls_join_only_their_tenants_workflows(served: Child) -> None:
+    gw = served
+
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+
+    def ask(key: str, task: str) -> None:
+        client(key).chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-KVGate-Workflow": "agent-1", "X-KVGate-Task": task})
+
+    ask(ACME, "plan")
+    with pytest.raises(openai.NotFoundError, match="no workflow 'agent-1' of yours"):
+        ask(BETA, "intrude")
+    ask(ACME, "act")
+    status, _, snap = call("GET", f"{gw.url}/v1/workflows/agent-1", headers=auth(ACME))
+    assert status == 200 and snap["tenant"] == "acme"
+    assert sorted(snap["tasks"]) == ["act", "plan"]
+
+
+def test_traces_are_the_operators(served: Child) -> None:
+    gw = served
+    assert call("GET", f"{gw.url}/v1/traces", headers=auth(ACME))[0] == 403
+    assert call("GET", f"{gw.url}/v1/traces", headers=auth(ADMIN))[0] == 200
+
+
+@pytest.mark.parametrize("tenants, message", [
+    ({"acme": {"keys": ["short"]}}, "at least 16"),
+    ({"acme": {"keys": [ACME]}, "beta": {"keys": [ACME]}}, "listed twice"),
+    ({"a b": {"keys": [ACME]}}, "tenant name 'a b'"),
+    ({"acme": {"keys": [ADMIN]}}, "admin key may not also be a tenant's key"),
+])
+def test_a_tenant_config_that_would_mix_tenants_is_refused(tenants: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"engines": [{"url": "http://127.0.0.1:9"}], "tenants": tenants,
+                      "admin_key": ADMIN})
