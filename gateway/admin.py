@@ -17,6 +17,7 @@ from gateway.errors import GatewayError, InvalidRequest
 from gateway.kv_events import BadEndpoint
 from gateway.proxy import Proxy, read_json
 from gateway.state import GatewayState
+from gateway.tenants import bearer
 
 
 class AdminDisabled(GatewayError):
@@ -62,7 +63,7 @@ class Admin:
         key = self.state.config.admin_key
         if not key:
             raise AdminDisabled("the admin API is disabled: set admin_key in the gateway config")
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        given = bearer(request.headers) or ""
         if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
                                    key.encode("utf-8", "surrogateescape")):
             raise Unauthorized("admin endpoints need Authorization: Bearer <admin_key>")

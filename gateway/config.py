@@ -257,6 +257,9 @@ class TracingSettings(BaseModel):
 
 
 MIN_KEY_CHARS = 16
+PLACEHOLDER_KEYS = frozenset({"replace-with-a-long-random-key", "change-me-to-a-secret-key"})
+"""Example values of the shipped configs: a gateway started with one would serve /admin to
+anyone who has read them."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -316,9 +319,14 @@ class GatewayConfig(BaseModel):
     @field_validator("admin_key")
     @classmethod
     def _admin_key(cls, v: str | None) -> str | None:
-        if v is not None and v != v.strip():
+        if v is None:
+            return v
+        if v != v.strip():
             raise ValueError("admin_key has spaces or a line break around it (a key read "
                              "from a file keeps its newline)")
+        if len(v) < MIN_KEY_CHARS or v in PLACEHOLDER_KEYS:
+            raise ValueError(f"admin_key must be a secret of at least {MIN_KEY_CHARS} "
+                             "characters, not a placeholder (e.g. `openssl rand -hex 24`)")
         return v
 
     @field_validator("tenants")

@@ -23,7 +23,7 @@ import yaml
 from kvgate.procs import Child, free_port, spawn, wait_healthy
 from tests.conftest import MODEL
 
-ADMIN = "test-admin-key"
+ADMIN = "test-admin-key-0123456789"
 SYSTEM = ("You are the research agent number {n}. Use the tools to find evidence, cite every "
           "claim, state uncertainty and never invent sources. ") * 6
 

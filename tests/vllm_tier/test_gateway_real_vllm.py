@@ -33,7 +33,7 @@ from tests.vllm_tier.test_pace_plugin import PROMPT, paced_beside_a_decode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-ADMIN = "tier-admin"
+ADMIN = "tier-admin-key-0123456789"
 INDEX_BLOCK = 16
 
 

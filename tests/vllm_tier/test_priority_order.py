@@ -100,7 +100,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         try:
             port = free_port()
             config = {"host": "127.0.0.1", "port": port, "policy": "kvgate",
-                      "admin_key": "tier-admin", "health_interval_s": 0.5,
+                      "admin_key": "tier-admin-key-0123456789", "health_interval_s": 0.5,
                       "scrape_interval_s": 0.5,
                       "engines": [{"url": engine.url, "scheduling_policy": "priority"}]}
             (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
