@@ -275,3 +275,23 @@ def test_the_prometheus_example_discovers_the_gateway_and_engine_pods() -> None:
         c = workload["spec"]["template"]["spec"]["containers"][0]
         assert port in [p["name"] for p in c["ports"]]
         assert jobs[job]["metrics_path"] == "/metrics"
+
+
+def test_only_the_gateway_and_the_engines_reach_redis_and_the_engines() -> None:
+    def selector(doc: Doc) -> dict[str, str]:
+        return dict(doc["spec"]["selector"]["matchLabels"])
+
+    gateway = selector(find("Deployment", "kvgate-gateway"))
+    redis = find("NetworkPolicy", "kvgate-redis")
+    assert redis["spec"]["podSelector"]["matchLabels"] == selector(
+        find("Deployment", "kvgate-redis"))
+    assert [p["podSelector"]["matchLabels"] for p in redis["spec"]["ingress"][0]["from"]] == [
+        gateway]
+    engines = find("NetworkPolicy", "vllm")
+    vllm = selector(find("StatefulSet", "vllm"))
+    assert engines["spec"]["podSelector"]["matchLabels"] == vllm
+    assert [p["podSelector"]["matchLabels"] for p in engines["spec"]["ingress"][0]["from"]] == [
+        gateway, vllm]
+    listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
+    assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml")
+                                    if p.name != "kustomization.yaml")

@@ -159,3 +159,10 @@ def test_a_tenant_config_that_would_mix_tenants_is_refused(tenants: Any, message
     with pytest.raises(ConfigError, match=message):
         parse_config({"engines": [{"url": "http://127.0.0.1:9"}], "tenants": tenants,
                       "admin_key": ADMIN})
+
+
+@pytest.mark.parametrize("key", ["replace-with-a-long-random-key", "short-key",
+                                 "a-secret-key-0123456789\n"])
+def test_an_admin_key_anyone_could_know_is_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match="admin_key"):
+        parse_config({"engines": [{"url": "http://127.0.0.1:9"}], "admin_key": key})
