@@ -47,17 +47,19 @@ async def _tenants(request: web.Request, handler: Any) -> web.StreamResponse:
     """With tenants configured: whom each `/v1/` call is from (gateway/tenants.py)."""
     path = request.path
     if path.startswith("/v1/"):
-        tenant = request.app[STATE_KEY].tenancy.resolve(request.headers)
-        traces = path.startswith("/v1/traces") or (  # /v1/workflows/{id}/trace
-            path.startswith("/v1/workflows/") and path.count("/") == 4
-            and path.endswith("/trace"))
+        state = request.app[STATE_KEY]
+        tenant = state.tenancy.resolve(request.headers)
         if tenant.operator:
             if not path.startswith(_OPERATOR_READS) or (
                     request.method == "POST" and path == "/v1/workflows"):
                 raise NotPermitted("the admin key reads and cancels workflows and reads "
                                    "traces; calls need a tenant's key")
-        elif traces:
+        elif path.startswith("/v1/traces"):
             raise NotPermitted("traces show every tenant's calls: they need the admin key")
+        elif (path.startswith("/v1/workflows/") and path.count("/") == 4
+              and path.endswith("/trace") and state.workflows is not None):
+            # A workflow's own trace holds its own calls: its tenant may read it.
+            await state.workflows.snapshot(path.split("/")[3], tenant)
         request[TENANT_KEY] = tenant
     resp: web.StreamResponse = await handler(request)
     return resp

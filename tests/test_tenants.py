@@ -143,10 +143,19 @@ def test_hint_mode_calls_join_only_their_tenants_workflows(served: Child) -> Non
     assert sorted(snap["tasks"]) == ["act", "plan"]
 
 
-def test_traces_are_the_operators(served: Child) -> None:
+def test_traces_are_the_operators_but_a_workflows_own_is_its_tenants(served: Child) -> None:
     gw = served
     assert call("GET", f"{gw.url}/v1/traces", headers=auth(ACME))[0] == 403
     assert call("GET", f"{gw.url}/v1/traces", headers=auth(ADMIN))[0] == 200
+    status, _, snap = call("POST", f"{gw.url}/v1/workflows", spec("traced"), headers=auth(ACME))
+    assert status == 201
+    trace = f"{gw.url}/v1/workflows/{snap['id']}/trace"
+    deadline = time.monotonic() + 30
+    while call("GET", trace, headers=auth(ACME))[0] != 200:  # spans appear as they end
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert call("GET", trace, headers=auth(BETA))[0] == 404
+    assert call("GET", trace, headers=auth(ADMIN))[0] == 200
 
 
 @pytest.mark.parametrize("tenants, message", [
