@@ -22,13 +22,15 @@ from planner.events import EngineHealth, EngineJoined, EngineLeft, EngineScraped
 log = logging.getLogger(__name__)
 
 
-def model_ids(body: object) -> frozenset[str]:
-    """The model ids of an engine's `/v1/models` answer; ValueError naming what is wrong."""
+def model_ids(body: object) -> tuple[frozenset[str], frozenset[str]]:
+    """The model ids of an engine's `/v1/models` answer, and those of them that are LoRA
+    adapters (vLLM names a base model as their `parent`); ValueError naming what is wrong."""
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or not all(
             isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
         raise ValueError("/v1/models did not answer {\"data\": [{\"id\": ...}, ...]}")
-    return frozenset(m["id"] for m in data)
+    return (frozenset(m["id"] for m in data),
+            frozenset(m["id"] for m in data if m.get("parent") is not None))
 
 
 @dataclass
@@ -39,6 +41,8 @@ class EngineState:
     url: str
     healthy: bool = False
     models: frozenset[str] = frozenset()
+    loras: frozenset[str] = frozenset()
+    """Those of its models that are LoRA adapters."""
     start_time: float | None = None
     prefix_queries: float = 0.0
     """vLLM's `prefix_cache_queries_total` at the last scrape (tokens)."""
@@ -76,6 +80,9 @@ class EnginePool:
         self._tasks: list[asyncio.Task[None]] = []
         self.on_restart: Callable[[str], Awaitable[None]] | None = None
         """Called when a scrape shows the engine process restarted (its cache is gone)."""
+        self.lora_models: frozenset[str] = frozenset()
+        """Model ids some engine serves as a LoRA adapter: their KV is keyed with the
+        adapter's name, as vLLM hashes it (`kvindex.keys.KeyExtras.lora_name`)."""
 
     def add(self, entry: EngineEntry) -> None:
         """Start tracking a new engine (unhealthy until its first health check passes)."""
@@ -159,7 +166,11 @@ class EnginePool:
             if ok:
                 # Every time: adapters load at run time and a restarted engine may serve others.
                 async with self._session.get(f"{state.url}/v1/models", timeout=timeout) as r:
-                    state.models = model_ids(await r.json())
+                    state.models, loras = model_ids(await r.json())
+                if loras != state.loras:
+                    state.loras = loras
+                    self.lora_models = frozenset().union(
+                        *(e.loras for e in self.engines.values()))
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             ok = False
             refused = isinstance(e, aiohttp.ClientConnectorError)

@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -132,7 +133,7 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
 
     A prompt the gateway cannot key is still forwarded: the engine is the authority on validity.
     """
-    extras = key_extras(body)
+    extras = key_extras(body, state.pool.lora_models if state.pool is not None else frozenset())
     try:
         if route == "/v1/chat/completions":
             messages = body.get("messages")
@@ -156,10 +157,13 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
     return None
 
 
-def key_extras(body: dict[str, Any]) -> KeyExtras:
-    """The body's fields that enter the block keys (`cache_salt`)."""
+def key_extras(body: dict[str, Any], loras: AbstractSet[str] = frozenset()) -> KeyExtras:
+    """What besides the prompt's tokens enters its block keys: the `cache_salt`, and the
+    adapter's name when `model` is a LoRA adapter (one of `loras`), as vLLM hashes them."""
     salt = body.get("cache_salt")
-    return KeyExtras(cache_salt=salt if isinstance(salt, str) else None)
+    model = body.get("model")
+    return KeyExtras(lora_name=model if isinstance(model, str) and model in loras else None,
+                     cache_salt=salt if isinstance(salt, str) else None)
 
 
 def static_blocks(state: GatewayState, route: str, body: dict[str, Any]) -> int:
@@ -176,7 +180,9 @@ def static_blocks(state: GatewayState, route: str, body: dict[str, Any]) -> int:
     tools = body.get("tools")
     try:
         keys = state.keyer.chat(lead, tools=tools if isinstance(tools, list) else None,
-                                extras=key_extras(body), add_generation_prompt=False)
+                                extras=key_extras(body, state.pool.lora_models
+                                                  if state.pool is not None else frozenset()),
+                                add_generation_prompt=False)
     except (TokenizerError, ValueError, TypeError, KeyError):
         return 0
     return len(keys.keys)

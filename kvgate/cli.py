@@ -111,6 +111,7 @@ def _sim(args: argparse.Namespace) -> int:
         kv_drop_seqs=frozenset(int(x) for x in args.kv_drop_seqs.split(",") if x.strip()),
         kv_connector=connector, kv_link=link, engine_id=args.engine_id or "",
         host=args.host, port=args.port,
+        lora_modules=tuple(args.lora_modules or ()),
     )
     try:
         run(settings, args.host, args.port)
@@ -242,6 +243,14 @@ def _whole(value: str, least: int) -> int:
     if n < least:
         raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
     return n
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """`NAME=PATH` (or `NAME`) of `kvgate sim --lora-modules`, as vLLM takes it."""
+    name, _, path = value.partition("=")
+    if not name or name != name.strip() or "," in name:
+        raise argparse.ArgumentTypeError(f"a LoRA module is NAME or NAME=PATH, got {value!r}")
+    return name, path or f"/loras/{name}"
 
 
 def _positive_int(value: str) -> int:
@@ -472,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-topic", help="topic of KV event messages (default: the engine's URL)")
     m.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens, like vLLM's flag")
+    m.add_argument("--lora-modules", nargs="+", type=_lora_module, metavar="NAME[=PATH]",
+                   help="LoRA adapters served beside the model, like vLLM's flag: a request "
+                        "naming one runs with it, its KV keyed apart")
     m.add_argument("--kv-drop-seqs", default="",
                    help="fault injection: never send these event batches live (replay keeps them)")
     m.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",

@@ -70,10 +70,11 @@ class Cluster:
     def engine_name(self, name: str) -> str:
         return f"127.0.0.1:{self.engines[name]['port']}"
 
-    def add_engine(self, name: str, replay: bool = True, drop: str = "") -> None:
+    def add_engine(self, name: str, replay: bool = True, drop: str = "",
+                   lora: str = "") -> None:
         port = free_port()
         self.engines[name] = {"port": port, "replay": free_port() if replay else None,
-                              "drop": drop}
+                              "drop": drop, "lora": lora}
 
     def config_engines(self) -> list[dict[str, Any]]:
         out = []
@@ -116,6 +117,8 @@ class Cluster:
             args += ["--kv-replay", f"tcp://127.0.0.1:{e['replay']}"]
         if e["drop"]:
             args += ["--kv-drop-seqs", e["drop"]]
+        if e.get("lora"):
+            args += ["--lora-modules", f"{e['lora']}=/loras/{e['lora']}"]
         child = spawn(f"{name}-{len(self.sims)}", args, f"http://127.0.0.1:{e['port']}",
                       self.tmp)
         wait_healthy(child)
@@ -178,6 +181,26 @@ def test_index_holds_exactly_the_blocks_the_engine_announced(
     wait_for(lambda: cluster.index_keys(gw, name) == expected, "the engine's blocks in the index")
     other = "b" if name == "a" else "a"
     assert cluster.index_keys(gw, other) == set()
+
+
+def test_a_lora_adapters_blocks_are_keyed_apart_and_found(cluster: Cluster) -> None:
+    # vLLM hashes the adapter's name into every block of a LoRA request, and says so in its
+    # KV events; the gateway keys the request the same way once /v1/models lists the model
+    # as an adapter (its `parent` is the base model).
+    for n in ("a", "b"):
+        cluster.add_engine(n, lora="sql-lora")
+    gw = cluster.start_gateway()
+    for n in ("a", "b"):
+        cluster.start_sim(n)
+    wait_healthy(gw)
+    body = {**chat(1), "model": "sql-lora"}
+    status, out, headers = http("POST", f"{gw.url}/v1/chat/completions", body)
+    assert status == 200, out
+    name = "a" if headers["x-kvgate-engine"] == cluster.engine_name("a") else "b"
+    expected = set(cluster.prompt_keys(gw, body)[: out["usage"]["prompt_tokens"] // 16])
+    wait_for(lambda: cluster.index_keys(gw, name) == expected,
+             "the adapter's blocks in the index under the request's keys")
+    assert expected.isdisjoint(cluster.prompt_keys(gw, chat(1)))  # the base model's
 
 
 @pytest.mark.parametrize("backend", ["memory", "redis"])

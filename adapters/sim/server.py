@@ -100,6 +100,10 @@ class SimSettings:
     host: str = "127.0.0.1"
     port: int = 0
     """Where peers reach this engine's side channel (`remote_host`, `remote_port`)."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served beside the base model, (name, path), as vLLM's `--lora-modules
+    name=path`: a request naming one as its `model` runs with it, and its KV is keyed apart
+    (the adapter's name in every block's hash, in the KV events' `lora_name`)."""
 
 
 class APIError(Exception):
@@ -134,6 +138,7 @@ class SimEngine:
 
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
+        self._loras = frozenset(name for name, _ in settings.lora_modules)
         self.tokenizer = Tokenizer.load(settings.tokenizer)
         profile = settings.profile
         self.config = EngineConfig(
@@ -411,6 +416,7 @@ class SimEngine:
             ignore_eos=ignore_eos,
             natural_output_len=natural,
             cache_salt=cache_salt,
+            lora_name=body["model"] if body.get("model") in self._loras else None,
             priority=priority,
             sample_seed=digest,
             remote_decode=produce,
@@ -493,7 +499,7 @@ class SimEngine:
         if not isinstance(body, dict):
             raise APIError(400, "Request body must be a JSON object.")
         model = body.get("model")
-        if model is not None and model != self.settings.model:
+        if model is not None and model != self.settings.model and model not in self._loras:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError")
         return body
 
@@ -654,15 +660,23 @@ class SimEngine:
     async def models(self, _: web.Request) -> web.Response:
         """GET /v1/models."""
         s = self.settings
-        card = {"id": s.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                "root": s.model, "parent": None, "max_model_len": self.config.max_model_len,
-                "permission": [{"id": f"modelperm-{uuid.uuid4().hex}",
-                                "object": "model_permission", "created": int(time.time()),
-                                "allow_create_engine": False, "allow_sampling": True,
-                                "allow_logprobs": True, "allow_search_indices": False,
-                                "allow_view": True, "allow_fine_tuning": False,
-                                "organization": "*", "group": None, "is_blocking": False}]}
-        return web.json_response({"object": "list", "data": [card]})
+        def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
+            return {"id": name, "object": "model", "created": int(time.time()),
+                    "owned_by": "vllm", "root": root, "parent": parent,
+                    "max_model_len": self.config.max_model_len,
+                    "permission": [{"id": f"modelperm-{uuid.uuid4().hex}",
+                                    "object": "model_permission", "created": int(time.time()),
+                                    "allow_create_engine": False, "allow_sampling": True,
+                                    "allow_logprobs": True, "allow_search_indices": False,
+                                    "allow_view": True, "allow_fine_tuning": False,
+                                    "organization": "*", "group": None,
+                                    "is_blocking": False}]}
+
+        # LoRA adapters are listed as vLLM lists them: their path as `root`, the base as
+        # `parent`.
+        data = [card(s.model, s.model, None),
+                *(card(name, path, s.model) for name, path in s.lora_modules)]
+        return web.json_response({"object": "list", "data": data})
 
     async def health(self, _: web.Request) -> web.Response:
         """GET /health: 200 while the engine runs."""
