@@ -312,6 +312,11 @@ class GatewayConfig(BaseModel):
     """HF tokenizer directory the engines load (default: the shipped tiny tokenizer)."""
     admin_key: str | None = None
     """Key for /admin endpoints (Authorization: Bearer KEY); without one they are disabled."""
+    engine_api_key: str | None = None
+    """The key engines run with (vLLM's `--api-key`): the gateway's calls to them carry it in
+    place of the client's `Authorization`. Without one, a client's `Authorization` is
+    forwarded, unless tenants are configured (a tenant's key is the gateway's credential, and
+    stays with it)."""
     tenants: dict[str, TenantEntry] = Field(default_factory=dict)
     """With tenants, every `/v1/` call needs a tenant's key (or, to read workflows and
     traces, the admin key), and each tenant's calls are cached apart from the others'."""

@@ -365,6 +365,10 @@ class Proxy:
             hints = replace(hints, task=route_req.request_id)
         # The client's x-request-id is forwarded untouched; vLLM uses it as its request id.
         headers = forward_headers(request.headers)
+        if state.engine_authorization is not None:
+            headers["Authorization"] = state.engine_authorization
+        elif state.tenancy.enabled:
+            headers.popall("Authorization", None)
         recorder = (_Recorder.start(self, hints, route_req, body, request.get(TENANT_KEY))
                     if hints.in_workflow else None)
         static = static_blocks(state, route, body) if hints.in_workflow else 0

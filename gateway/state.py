@@ -68,6 +68,9 @@ class GatewayState:
         self.tracing.flush_pending = self.later.flush
         self.tenancy = Tenancy(config.tenants, config.admin_key)
         """Whom each `/v1/` call is from, with tenants configured (gateway/tenants.py)."""
+        self.engine_authorization = (f"Bearer {config.engine_api_key}"
+                                     if config.engine_api_key else None)
+        """What the calls the gateway forwards say to the engines as `Authorization`."""
         self.tokenizer = Tokenizer.load(config.tokenizer)
         self.keyer = PromptKeyer(self.tokenizer, config.index.block_size)
         self.index: KVIndexBackend = make_index(config)
@@ -105,9 +108,12 @@ class GatewayState:
         await self.listener.start()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         # Bodies pass through untouched, so never ask engines for a compressed encoding.
+        # The gateway's own calls to engines (health checks, /v1/models, KV moves) carry the
+        # engines' key when they run with vLLM's --api-key.
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, skip_auto_headers={"Accept-Encoding"},
             timeout=aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s),
+            headers={"Authorization": f"Bearer {c.engine_api_key}"} if c.engine_api_key else None,
         )
         self.upstream = Upstream(c.connect_timeout_s, self.later.flush)
         self.pool = EnginePool(c.engines, self.session, scrape_interval(self.policy,

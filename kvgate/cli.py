@@ -20,6 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     overrides = {"host": args.host, "port": args.port, "policy": args.policy,
                  "kv_events_bind": args.kv_events_bind, "admin_key": args.admin_key,
+                 "engine_api_key": args.engine_api_key,
                  "tokenizer": args.tokenizer, "kv_transfer.link": args.kv_link,
                  "tracing.exporter": args.trace_exporter, "tracing.endpoint": args.otlp_endpoint}
     if args.redis:
@@ -453,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--redis", help="share the KV index through Redis at this URL")
     s.add_argument("--admin-key", default=os.environ.get("KVGATE_ADMIN_KEY"),
                    help="key for /admin endpoints (default: $KVGATE_ADMIN_KEY)")
+    s.add_argument("--engine-api-key", default=os.environ.get("KVGATE_ENGINE_API_KEY"),
+                   help="the engines' vLLM --api-key, sent in place of clients' Authorization "
+                        "(default: $KVGATE_ENGINE_API_KEY)")
     s.add_argument("--tokenizer", help="HF tokenizer directory the engines use")
     s.add_argument("--kv-link", help="KV transfer link between the engines (nvlink, rdma, GB/s "
                                      "or none): they must run a KV connector (NixlConnector)")

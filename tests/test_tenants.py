@@ -175,3 +175,32 @@ def test_a_tenant_config_that_would_mix_tenants_is_refused(tenants: Any, message
 def test_an_admin_key_anyone_could_know_is_refused(key: str) -> None:
     with pytest.raises(ConfigError, match="admin_key"):
         parse_config({"engines": [{"url": "http://127.0.0.1:9"}], "admin_key": key})
+
+
+class KeyedEngine(RecordingEngine):
+    """An engine run with vLLM's --api-key: its /v1/models answers only with the key."""
+
+    async def models(self, request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer engine-key-0123456789":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await super().models(request)
+
+
+def test_a_tenants_key_stays_with_the_gateway_and_engines_get_theirs(
+        threaded_server: Callable[[web.Application], ThreadedServer],
+        spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+    for engine_key in (None, "engine-key-0123456789"):
+        engine = KeyedEngine() if engine_key else RecordingEngine()
+        engine.release.set()
+        server = threaded_server(engine.app)
+        config: dict[str, Any] = {"engines": [{"url": server.url}], "tenants": TENANTS}
+        if engine_key:
+            config["engine_api_key"] = engine_key
+        gw = spawn_gateway(config)
+        wait_healthy(gw)  # with the key, the engine's /v1/models answered the gateway
+        urllib.request.urlopen(urllib.request.Request(
+            f"{gw.url}/v1/chat/completions", method="POST",
+            data=json.dumps({"model": "rec", "messages": [], "stream": True}).encode(),
+            headers={"Content-Type": "application/json", **auth(ACME)}), timeout=30).read()
+        sent = engine.requests[-1][0].get("Authorization")
+        assert sent == (f"Bearer {engine_key}" if engine_key else None)
