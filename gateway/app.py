@@ -54,12 +54,14 @@ async def _tenants(request: web.Request, handler: Any) -> web.StreamResponse:
                     request.method == "POST" and path == "/v1/workflows"):
                 raise NotPermitted("the admin key reads and cancels workflows and reads "
                                    "traces; calls need a tenant's key")
-        elif path.startswith("/v1/traces"):
-            raise NotPermitted("traces show every tenant's calls: they need the admin key")
-        elif (path.startswith("/v1/workflows/") and path.count("/") == 4
-              and path.endswith("/trace") and state.workflows is not None):
-            # A workflow's own trace holds its own calls: its tenant may read it.
-            await state.workflows.snapshot(path.split("/")[3], tenant)
+        else:
+            # By the route matched (its id decoded), not the path's text: an id may hold `/`.
+            route = _route_label(request)
+            if route.startswith("/v1/traces"):
+                raise NotPermitted("traces show every tenant's calls: they need the admin key")
+            if route == "/v1/workflows/{id}/trace" and state.workflows is not None:
+                # A workflow's own trace holds its own calls: its tenant may read it.
+                await state.workflows.snapshot(request.match_info["id"], tenant)
         request[TENANT_KEY] = tenant
     resp: web.StreamResponse = await handler(request)
     return resp

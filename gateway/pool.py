@@ -93,8 +93,11 @@ class EnginePool:
 
     def remove(self, name: str) -> bool:
         """Stop tracking an engine; False if it was not in the pool."""
-        if self.engines.pop(name, None) is None:
+        state = self.engines.pop(name, None)
+        if state is None:
             return False
+        if state.loras:
+            self.lora_models = frozenset().union(*(e.loras for e in self.engines.values()))
         self.notify(EngineLeft(name))
         return True
 

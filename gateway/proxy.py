@@ -311,6 +311,9 @@ class Proxy:
         if tenant is not None:
             # The tenant's salt, whatever the client sent: tenants are cached apart.
             stripped = {**(stripped or body), "cache_salt": tenant.salt}
+            if hints.workflow is not None and state.workflows is not None:
+                # Before the call is traced, keyed or placed as part of that workflow.
+                await state.workflows.check_owner(hints.workflow, tenant.name)
         xargs = body.get("vllm_xargs")
         if isinstance(xargs, dict) and REPORT_MODE in xargs:
             # "full" makes vLLM announce every block a call reuses again: the index would take
@@ -460,13 +463,14 @@ class Proxy:
             async with asyncio.timeout(timeout_s):
                 return await placed
         except BaseException as exc:
-            self._placing.pop(rid, None)
+            waiting = self._placing.pop(rid, None) is not None
             if placed.done() and not placed.cancelled() and placed.exception() is None:
                 # Placed just as the wait ended: the engine never sees it, so undo the count.
                 self._finished(_Flight(route_req, placed.result()))
-            else:
+            elif waiting:
                 placed.cancel()
                 state.notify(Cancelled(rid))
+            # Else a release took it after this wait was cancelled, and undid it (`_pump`).
             if isinstance(exc, TimeoutError):
                 raise EngineTimeout(
                     f"request held at the gateway for request_timeout_s={timeout_s:g}: every "
@@ -482,6 +486,7 @@ class Proxy:
         actions = state.planner.release(state.now())
         state.later(state.metrics.routing_time.observe, time.perf_counter() - t0)
         released = (released_ns, time.time_ns()) if state.tracing.enabled else None
+        orphans: list[_Flight] = []
         for action in actions:
             if isinstance(action, Transfer | Warm):
                 state.mover.carry_out(action)
@@ -490,6 +495,12 @@ class Proxy:
             if waiter is None:
                 continue
             placed, route_req = waiter
+            if placed.done():
+                # Its handler was cancelled (the client went away) and has not yet run to say
+                # so: the placement is undone below, once this release is carried out.
+                if not isinstance(action, Reject):
+                    orphans.append(_Flight(route_req, action))
+                continue
             if isinstance(action, Reject):
                 state.metrics.placements.labels("rejected").inc()
                 placed.set_exception(self._reject_error(action))
@@ -499,6 +510,10 @@ class Proxy:
             state.later(state.metrics.dispatched, action, route_req.prompt_tokens,
                         route_req.block_keys, state.now())
             placed.set_result(action)
+        for flight in orphans:
+            state.later(state.metrics.dispatched, flight.dispatch, flight.route.prompt_tokens,
+                        flight.route.block_keys, state.now())
+            self._finished(flight, "the client went away as the call was placed")
         wake = state.planner.next_wakeup()
         if wake is not None and self._timer is not None and wake < self._timer_at:
             # Due sooner than the timer set (a paced request's next piece, say).

@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -71,9 +71,11 @@ class WorkflowStore(Protocol):
         `wait_s` for one when there are none yet."""
         ...
 
-    async def recent(self, limit: int) -> list[Json]:
+    async def recent(self, limit: int, keep: Callable[[Json], bool] | None = None
+                     ) -> list[Json]:
         """Up to `limit` workflows, newest `created_s` first: snapshots whose task records
-        lack `output` (a listing needs states and timings, not texts)."""
+        lack `output` (a listing needs states and timings, not texts); with `keep`, only
+        those whose workflow record (no tasks) it keeps, read on until `limit` are found."""
         ...
 
     async def request_cancel(self, workflow_id: str) -> None:
@@ -219,10 +221,11 @@ class MemoryWorkflowStore:
                                            wait_s)
         return [(str(i + 1), _copy(ev)) for i, ev in enumerate(e.events[start:], start)]
 
-    async def recent(self, limit: int) -> list[Json]:
+    async def recent(self, limit: int, keep: Callable[[Json], bool] | None = None
+                     ) -> list[Json]:
         """See `WorkflowStore.recent`."""
         self._sweep()
-        entries = sorted(self._entries.values(),
+        entries = sorted((e for e in self._entries.values() if keep is None or keep(e.workflow)),
                          key=lambda e: e.workflow.get("created_s") or 0.0, reverse=True)
         return [_listed(e.workflow, e.tasks) for e in entries[:max(0, limit)]]
 
@@ -483,7 +486,8 @@ class RedisWorkflowStore:
                 out.append((entry_id.decode(), json.loads(data[b"e"])))
         return out
 
-    async def recent(self, limit: int) -> list[Json]:
+    async def recent(self, limit: int, keep: Callable[[Json], bool] | None = None
+                     ) -> list[Json]:
         """See `WorkflowStore.recent`. Reads the index newest first, a page at a time, and
         drops the ids whose snapshot has expired."""
         out: list[Json] = []
@@ -507,7 +511,9 @@ class RedisWorkflowStore:
                 elif len(out) < limit and wf_id not in seen:
                     # A workflow created meanwhile shifts the ranks: one id may come twice.
                     seen.add(wf_id)
-                    out.append(_listed(*_parse(raw)))
+                    workflow, tasks = _parse(raw)
+                    if keep is None or keep(workflow):
+                        out.append(_listed(workflow, tasks))
             if gone:
                 await self.r.zrem(self._index_key, *gone)
                 start -= len(gone)

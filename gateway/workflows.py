@@ -54,6 +54,8 @@ from planner.workflow import (
 
 log = logging.getLogger(__name__)
 
+STORE_READ_S = 5.0
+"""How long a call waits to read a workflow's owner from the store (tenants configured)."""
 PERSIST_RETRIES_S = (0.1, 0.3, 1.0, 2.0)
 """Waits before writing a workflow's state again when the store failed (about 3.4 s in all,
 within a lease's default 10 s)."""
@@ -85,6 +87,14 @@ class WorkflowNotFound(GatewayError):
     status = 404
     err_type = "invalid_request_error"
     code = "workflow_not_found"
+
+
+class WorkflowStoreUnavailable(GatewayError):
+    """The workflow store could not be read (Redis away or slow)."""
+
+    status = 503
+    err_type = "server_error"
+    code = "workflow_store_unavailable"
 
 
 class WorkflowNotCancellable(GatewayError):
@@ -669,9 +679,8 @@ class WorkflowService:
     async def recent(self, limit: int, viewer: Tenant | None = None) -> list[Json]:
         """Summaries of the newest `limit` workflows (see `workflow_summary`), newest first
         (`viewer`'s own, with tenants configured)."""
-        snaps = await self.store.recent(limit if viewer is None else LIST_MAX)
-        if viewer is not None:
-            snaps = [s for s in snaps if viewer.may_see(s.get("tenant"))][:limit]
+        snaps = await self.store.recent(
+            limit, None if viewer is None else lambda w: viewer.may_see(w.get("tenant")))
         return [workflow_summary(hint_state(s) if s.get("source") == "hints" else s)
                 for s in snaps]
 
@@ -984,6 +993,30 @@ class WorkflowService:
                 await asyncio.sleep(1.0)
 
     # -- hint mode: called by the proxy for calls that name a workflow --------------------------
+
+    async def check_owner(self, workflow: str, tenant: str) -> None:
+        """With tenants configured, before a call naming `workflow` goes anywhere: it must be
+        `tenant`'s or not exist yet (WorkflowNotFound otherwise; WorkflowStoreUnavailable
+        when the store cannot say)."""
+        run = self._runs.get(workflow)
+        if run is not None:
+            owner = run.workflow.get("tenant")
+        else:
+            known = self._hint_workflows.get(workflow)
+            if known is not None and time.monotonic() - known[2] < self.settings.ttl_s / 2:
+                owner = known[1]
+            else:
+                try:
+                    snap = await asyncio.wait_for(self.store.get(workflow), STORE_READ_S)
+                except Exception as e:  # TimeoutError, the store's own errors
+                    raise WorkflowStoreUnavailable(
+                        f"the workflow store could not be read ({type(e).__name__}): a call "
+                        "naming a workflow needs it, to check the workflow is yours") from None
+                if snap is None:
+                    return  # new: its first call makes it the caller's
+                owner = snap.get("tenant")
+        if owner != tenant:
+            raise WorkflowNotFound(f"no workflow {workflow!r} of yours")
 
     async def hinted_task_started(self, workflow: str, task: str, after: Sequence[str],
                                   request_id: str, model: str, tenant: str | None = None,

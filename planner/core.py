@@ -526,17 +526,7 @@ class Planner:
                     self._withdraw(req)
                     return
                 req.move(RequestState.FINISHED)
-                group = self._group_of.pop(rid, None)
-                if group is not None:
-                    members = self._groups[group]
-                    engine_name, _ = members.pop(rid)
-                    if not members:
-                        del self._groups[group]
-                    at_engine = self._groups_at[engine_name]
-                    if at_engine[group] == 1:
-                        del at_engine[group]
-                    else:
-                        at_engine[group] -= 1
+                self._leave_group(rid)
                 if self.priorities is not None:
                     hints = req.call.hints
                     self.priorities.task_done(hints.workflow, hints.task, tokens)
@@ -551,9 +541,15 @@ class Planner:
                 if req is None:
                     return
                 if req.state is RequestState.AWAITING_KV:
+                    # Placed, its engine not yet told: undo what the placement counted.
+                    outstanding = req.outstanding
                     self._stop_waiting(req)
                     del self._requests[rid]
                     self._order.pop(rid, None)
+                    self._leave_group(rid)
+                    if outstanding is not None:
+                        self.policy.on_finish(rid, outstanding.engine, now, 0)
+                        self._load_changed = True
                     req.move(RequestState.CANCELLED)
                     return
                 if req.outstanding is not None:
@@ -758,6 +754,7 @@ class Planner:
             reason = f"the planner could not price this call: {type(e).__name__}: {e}"
         if reason is not None:
             del self._requests[rid]
+            self._order.pop(rid, None)
             req.move(RequestState.REJECTED)
             actions.append(Reject(rid, route.model, reason,
                                   route.model in self._known_models, tuple(self.models())))
@@ -1171,6 +1168,21 @@ class Planner:
             req.dispatch = None
             req.move_id = None
         record.waiters.clear()
+
+    def _leave_group(self, rid: str) -> None:
+        """The request no longer runs with its siblings (it finished, or was cancelled)."""
+        group = self._group_of.pop(rid, None)
+        if group is None:
+            return
+        members = self._groups[group]
+        engine_name, _ = members.pop(rid)
+        if not members:
+            del self._groups[group]
+        at_engine = self._groups_at[engine_name]
+        if at_engine[group] == 1:
+            del at_engine[group]
+        else:
+            at_engine[group] -= 1
 
     def _stop_waiting(self, req: _Request) -> None:
         """A request awaiting KV leaves: it no longer waits, and its ledger entry closes."""

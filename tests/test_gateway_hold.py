@@ -229,3 +229,50 @@ def test_client_hang_up_removes_its_held_request() -> None:
     # Load changes: nothing is offered to the policy any more (it would fail the test).
     planner.on_event(EngineScraped("e", 0, 0, 0.0), 1.0)
     assert planner.release(1.0) == []
+
+
+class _HoldUntilFreed(_AlwaysHold):
+    """Holds every request until `freed`, then places it on the one engine."""
+
+    freed = False
+
+    def choose(self, request: RouteRequest, engines: Any, now: float) -> str:
+        if not self.freed:
+            raise Hold("every engine is backed up")
+        return "e"
+
+    def on_dispatch(self, request: RouteRequest, placement: Any, now: float) -> None:
+        """Placed."""
+
+
+def test_a_call_released_as_its_client_hangs_up_is_undone() -> None:
+    # The client hangs up (its handler is cancelled, and so is the future it awaits) and,
+    # before the handler runs again, a release places the call: the placement is undone,
+    # not left at the engine forever, and the release goes on with the other calls.
+    state = _State(60.0)
+    policy = _HoldUntilFreed()
+    state.planner = Planner(policy)  # type: ignore[arg-type]
+    state.planner.on_event(EngineJoined("e", healthy=True, models=frozenset({"m"})), 0.0)
+    proxy = Proxy(state)  # type: ignore[arg-type]
+    planner = state.planner
+
+    async def race() -> str:
+        gone = asyncio.create_task(proxy._place(RouteRequest(request_id="gone", model="m"),
+                                                set()))
+        stays = asyncio.create_task(proxy._place(RouteRequest(request_id="stays", model="m"),
+                                                 set()))
+        await asyncio.sleep(0)
+        assert planner.held == 2
+        gone.cancel()
+        policy.freed = True
+        planner.on_event(EngineScraped("e", 0, 0, 0.0), 1.0)
+        proxy._pump()  # before `gone`'s handler has run again
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        return (await stays).engine
+
+    assert asyncio.run(race()) == "e"
+    assert not planner.knows("gone") and planner.knows("stays")
+    [view] = planner.views()
+    assert view.in_flight == 1  # `stays` alone
+

@@ -138,7 +138,7 @@ def counted_run(prepared: Prepared, policy: str, rate: float, give_up: GiveUp | 
     return result, scrapes
 
 
-@pytest.mark.parametrize("policy", ["kvgate", "round-robin"])
+@pytest.mark.parametrize("policy", ["kvgate", "round-robin", "dynamo-like"])
 @pytest.mark.parametrize("rate", [0.002, 3.0])
 @pytest.mark.parametrize("give_up", [False, True])
 def test_skipped_ticks_change_nothing_and_idle_time_costs_no_scrapes(

@@ -32,7 +32,7 @@ from planner.events import (
     WorkflowSubmitted,
 )
 from planner.hints import RequestHints
-from planner.policy import Placement, PolicyContext, RouteRequest
+from planner.policy import NoEngineAvailable, Placement, PolicyContext, RouteRequest
 from planner.profiles import get_profile
 from planner.replication import StaticDemand
 from planner.segments import tag_parts
@@ -240,6 +240,51 @@ def test_a_request_cancelled_while_awaiting_kv_is_never_sent() -> None:
     assert {v.name: v.in_flight for v in p.views()}["b"] == 0
     p.on_event(TransferDone(move.move_id), 0.2)
     assert p.release(0.2) == []
+
+
+class FinishCounting(PullFrom):
+    """PullFrom that counts what it was told had finished."""
+
+    def __init__(self, engine: str, source: str | None) -> None:
+        super().__init__(engine, source)
+        self.finished: list[str] = []
+
+    def on_finish(self, request_id: str, engine: str, now: float, output_tokens: int = 0
+                  ) -> None:
+        self.finished.append(request_id)
+
+
+def test_a_request_cancelled_while_awaiting_kv_leaves_nothing_of_its_placement() -> None:
+    # Its sibling group and the policy's own count of its placement go with it.
+    policy = FinishCounting("b", "a")
+    p = Planner(policy, profile_of=lambda _: PROFILE, link=NAMED_LINKS["rdma"],  # type: ignore[arg-type]
+                siblings=True)
+    for e in ("a", "b"):
+        p.on_event(EngineJoined(e, healthy=True, models=frozenset({"m"})), 0.0)
+    call = long_call()
+    p.admit(Call(call.route, hints=RequestHints(workflow="w", task="t")), 0.0)
+    (pull,) = p.release(0.0)
+    assert isinstance(pull, Transfer)
+    assert {v.name: v.grouped for v in p.views()}["b"] == 1
+    p.on_event(Cancelled("r"), 0.1)
+    assert {v.name: (v.in_flight, v.grouped) for v in p.views()}["b"] == (0, 0)
+    assert policy.finished == ["r"]
+
+
+class Refusing(PullFrom):
+    """Finds no engine for any call."""
+
+    def choose(self, request: RouteRequest, engines: object, now: float) -> Placement:
+        raise NoEngineAvailable(request.model, "every engine is down")
+
+
+def test_a_rejected_call_is_forgotten_whole() -> None:
+    p = Planner(Refusing("b", None), profile_of=lambda _: PROFILE)  # type: ignore[arg-type]
+    p.on_event(EngineJoined("b", healthy=True, models=frozenset({"m"})), 0.0)
+    for i in range(3):
+        p.admit(Call(RouteRequest(f"r{i}", "m")), 0.0)
+    assert [type(a).__name__ for a in p.release(0.0)] == ["Reject"] * 3
+    assert not p._order and not p._requests
 
 
 def test_no_link_means_no_pull() -> None:

@@ -156,6 +156,16 @@ def test_traces_are_the_operators_but_a_workflows_own_is_its_tenants(served: Chi
         time.sleep(0.1)
     assert call("GET", trace, headers=auth(BETA))[0] == 404
     assert call("GET", trace, headers=auth(ADMIN))[0] == 200
+    # A hint-mode id may hold `/`: its trace, asked with the id encoded, is still its own.
+    openai.OpenAI(base_url=f"{gw.url}/v1", api_key=ACME, max_retries=0).chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"X-KVGate-Workflow": "team/agent", "X-KVGate-Task": "t"})
+    slashed = f"{gw.url}/v1/workflows/team%2Fagent/trace"
+    deadline = time.monotonic() + 30
+    while call("GET", slashed, headers=auth(ACME))[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert call("GET", slashed, headers=auth(BETA))[0] == 404
 
 
 @pytest.mark.parametrize("tenants, message", [
@@ -204,3 +214,25 @@ def test_a_tenants_key_stays_with_the_gateway_and_engines_get_theirs(
             headers={"Content-Type": "application/json", **auth(ACME)}), timeout=30).read()
         sent = engine.requests[-1][0].get("Authorization")
         assert sent == (f"Bearer {engine_key}" if engine_key else None)
+
+
+def test_with_tenants_a_call_naming_a_workflow_needs_the_store_to_say_whose_it_is(
+    spawn_sim: Callable[..., Child], spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    from tests.redis_server import RedisServer
+
+    sim = spawn_sim()
+    with RedisServer() as url:
+        gw = spawn_gateway({"engines": [{"url": sim.url}], "tenants": TENANTS,
+                            "workflows": {"store": "redis", "redis_url": url}})
+        wait_healthy(gw)
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=BETA, max_retries=0)
+    with pytest.raises(openai.InternalServerError, match="could not be read"):
+        client.chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"X-KVGate-Workflow": "someones", "X-KVGate-Task": "t"})
+    # A call naming no workflow needs no store.
+    answer = client.chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content is not None
+

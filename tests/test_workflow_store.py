@@ -229,6 +229,20 @@ async def test_recent_lists_the_newest_first_up_to_the_limit(store: WorkflowStor
     assert [w["id"] for w in await store.recent(10)] == ["wf-2", "wf-0", "wf-3", "wf-1"]
 
 
+async def test_recent_with_a_filter_reads_on_until_the_limit_is_found(
+        store: WorkflowStore) -> None:
+    # One tenant's older workflows behind forty newer ones of another: all found.
+    for i in range(40):
+        await store.create(meta(f"busy-{i}", tenant="busy", created_s=100.0 + i),
+                           {"a": task_record([])})
+    for i in range(3):
+        await store.create(meta(f"quiet-{i}", tenant="quiet", created_s=float(i)),
+                           {"a": task_record([])})
+    listed = await store.recent(2, lambda w: w.get("tenant") == "quiet")
+    assert [w["id"] for w in listed] == ["quiet-2", "quiet-1"]
+    assert len(await store.recent(50, lambda w: w.get("tenant") == "quiet")) == 3
+
+
 async def test_recent_shows_current_task_records_without_their_outputs(
         store: WorkflowStore) -> None:
     await store.create(meta(), {"a": task_record([]), "b": task_record(["a"])})

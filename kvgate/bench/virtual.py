@@ -746,13 +746,16 @@ class VirtualRun:
         the ticks before the next event could change nothing, the last of them.
 
         Engine figures change only at events, so such ticks would read what this one read;
-        with nothing waiting to be released they reach no decision, and with no workflow
+        with nothing waiting at the gateway (held, buffered or to be released: a scrape would
+        offer those again, at its tick's time) they reach no decision, and with no workflow
         under way `_doomed` reads the same at each. Skipping them keeps the clock's ticks (the
         same float additions) and the reports exact, and spares a run at a low arrival rate
         a scrape of every engine per tick of the idle time between workflows."""
         step = self.scrape_s
         nxt = t + step
-        if self.planner.pending or (self.give_up is not None and self._runs):
+        planner = self.planner
+        if (planner.pending or planner.held or planner.buffered
+                or (self.give_up is not None and self._runs)):
             return nxt
         following = self._heap.next_time()
         if following == float("inf"):
