@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -187,6 +188,9 @@ class GatewayState:
         if not self.pool.remove(name):
             return False
         self.policy_context.paced_engines.discard(name)
+        # Its last health figure would read as current; its counters stay (totals so far).
+        with contextlib.suppress(KeyError):
+            self.metrics.healthy.remove(name)
         await self.listener.remove_source(name)
         await self.index.clear_engine(name)
         return True

@@ -1039,7 +1039,14 @@ class WorkflowService:
         rec = task_record(after, TaskState.READY)
         rec.update(request_id=request_id, ready_s=self.clock())
         self._hint_attempts[(workflow, task)] = attempt
-        await self._hint_write(workflow, task, rec)
+        try:
+            await self._hint_write(workflow, task, rec)
+        except BaseException:
+            # Not recorded: nothing of the call will be (the proxy goes on without it).
+            if self._hint_attempts.get((workflow, task)) == attempt:
+                self._hint_attempts.pop((workflow, task), None)
+                self._hint_tasks.pop((workflow, task), None)
+            raise
 
     def _hint_attempt(self, workflow: str, task: str, attempt: str | None) -> Json | None:
         """The task's open record, if the call `attempt` is its latest: a client that sends

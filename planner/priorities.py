@@ -28,6 +28,10 @@ MAX_RANK_S = 1e9
 """A rank beyond this (a workflow declaring years of work) is sent to engines as this."""
 
 
+MAX_HINTED = 100_000
+"""Hint-mode workflows whose attained service is remembered (the most recently served)."""
+
+
 @dataclass
 class _Workflow:
     path_s: dict[str, float]
@@ -87,7 +91,12 @@ class WorkflowPriorities:
             return
         wf = self._workflows.get(workflow)
         if wf is None:
-            self._hinted[workflow] = self._hinted.get(workflow, 0) + output_tokens
+            # Hint-mode workflows never say they are over: the least recently served are
+            # forgotten past MAX_HINTED (back to no service attained, the best rank).
+            hinted = self._hinted
+            hinted[workflow] = hinted.pop(workflow, 0) + output_tokens
+            if len(hinted) > MAX_HINTED:
+                del hinted[next(iter(hinted))]
             return
         wf.attained_tokens += output_tokens
         if task is not None and task in wf.path_s and task not in wf.done:

@@ -318,6 +318,9 @@ def test_an_engine_leaving_the_pool_is_purged(cluster: Cluster) -> None:
         assert cluster.index_keys(gw, name) == set()
     status, body, _ = http("POST", f"{gw.url}/v1/chat/completions", chat(5))
     assert status == 503
+    # Nor do the metrics say they are healthy.
+    with urllib.request.urlopen(f"{gw.url}/metrics", timeout=10) as r:
+        assert "kvgate_engine_healthy{" not in r.read().decode()
 
 
 def test_admin_api_needs_the_key(cluster: Cluster) -> None:

@@ -296,6 +296,20 @@ def test_priorities_follow_the_critical_path_as_tasks_finish() -> None:
     assert pr.rank(RequestHints(workflow="h", priority=-1)) < pr.rank(RequestHints(workflow="h2"))
 
 
+def test_hint_mode_service_is_remembered_for_the_most_recently_served_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import planner.priorities as priorities
+
+    monkeypatch.setattr(priorities, "MAX_HINTED", 3)
+    pr = priorities.WorkflowPriorities(PROFILE)
+    for wf in ("w1", "w2", "w3"):
+        pr.task_done(wf, "t", 100)
+    pr.task_done("w1", "t", 100)  # served again: the most recent now
+    pr.task_done("w4", "t", 100)  # past the cap: w2, the least recently served, goes
+    assert {wf: pr.rank(RequestHints(workflow=wf))[1] for wf in ("w1", "w2", "w3", "w4")} == {
+        "w1": 200.0, "w2": 0.0, "w3": 100.0, "w4": 100.0}
+
+
 def test_cancel_removes_a_buffered_call() -> None:
     p = batch_planner(engines=("a",))
     for i in range(2):

@@ -411,3 +411,19 @@ async def test_a_store_away_for_good_aborts_the_workflows_calls_in_flight() -> N
     finally:
         store.down = 0
         await service.stop()
+
+
+async def test_a_hint_mode_call_the_store_cannot_record_leaves_nothing_behind() -> None:
+    store = Blinking()
+    service = WorkflowService(WorkflowSettings(), store, Recorder(), replica="a")
+    try:
+        await service.hinted_task_started("agent", "t0", (), "r0", MODEL, attempt="x0")
+        store.down = 1
+        with pytest.raises(ConnectionError):
+            await service.hinted_task_started("agent", "t1", ("t0",), "r1", MODEL,
+                                              attempt="x1")
+        assert ("agent", "t1") not in service._hint_tasks
+        assert ("agent", "t1") not in service._hint_attempts
+        assert ("agent", "t0") in service._hint_tasks  # the recorded one stays open
+    finally:
+        await service.stop()
