@@ -311,6 +311,8 @@ def test_an_engine_leaving_the_pool_is_purged(cluster: Cluster) -> None:
     http("POST", f"{gw.url}/v1/chat/completions", chat(5))
     wait_for(lambda: bool(cluster.index_keys(gw, "a") | cluster.index_keys(gw, "b")),
              "blocks in the index")
+    with urllib.request.urlopen(f"{gw.url}/metrics", timeout=10) as r:
+        assert r.read().decode().count("kvgate_engine_healthy{") == 2
     for name in ("a", "b"):
         status, body, _ = http("DELETE", f"{gw.url}/admin/engines/{cluster.engine_name(name)}",
                                admin=True)
