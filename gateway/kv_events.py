@@ -167,6 +167,8 @@ class KVEventListener:
             await asyncio.sleep(PROBE_INTERVAL_S)
             for engine in list(self._sources):
                 async with self._lock(engine):
+                    if engine not in self._sources:
+                        continue
                     result = self.ingestor.probe(engine)
                     await self.apply(result.ops)
                 if result.replay is not None:
@@ -200,6 +202,8 @@ class KVEventListener:
                 log.warning("KV events with unknown topic %r ignored", topic[:200])
             return
         async with self._lock(engine):
+            if engine not in self._sources:
+                return  # it left the pool while this batch waited for the lock
             try:
                 result = self.ingestor.on_message(engine, decode_seq(seq_frame), payload)
             except Exception:

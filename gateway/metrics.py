@@ -200,7 +200,11 @@ class SegmentWatch(Collector):
         """A call whose prompt starts with the static segment `keys` was placed."""
         seg = self._segments.pop(keys[-1], None) or _Segment(keys)
         self._segments[keys[-1]] = seg
-        seg.calls.append(now)
+        calls = seg.calls
+        calls.append(now)
+        horizon = now - SEGMENT_WINDOW_S  # trimmed here too: /metrics may never be scraped
+        while calls[0] < horizon:
+            calls.popleft()
         while len(self._segments) > TRACKED_SEGMENTS:
             self._segments.popitem(last=False)
 

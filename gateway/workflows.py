@@ -531,13 +531,19 @@ class WorkflowService:
         tasks = {t.id: task_record(dependencies(t)) for t in spec.tasks}
         nodes = [DagNode(t.id, dependencies(t), t.think_time_s) for t in spec.tasks]
         run = _Run(spec, DagRun(wf_id, nodes), workflow, tasks, dict(headers or {}))
-        if self.store.shared:
-            await self.store.claim(wf_id, self.instance, self.settings.lease_s)
-        if not await self.store.create(workflow, tasks):
-            raise RuntimeError(f"workflow id {wf_id} collided")  # 64 random bits: never
-        if self.store.shared:
-            await self.store.save_resume(wf_id, {"spec": document, "headers": run.headers,
-                                                 "trace": dict(trace_headers or {})})
+        try:
+            if self.store.shared:
+                await self.store.claim(wf_id, self.instance, self.settings.lease_s)
+            if not await self.store.create(workflow, tasks):
+                raise RuntimeError(f"workflow id {wf_id} collided")  # 64 random bits: never
+            if self.store.shared:
+                await self.store.save_resume(wf_id, {"spec": document, "headers": run.headers,
+                                                     "trace": dict(trace_headers or {})})
+        except Exception as e:  # the store's errors: nothing of the workflow runs
+            self.tracing.workflow_ended(wf_id, {**workflow, "state": "failed"})
+            raise WorkflowStoreUnavailable(
+                f"the workflow could not be stored ({type(e).__name__}: {e}); it was not "
+                "started") from None
         self._runs[wf_id] = run
         self.notify(WorkflowSubmitted(wf_id, task_specs(spec, spec.tenant or "")))
         snapshot = {**workflow, "tasks": json.loads(json.dumps(tasks))}

@@ -23,6 +23,7 @@ from gateway.workflows import (
     TaskOutcome,
     WorkflowNotCancellable,
     WorkflowService,
+    WorkflowStoreUnavailable,
     task_record,
 )
 from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
@@ -425,5 +426,23 @@ async def test_a_hint_mode_call_the_store_cannot_record_leaves_nothing_behind() 
         assert ("agent", "t1") not in service._hint_tasks
         assert ("agent", "t1") not in service._hint_attempts
         assert ("agent", "t0") in service._hint_tasks  # the recorded one stays open
+    finally:
+        await service.stop()
+
+
+async def test_a_workflow_the_store_cannot_take_is_a_503_and_leaves_no_span_open() -> None:
+    class Refusing(MemoryWorkflowStore):
+        async def create(self, *args: Any, **kwargs: Any) -> bool:
+            raise ConnectionError("the store is away")
+
+    from gateway.config import TracingSettings
+    from gateway.tracing import Tracing
+
+    service = WorkflowService(WorkflowSettings(), Refusing(), Recorder(), replica="a",
+                              tracing=Tracing(TracingSettings()))
+    try:
+        with pytest.raises(WorkflowStoreUnavailable, match="could not be stored"):
+            await service.submit(chain())
+        assert not service._runs and not service.tracing._workflows
     finally:
         await service.stop()

@@ -80,6 +80,7 @@ class SessionAffinity:
         """Count the request toward the engine's QPS."""
         engine = placement.engine
         self._arrivals.setdefault(engine, deque()).append(now)
+        self._recent(engine, now)  # keeps the window, whether or not QPS is read
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Not used by the peer."""
