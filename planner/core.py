@@ -301,6 +301,8 @@ workflows never say they are over)."""
 
 LINEAGE_WORKFLOWS = 10_000
 """Workflows whose calls the planner remembers for segment tagging (least recent forgotten)."""
+LINEAGE_HINT_TASKS = 256
+"""Calls of a hint-mode workflow it remembers (the latest; each holds its prompt's keys)."""
 
 
 @dataclass
@@ -370,6 +372,9 @@ class Planner:
         self._groups_at: dict[str, dict[str, int]] = {}
         """Per engine, its calls in flight per sibling group."""
         self._lineage: OrderedDict[str, dict[str, _Lineage]] = OrderedDict()
+        self._submitted: set[str] = set()
+        """Workflows submitted whole (`WorkflowSubmitted`, until `WorkflowOver`): their task
+        count is the spec's; a hint-mode workflow's grows with every call."""
         """Per workflow (most recent last), each task's prompt keys and children: what segment
         tagging needs of a call's parents."""
         self._seq = 0
@@ -562,6 +567,7 @@ class Planner:
                 if self.priorities is not None:
                     self.priorities.submit(wf, tasks)
                 opening = {t.task: t.static_segment for t in tasks}
+                self._submitted.add(wf)
                 if self.prefetch:
                     children: dict[str, int] = {}
                     for t in tasks:
@@ -609,6 +615,7 @@ class Planner:
                 if self._static_of.pop(wf, None) is not None:
                     self.static_demand.forget(wf)
                 self._lineage.pop(wf, None)
+                self._submitted.discard(wf)
                 if self.priorities is not None:
                     self.priorities.forget(wf)
             case EngineJoined(engine=name, healthy=healthy, models=models):
@@ -1221,6 +1228,9 @@ class Planner:
                 if known is not None:
                     known.children += 1
             lineage[hints.task] = _Lineage(keys, hints.expect_children or 0)
+            if len(lineage) > LINEAGE_HINT_TASKS and hints.workflow not in self._submitted:
+                # A hint-mode workflow never ends: its calls' parents are its recent ones.
+                del lineage[next(iter(lineage))]
         if call.segments is not None:
             return call.segments
         if hints.workflow is not None and hints.task is not None:

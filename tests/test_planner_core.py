@@ -310,6 +310,32 @@ def test_hint_mode_service_is_remembered_for_the_most_recently_served_only(
         "w1": 200.0, "w2": 0.0, "w3": 100.0, "w4": 100.0}
 
 
+def test_a_hint_mode_workflow_remembers_its_latest_calls_only() -> None:
+    # Each remembered call holds its prompt's keys; a hint-mode session never ends.
+    from planner.core import LINEAGE_HINT_TASKS
+
+    p = planner()
+    n = LINEAGE_HINT_TASKS + 40
+    for i in range(n):
+        keys = tuple(range(i + 2))  # each call extends the one before
+        p.admit(Call(RouteRequest(f"r{i}", "m", prompt_tokens=16 * len(keys), block_keys=keys),
+                     hints=RequestHints(workflow="h", task=f"t{i}",
+                                        after=(f"t{i - 1}",) if i else ())), 0.0)
+        p.release(0.0)
+        p.on_event(Finished(f"r{i}", 1), 0.0)
+    # The latest calls, parents of what comes next, are kept; the first are forgotten.
+    kept = p._lineage["h"]
+    assert len(kept) == LINEAGE_HINT_TASKS
+    assert f"t{n - 1}" in kept and "t0" not in kept
+    # A workflow submitted whole keeps every task (its spec bounds them).
+    p.on_event(WorkflowSubmitted("api", tuple(TaskSpec(f"t{i}", (), 10, 10)
+                                             for i in range(n))), 0.0)
+    for i in range(n):
+        p.admit(Call(RouteRequest(f"a{i}", "m", prompt_tokens=32, block_keys=(i, i + 1)),
+                     hints=RequestHints(workflow="api", task=f"t{i}")), 0.0)
+    assert len(p._lineage["api"]) == n
+
+
 def test_cancel_removes_a_buffered_call() -> None:
     p = batch_planner(engines=("a",))
     for i in range(2):
