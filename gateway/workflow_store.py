@@ -130,11 +130,19 @@ class WorkflowStore(Protocol):
 # -- in memory ------------------------------------------------------------------------------------
 
 
+MAX_EVENTS = 10_000
+"""Events a workflow's stream keeps (the oldest go first): a hint-mode workflow's stream grows
+with every call for as long as its client keeps calling. API workflows, with at most
+`max_tasks` tasks (1,000 by default) and a few events each, stay within it."""
+
+
 @dataclass
 class _Entry:
     workflow: Json
     tasks: dict[str, Json]
     events: list[Json] = field(default_factory=list)
+    dropped: int = 0
+    """Events trimmed from the front (ids go on counting)."""
     expires_at: float | None = None
     """time.monotonic() deadline, once a ttl was given."""
     grew: asyncio.Condition = field(default_factory=asyncio.Condition)
@@ -191,6 +199,10 @@ class MemoryWorkflowStore:
         for t, rec in (tasks or {}).items():
             e.tasks[t] = _copy(rec)
         e.events.extend(_copy(ev) for ev in events)
+        if len(e.events) > MAX_EVENTS:
+            excess = len(e.events) - MAX_EVENTS
+            del e.events[:excess]
+            e.dropped += excess
         if ttl_s is not None:
             e.expires_at = time.monotonic() + ttl_s
             self._resume.pop(workflow_id, None)
@@ -214,12 +226,14 @@ class MemoryWorkflowStore:
         if e is None:
             return []
         start = int(after) if after.isascii() and after.isdigit() else 0
-        if len(e.events) <= start and wait_s > 0:
+        if e.dropped + len(e.events) <= start and wait_s > 0:
             async with e.grew:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(e.grew.wait_for(lambda: len(e.events) > start),
-                                           wait_s)
-        return [(str(i + 1), _copy(ev)) for i, ev in enumerate(e.events[start:], start)]
+                    await asyncio.wait_for(
+                        e.grew.wait_for(lambda: e.dropped + len(e.events) > start), wait_s)
+        first = max(start, e.dropped)
+        return [(str(i + 1), _copy(ev))
+                for i, ev in enumerate(e.events[first - e.dropped:], first)]
 
     async def recent(self, limit: int, keep: Callable[[Json], bool] | None = None
                      ) -> list[Json]:
@@ -329,7 +343,7 @@ for _ = 1, tonumber(ARGV[4]) do
   i = i + 2
 end
 while i <= #ARGV do
-  redis.call('XADD', KEYS[2], '*', 'e', ARGV[i])
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', MAX_EVENTS, '*', 'e', ARGV[i])
   i = i + 1
 end
 local ttl = tonumber(ARGV[2])
@@ -341,7 +355,7 @@ if ttl > 0 then
   redis.call('DEL', KEYS[4])
 end
 return 1
-"""
+""".replace("MAX_EVENTS", str(MAX_EVENTS))
 
 # KEYS: lease keys; ARGV: the owner, the lease in ms. Extends the leases the owner holds and
 # returns the positions (1-based) of those it does not.
@@ -456,7 +470,7 @@ class RedisWorkflowStore:
             if fields:
                 pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
             for ev in events:
-                pipe.xadd(ev_key, {"e": _dumps(ev)})
+                pipe.xadd(ev_key, {"e": _dumps(ev)}, maxlen=MAX_EVENTS, approximate=True)
             if ttl_s is not None:
                 ms = max(1, int(ttl_s * 1000))
                 pipe.pexpire(key, ms)

@@ -393,3 +393,19 @@ async def test_a_write_fenced_by_a_lease_lands_only_while_the_lease_is_held(
                               ttl_s=60, owner="r1/x")
     assert await store.orphans() == [] and await store.resume_document("wf-1") is None
     assert await store.claim("wf-1", "r2/y", 5.0)  # nobody holds it any more
+
+
+async def test_a_long_stream_keeps_its_latest_events_and_their_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.workflow_store as ws
+
+    monkeypatch.setattr(ws, "MAX_EVENTS", 5)
+    store = ws.MemoryWorkflowStore()
+    await store.create(meta("hints-1"), {})
+    for i in range(8):
+        await store.update("hints-1", events=[{"type": "task", "n": i}])
+    events = await store.events("hints-1")
+    assert [(eid, ev["n"]) for eid, ev in events] == [
+        ("4", 3), ("5", 4), ("6", 5), ("7", 6), ("8", 7)]
+    assert [eid for eid, _ in await store.events("hints-1", "6")] == ["7", "8"]
+    assert [eid for eid, _ in await store.events("hints-1", "1")] == ["4", "5", "6", "7", "8"]
