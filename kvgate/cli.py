@@ -146,9 +146,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _microbench(args: argparse.Namespace) -> int:
     import json
 
-    problem = _output_path("--json", args.json)
-    if problem is not None:
-        print(f"kvgate microbench: {problem}", file=sys.stderr)
+    if _unwritable("kvgate microbench", ("--json", args.json)):
         return 2
     failed = False
     if args.what == "placement":
@@ -275,17 +273,20 @@ def _positive_number(value: str) -> float:
     return x
 
 
-def _output_path(option: str, path: str | None) -> str | None:
-    """Why `path` cannot be written (a directory, or a missing parent), before the work that
-    would fill it; None when it can (or when the option is unset, or `-`)."""
-    if path is None or path == "-":
-        return None
-    p = Path(path)
-    if p.is_dir():
-        return f"{option} {path}: is a directory; give a file name"
-    if not p.parent.is_dir():
-        return f"{option} {path}: no directory {p.parent} to write it in"
-    return None
+def _unwritable(command: str, *outputs: tuple[str, str | None]) -> bool:
+    """Whether an output (option, path) cannot be written (a directory, or a missing parent),
+    said on stderr, before the work that would fill it; an unset path or `-` can be."""
+    for option, path in outputs:
+        if path is None or path == "-":
+            continue
+        p = Path(path)
+        problem = (f"{option} {path}: is a directory; give a file name" if p.is_dir() else
+                   f"{option} {path}: no directory {p.parent} to write it in"
+                   if not p.parent.is_dir() else None)
+        if problem is not None:
+            print(f"{command}: {problem}", file=sys.stderr)
+            return True
+    return False
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -301,11 +302,8 @@ def _bench(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         workload_args[key] = value
-    for option, path in (("--json", args.json), ("--plot", args.plot)):
-        problem = _output_path(option, path)
-        if problem is not None:
-            print(f"kvgate bench: {problem}", file=sys.stderr)
-            return 2
+    if _unwritable("kvgate bench", ("--json", args.json), ("--plot", args.plot)):
+        return 2
     options = BenchOptions(
         workload=args.workload, dag_file=args.dag_file, workload_args=workload_args,
         policies=[p.strip() for p in args.policy.split(",") if p.strip()],
@@ -343,9 +341,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("kvgate calibrate: --repeats must be at least 1", file=sys.stderr)
         return 2
-    problem = _output_path("--out", args.out)  # checked before minutes of measuring
-    if problem is not None:
-        print(f"kvgate calibrate: {problem}", file=sys.stderr)
+    if _unwritable("kvgate calibrate", ("--out", args.out)):  # before minutes of measuring
         return 2
     try:
         profile, record = calibrate(args.engine, args.model or base.model, base,
@@ -382,9 +378,7 @@ def _export_workflows(args: argparse.Namespace) -> int:
         print("kvgate export-workflows: give exactly one of --gateway URL or --redis URL",
               file=sys.stderr)
         return 2
-    problem = _output_path("--output", args.output)
-    if problem is not None:
-        print(f"kvgate export-workflows: {problem}", file=sys.stderr)
+    if _unwritable("kvgate export-workflows", ("--output", args.output)):
         return 2
     if args.limit is not None and args.limit <= 0:
         print("kvgate export-workflows: --limit must be positive", file=sys.stderr)

@@ -99,8 +99,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             pytest.fail(f"real-vLLM tier: engine did not start: {e}", pytrace=False)
         try:
             port = free_port()
+            # The blocker's decode keeps the engine's API server busy on a 2-core machine: it
+            # may take seconds to accept a connection or answer a health check (a CI run saw
+            # a connect take over 5 s, the engine leave rotation, and the second call never
+            # reach it). The one engine stays in rotation, and a connect may take its time.
             config = {"host": "127.0.0.1", "port": port, "policy": "kvgate",
-                      "admin_key": "tier-admin-key-0123456789", "health_interval_s": 0.5,
+                      "admin_key": "tier-admin-key-0123456789", "health_interval_s": 2.0,
+                      "health_failure_threshold": 1000, "connect_timeout_s": 60.0,
                       "scrape_interval_s": 0.5,
                       "engines": [{"url": engine.url, "scheduling_policy": "priority"}]}
             (logs / "gateway.yaml").write_text(yaml.safe_dump(config))
