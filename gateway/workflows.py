@@ -59,8 +59,6 @@ STORE_READ_S = 5.0
 PERSIST_RETRIES_S = (0.1, 0.3, 1.0, 2.0)
 """Waits before writing a workflow's state again when the store failed (about 3.4 s in all,
 within a lease's default 10 s)."""
-
-
 SSE_KEEPALIVE_S = 15.0
 """A comment line this often on a quiet event stream (keeps proxies from timing it out)."""
 
@@ -453,7 +451,6 @@ class WorkflowService:
         self._hint_workflows: dict[str, tuple[bool, Any, float]] = {}
         """Per workflow id a hint-mode call named: whether it is a hint-mode workflow, its
         tenant, and when that was read."""
-        """Hint-mode workflow ids seen here: (the store holds it as hints, when checked)."""
         self._hint_tasks: dict[tuple[str, str], Json] = {}
         self._hint_attempts: dict[tuple[str, str], str | None] = {}
         """The token of each open hint-mode task's latest call."""
