@@ -532,18 +532,12 @@ def test_a_hint_mode_call_goes_on_when_the_workflow_store_is_away(
     assert in_flight == [0.0]
 
 
-class GarbageEngine:
+class GarbageEngine(RecordingEngine):
     """An engine whose `/v1/models` and `/metrics` answer nothing a health check can read."""
 
     def __init__(self, models: bytes) -> None:
+        super().__init__()
         self.models_body = models
-        self.app = web.Application()
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_get("/metrics", self.metrics)
-
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response()
 
     async def models(self, _: web.Request) -> web.Response:
         return web.Response(body=self.models_body, content_type="application/json")
