@@ -54,11 +54,13 @@ class WorkflowStore(Protocol):
     async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
                      tasks: Mapping[str, Mapping[str, Any]] | None = None,
                      events: Sequence[Mapping[str, Any]] = (),
-                     ttl_s: float | None = None, owner: str | None = None) -> bool:
+                     ttl_s: float | None = None, owner: str | None = None,
+                     drop_tasks: Sequence[str] = ()) -> bool:
         """Replace the workflow-level fields (if given) and the given tasks' records, append
         `events`, all at once; with `ttl_s`, everything of the workflow expires that long after.
         With `owner`, only while `owner` holds the workflow's lease: False (nothing written)
-        once another replica has taken it over."""
+        once another replica has taken it over. `drop_tasks` (not with `owner`): task records
+        to delete in the same write."""
         ...
 
     async def get(self, workflow_id: str) -> Json | None:
@@ -187,7 +189,8 @@ class MemoryWorkflowStore:
     async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
                      tasks: Mapping[str, Mapping[str, Any]] | None = None,
                      events: Sequence[Mapping[str, Any]] = (),
-                     ttl_s: float | None = None, owner: str | None = None) -> bool:
+                     ttl_s: float | None = None, owner: str | None = None,
+                     drop_tasks: Sequence[str] = ()) -> bool:
         """See `WorkflowStore.update`."""
         if owner is not None and self._holder(workflow_id) != owner:
             return False
@@ -196,6 +199,8 @@ class MemoryWorkflowStore:
             e = self._entries[workflow_id] = _Entry({"id": workflow_id}, {})
         if workflow is not None:
             e.workflow = _copy(workflow)
+        for t in drop_tasks:
+            e.tasks.pop(t, None)
         for t, rec in (tasks or {}).items():
             e.tasks[t] = _copy(rec)
         e.events.extend(_copy(ev) for ev in events)
@@ -449,8 +454,11 @@ class RedisWorkflowStore:
     async def update(self, workflow_id: str, *, workflow: Mapping[str, Any] | None = None,
                      tasks: Mapping[str, Mapping[str, Any]] | None = None,
                      events: Sequence[Mapping[str, Any]] = (),
-                     ttl_s: float | None = None, owner: str | None = None) -> bool:
+                     ttl_s: float | None = None, owner: str | None = None,
+                     drop_tasks: Sequence[str] = ()) -> bool:
         """See `WorkflowStore.update`."""
+        if owner is not None and drop_tasks:
+            raise ValueError("drop_tasks is for writes without an owner (hint mode)")
         key, ev_key = self._key(workflow_id), self._events_key(workflow_id)
         fields: dict[str, str] = {}
         if workflow is not None:
@@ -467,6 +475,8 @@ class RedisWorkflowStore:
                 keys=[key, ev_key, self._running_key, self._lease_key(workflow_id)], args=args)
             return bool(written)
         async with self.r.pipeline(transaction=True) as pipe:
+            if drop_tasks:
+                pipe.hdel(key, *(f"t:{t}" for t in drop_tasks))
             if fields:
                 pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
             for ev in events:

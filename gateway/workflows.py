@@ -69,6 +69,8 @@ MAX_RESUMES = 5
 """A workflow taken over more often than this fails instead (whatever stops its replicas would
 stop the next one too)."""
 
+MAX_HINT_TASKS = 1000
+"""Task records a hint-mode workflow keeps (its latest calls'; the oldest are deleted)."""
 _HINT_CACHE = 10_000
 """Hint-mode workflow ids remembered per replica (whether the store holds them as hints)."""
 
@@ -452,6 +454,8 @@ class WorkflowService:
         """Per workflow id a hint-mode call named: whether it is a hint-mode workflow, its
         tenant, and when that was read."""
         self._hint_tasks: dict[tuple[str, str], Json] = {}
+        self._hint_order: dict[str, dict[str, None]] = {}
+        """Per hint-mode workflow (the latest _HINT_CACHE), its tasks in the order they came."""
         self._hint_attempts: dict[tuple[str, str], str | None] = {}
         """The token of each open hint-mode task's latest call."""
         self._listener: asyncio.Task[None] | None = None
@@ -1156,7 +1160,22 @@ class WorkflowService:
             self._hint_attempts.pop((workflow, task), None)
         else:
             self._hint_tasks[(workflow, task)] = rec
+        # A hint-mode workflow keeps the records of its latest MAX_HINT_TASKS tasks (as this
+        # replica saw them arrive): its client may call for weeks.
+        order = self._hint_order.pop(workflow, None) or {}
+        self._hint_order[workflow] = order
+        if len(self._hint_order) > _HINT_CACHE:
+            del self._hint_order[next(iter(self._hint_order))]
+        drop: list[str] = []
+        if task not in order:
+            order[task] = None
+            while len(order) > MAX_HINT_TASKS:
+                old = next(iter(order))
+                del order[old]
+                drop.append(old)
+                self._hint_tasks.pop((workflow, old), None)
+                self._hint_attempts.pop((workflow, old), None)
         # Hint-mode workflows never say they are over: they expire ttl_s after their last call.
         await self.store.update(workflow, tasks={task: rec},
                                 events=[task_event(workflow, task, rec)] if event else (),
-                                ttl_s=self.settings.ttl_s)
+                                ttl_s=self.settings.ttl_s, drop_tasks=drop)

@@ -210,6 +210,31 @@ async def test_a_task_sent_again_while_in_flight_is_recorded_by_its_latest_call(
     assert (plan["state"], plan["output"]) == ("done", "fresh")
 
 
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_long_hint_mode_workflow_keeps_its_latest_task_records(
+        backend: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.workflows as workflows
+
+    monkeypatch.setattr(workflows, "MAX_HINT_TASKS", 3)
+    store: WorkflowStore = (MemoryWorkflowStore() if backend == "memory" else
+                            RedisWorkflowStore.from_url(request.getfixturevalue("redis_url"),
+                                                        fresh_namespace()))
+    svc = WorkflowService(WorkflowSettings(), store,
+                          LoopbackExecutor("http://127.0.0.1:9", 1.0, 1.0), replica="r1")
+    try:
+        for i in range(5):
+            await svc.hinted_task_started("long", f"t{i}", [f"t{i - 1}"] if i else [],
+                                          f"r{i}", "m")
+            await svc.hinted_task_finished("long", f"t{i}", output=f"answer {i}")
+        await svc.hinted_task_started("long", "t4", ["t3"], "r5", "m")  # sent again: no drop
+        snap = await svc.snapshot("long")
+        assert sorted(snap["tasks"]) == ["t2", "t3", "t4"]
+        assert not any(w == "long" and t in ("t0", "t1") for w, t in svc._hint_tasks)
+    finally:
+        await svc.stop()
+        await store.close()
+
+
 async def test_a_hint_workflow_cannot_be_cancelled_from_the_api(
     service: WorkflowService,
 ) -> None:
