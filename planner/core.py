@@ -372,11 +372,11 @@ class Planner:
         self._groups_at: dict[str, dict[str, int]] = {}
         """Per engine, its calls in flight per sibling group."""
         self._lineage: OrderedDict[str, dict[str, _Lineage]] = OrderedDict()
+        """Per workflow (most recent last), each task's prompt keys and children: what segment
+        tagging needs of a call's parents."""
         self._submitted: set[str] = set()
         """Workflows submitted whole (`WorkflowSubmitted`, until `WorkflowOver`): their task
         count is the spec's; a hint-mode workflow's grows with every call."""
-        """Per workflow (most recent last), each task's prompt keys and children: what segment
-        tagging needs of a call's parents."""
         self._seq = 0
         self._order: dict[str, int] = {}
         self._batch = BatchRelease(profile_of) if profile_of is not None and release == "batch" \
@@ -1227,9 +1227,10 @@ class Planner:
                 known = lineage.get(parent)
                 if known is not None:
                     known.children += 1
+                    lineage[parent] = lineage.pop(parent)  # named again: the last to forget
             lineage[hints.task] = _Lineage(keys, hints.expect_children or 0)
             if len(lineage) > LINEAGE_HINT_TASKS and hints.workflow not in self._submitted:
-                # A hint-mode workflow never ends: its calls' parents are its recent ones.
+                # A hint-mode workflow never ends: its calls' parents are its recently named.
                 del lineage[next(iter(lineage))]
         if call.segments is not None:
             return call.segments

@@ -327,6 +327,13 @@ def test_a_hint_mode_workflow_remembers_its_latest_calls_only() -> None:
     kept = p._lineage["h"]
     assert len(kept) == LINEAGE_HINT_TASKS
     assert f"t{n - 1}" in kept and "t0" not in kept
+    # A parent every call names (an orchestrator's plan) is never the one forgotten.
+    p.admit(Call(RouteRequest("plan", "m", prompt_tokens=32, block_keys=(7, 8)),
+                 hints=RequestHints(workflow="o", task="plan")), 0.0)
+    for i in range(n):
+        p.admit(Call(RouteRequest(f"c{i}", "m", prompt_tokens=48, block_keys=(7, 8, i)),
+                     hints=RequestHints(workflow="o", task=f"c{i}", after=("plan",))), 0.0)
+    assert "plan" in p._lineage["o"] and len(p._lineage["o"]) == LINEAGE_HINT_TASKS
     # A workflow submitted whole keeps every task (its spec bounds them).
     p.on_event(WorkflowSubmitted("api", tuple(TaskSpec(f"t{i}", (), 10, 10)
                                              for i in range(n))), 0.0)

@@ -849,11 +849,12 @@ class VirtualRun:
         if self.give_up is not None:
             self._floor_to_come -= self.give_up.floor_s.get(wf.id, 0.0)
         run = DagRun(wf.id, [DagNode(t.id, t.after, t.think_time_s) for t in wf.tasks])
-        if self.planner.wants_workflows:
-            self.planner.on_event(WorkflowSubmitted(wf.id, tuple(
-                TaskSpec(t.id, tuple(t.after), self.builder.prompt_tokens(wf, t),
-                         t.output_tokens, t.think_time_s, static_segment(t, wf.tenant))
-                for t in wf.tasks)), self.now)
+        # Always told (its tasks only when it uses them): a workflow submitted whole is not a
+        # hint-mode one, whose remembered calls the planner caps.
+        self.planner.on_event(WorkflowSubmitted(wf.id, tuple(
+            TaskSpec(t.id, tuple(t.after), self.builder.prompt_tokens(wf, t),
+                     t.output_tokens, t.think_time_s, static_segment(t, wf.tenant))
+            for t in wf.tasks) if self.planner.wants_workflows else ()), self.now)
         self._runs[wf.id] = run
         self._wake(wf, run.start(self.now))
 
