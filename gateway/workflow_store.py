@@ -132,10 +132,13 @@ class WorkflowStore(Protocol):
 # -- in memory ------------------------------------------------------------------------------------
 
 
+RECENT_SCAN_MAX = 20_000
+"""Ids a filtered listing reads at most (a tenant with no workflow among many others')."""
 MAX_EVENTS = 10_000
 """Events a workflow's stream keeps (the oldest go first): a hint-mode workflow's stream grows
-with every call for as long as its client keeps calling. API workflows, with at most
-`max_tasks` tasks (1,000 by default) and a few events each, stay within it."""
+with every call for as long as its client keeps calling. An API workflow writes about four
+events per task: one of up to about 2,500 tasks (`max_tasks` is 1,000 by default) keeps its
+whole stream."""
 
 
 @dataclass
@@ -516,28 +519,36 @@ class RedisWorkflowStore:
         drops the ids whose snapshot has expired."""
         out: list[Json] = []
         seen: set[bytes] = set()
-        start = 0
-        while len(out) < limit:
-            page = max(limit - len(out), 16)
+        start = scanned = 0
+        while len(out) < limit and scanned < RECENT_SCAN_MAX:
+            page = max(limit - len(out), 16 if keep is None else 256)
             ids: list[bytes] = await self.r.zrevrange(  # type: ignore[assignment]
                 self._index_key, start, start + page - 1)
             if not ids:
                 break
             start += len(ids)
+            scanned += len(ids)
+            # The workflow fields first: with `keep`, only the kept ones' tasks are read.
             async with self.r.pipeline(transaction=False) as pipe:
                 for wf_id in ids:
-                    pipe.hgetall(self._key(wf_id.decode()))
-                hashes: list[dict[bytes, bytes]] = await pipe.execute()
-            gone = []
-            for wf_id, raw in zip(ids, hashes, strict=True):
-                if b"w" not in raw:
+                    pipe.hget(self._key(wf_id.decode()), "w")
+                heads: list[bytes | None] = await pipe.execute()
+            gone: list[bytes] = []
+            wanted: list[bytes] = []
+            for wf_id, head in zip(ids, heads, strict=True):
+                if head is None:
                     gone.append(wf_id)
-                elif len(out) < limit and wf_id not in seen:
+                elif len(out) + len(wanted) < limit and wf_id not in seen:
                     # A workflow created meanwhile shifts the ranks: one id may come twice.
                     seen.add(wf_id)
-                    workflow, tasks = _parse(raw)
-                    if keep is None or keep(workflow):
-                        out.append(_listed(workflow, tasks))
+                    if keep is None or keep(json.loads(head)):
+                        wanted.append(wf_id)
+            if wanted:
+                async with self.r.pipeline(transaction=False) as pipe:
+                    for wf_id in wanted:
+                        pipe.hgetall(self._key(wf_id.decode()))
+                    hashes: list[dict[bytes, bytes]] = await pipe.execute()
+                out += [_listed(*_parse(raw)) for raw in hashes if b"w" in raw]
             if gone:
                 await self.r.zrem(self._index_key, *gone)
                 start -= len(gone)

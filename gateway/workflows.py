@@ -532,16 +532,28 @@ class WorkflowService:
         tasks = {t.id: task_record(dependencies(t)) for t in spec.tasks}
         nodes = [DagNode(t.id, dependencies(t), t.think_time_s) for t in spec.tasks]
         run = _Run(spec, DagRun(wf_id, nodes), workflow, tasks, dict(headers or {}))
+        created = False
         try:
             if self.store.shared:
                 await self.store.claim(wf_id, self.instance, self.settings.lease_s)
             if not await self.store.create(workflow, tasks):
                 raise RuntimeError(f"workflow id {wf_id} collided")  # 64 random bits: never
+            created = True
             if self.store.shared:
                 await self.store.save_resume(wf_id, {"spec": document, "headers": run.headers,
                                                      "trace": dict(trace_headers or {})})
-        except Exception as e:  # the store's errors: nothing of the workflow runs
+        except BaseException as e:  # the store's errors, or the client gone: it does not run
             self.tracing.workflow_ended(wf_id, {**workflow, "state": "failed"})
+            if created:
+                # Stored but not started: said so, so that no replica takes it over later.
+                failed = {**workflow, "state": "failed", "finished_s": self.clock(),
+                          "error": "the workflow could not be stored whole; it was not started"}
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.store.update(
+                        wf_id, workflow=failed, events=[workflow_event(failed)],
+                        ttl_s=self.settings.ttl_s))
+            if not isinstance(e, Exception):
+                raise
             raise WorkflowStoreUnavailable(
                 f"the workflow could not be stored ({type(e).__name__}: {e}); it was not "
                 "started") from None

@@ -446,3 +446,23 @@ async def test_a_workflow_the_store_cannot_take_is_a_503_and_leaves_no_span_open
         assert not service._runs and not service.tracing._workflows
     finally:
         await service.stop()
+
+
+async def test_a_workflow_stored_but_not_whole_reads_failed_and_is_never_taken_over() -> None:
+    class HalfWay(MemoryWorkflowStore):
+        shared = True
+
+        async def save_resume(self, workflow_id: str, document: Any) -> None:
+            raise ConnectionError("the store went away halfway")
+
+    store = HalfWay()
+    service = WorkflowService(WorkflowSettings(), store, Recorder(), replica="a")
+    try:
+        with pytest.raises(WorkflowStoreUnavailable, match="could not be stored"):
+            await service.submit(chain())
+        [wf] = [w["id"] for w in await store.recent(10)]
+        snap = await store.get(wf)
+        assert snap is not None and snap["state"] == "failed"
+        assert await store.orphans() == []
+    finally:
+        await service.stop()
