@@ -513,7 +513,8 @@ class Proxy:
         for flight in orphans:
             state.later(state.metrics.dispatched, flight.dispatch, flight.route.prompt_tokens,
                         flight.route.block_keys, state.now())
-            self._finished(flight, "the client went away as the call was placed")
+            self._finished(flight, "its wait ended (the client went away, or the hold timed "
+                                   "out) as the call was placed")
         wake = state.planner.next_wakeup()
         if wake is not None and self._timer is not None and wake < self._timer_at:
             # Due sooner than the timer set (a paced request's next piece, say).

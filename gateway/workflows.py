@@ -844,9 +844,8 @@ class WorkflowService:
             else:
                 wf["state"] = "failed" if run.dag.failed else "done"
             wf["finished_s"] = self.clock()
-            if not await self.store.update(run.id, workflow=wf, events=[workflow_event(wf)],
-                                           ttl_s=self.settings.ttl_s, owner=self._owner):
-                self._lost(run)
+            await self._write(run, workflow=wf, events=[workflow_event(wf)],
+                              ttl_s=self.settings.ttl_s)
         except Exception:
             # Its state could not be written (the store is away past every retry): its calls
             # are aborted, and with a shared store its lease lapses and another replica goes
@@ -941,11 +940,16 @@ class WorkflowService:
         changes.events.append(task_event(run.id, task, rec))
 
     async def _persist(self, run: _Run, changes: _Changes) -> None:
-        tasks = {t: run.tasks[t] for t in changes.tasks}
+        await self._write(run, workflow=run.workflow,
+                          tasks={t: run.tasks[t] for t in changes.tasks}, events=changes.events)
+
+    async def _write(self, run: _Run, **update: Any) -> None:
+        """Write the run's state (`WorkflowStore.update`), fenced by its lease, again after
+        each of PERSIST_RETRIES_S when the store fails; a refused write means another replica
+        has taken the workflow over."""
         for delay in (*PERSIST_RETRIES_S, None):
             try:
-                written = await self.store.update(run.id, workflow=run.workflow, tasks=tasks,
-                                                  events=changes.events, owner=self._owner)
+                written = await self.store.update(run.id, owner=self._owner, **update)
                 break
             except Exception as e:  # the store's errors: a Redis blip, a failover
                 if delay is None:

@@ -466,3 +466,24 @@ async def test_a_workflow_stored_but_not_whole_reads_failed_and_is_never_taken_o
         assert await store.orphans() == []
     finally:
         await service.stop()
+
+
+async def test_the_write_that_ends_a_workflow_is_tried_again_too() -> None:
+    class FinalBlink(MemoryWorkflowStore):
+        failed = False
+
+        async def update(self, *args: Any, **kwargs: Any) -> bool:
+            if kwargs.get("ttl_s") is not None and not self.failed:
+                self.failed = True
+                raise ConnectionError("a blip as the workflow ends")
+            return await super().update(*args, **kwargs)
+
+    store = FinalBlink()
+    service = WorkflowService(WorkflowSettings(), store, Recorder(), replica="a")
+    try:
+        wf = (await service.submit(chain()))["id"]
+        await asyncio.wait_for(service._runs[wf].over.wait(), 10)
+        snap = await service.snapshot(wf)
+        assert store.failed and snap["state"] == "done" and snap["finished_s"] is not None
+    finally:
+        await service.stop()
