@@ -97,9 +97,12 @@ class EnginePool:
         if state is None:
             return False
         if state.loras:
-            self.lora_models = frozenset().union(*(e.loras for e in self.engines.values()))
+            self._refresh_loras()
         self.notify(EngineLeft(name))
         return True
+
+    def _refresh_loras(self) -> None:
+        self.lora_models = frozenset().union(*(e.loras for e in self.engines.values()))
 
     async def refresh(self, name: str) -> None:
         """Check one engine's health and load now."""
@@ -172,8 +175,7 @@ class EnginePool:
                     state.models, loras = model_ids(await r.json())
                 if loras != state.loras:
                     state.loras = loras
-                    self.lora_models = frozenset().union(
-                        *(e.loras for e in self.engines.values()))
+                    self._refresh_loras()
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             ok = False
             refused = isinstance(e, aiohttp.ClientConnectorError)

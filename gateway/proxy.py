@@ -35,7 +35,7 @@ from gateway.errors import (
     NoHealthyEngine,
 )
 from gateway.state import GatewayState
-from gateway.tenants import TENANT_KEY, Tenant
+from gateway.tenants import Tenant, caller
 from gateway.tracing import NO_CALL, CallTrace, EngineCallTrace, NoCall
 from gateway.upstream import (
     UpstreamConnectError,
@@ -133,7 +133,7 @@ def prompt_keys(state: GatewayState, route: str, body: dict[str, Any]) -> Prompt
 
     A prompt the gateway cannot key is still forwarded: the engine is the authority on validity.
     """
-    extras = key_extras(body, state.pool.lora_models if state.pool is not None else frozenset())
+    extras = request_extras(state, body)
     try:
         if route == "/v1/chat/completions":
             messages = body.get("messages")
@@ -166,6 +166,11 @@ def key_extras(body: dict[str, Any], loras: AbstractSet[str] = frozenset()) -> K
                      cache_salt=salt if isinstance(salt, str) else None)
 
 
+def request_extras(state: GatewayState, body: dict[str, Any]) -> KeyExtras:
+    """`key_extras` with the pool's LoRA adapters."""
+    return key_extras(body, state.pool.lora_models if state.pool is not None else frozenset())
+
+
 def static_blocks(state: GatewayState, route: str, body: dict[str, Any]) -> int:
     """Full index blocks of a chat call's static segment (`planner.segments.static_lead`, with
     the tools), by rendering it alone: chat templates render a conversation's prefix first.
@@ -180,8 +185,7 @@ def static_blocks(state: GatewayState, route: str, body: dict[str, Any]) -> int:
     tools = body.get("tools")
     try:
         keys = state.keyer.chat(lead, tools=tools if isinstance(tools, list) else None,
-                                extras=key_extras(body, state.pool.lora_models
-                                                  if state.pool is not None else frozenset()),
+                                extras=request_extras(state, body),
                                 add_generation_prompt=False)
     except (TokenizerError, ValueError, TypeError, KeyError):
         return 0
@@ -276,7 +280,7 @@ class Proxy:
                 state.mover.remember(request_id, model, keys.token_ids,
                                      (hints.workflow, hints.task or request_id)
                                      if hints.workflow is not None else None,
-                                     key_extras(body).cache_salt)
+                                     request_extras(state, body).cache_salt)
         state.later(state.metrics.lookup_time.observe, time.perf_counter() - t0)
         return RouteRequest(
             request_id=request_id,
@@ -307,7 +311,7 @@ class Proxy:
             raise InvalidRequest(f"workflow id {hints.workflow!r} is reserved (it would name a "
                                  "key of the workflow store: index, running, or one ending in "
                                  ":ev or :lease)", param="kvgate")
-        tenant = request.get(TENANT_KEY)
+        tenant = caller(request)
         if tenant is not None:
             # The tenant's salt, whatever the client sent: tenants are cached apart.
             stripped = {**(stripped or body), "cache_salt": tenant.salt}
@@ -372,7 +376,7 @@ class Proxy:
             headers["Authorization"] = state.engine_authorization
         elif state.tenancy.enabled:
             headers.popall("Authorization", None)
-        recorder = (_Recorder.start(self, hints, route_req, body, request.get(TENANT_KEY))
+        recorder = (_Recorder.start(self, hints, route_req, body, caller(request))
                     if hints.in_workflow else None)
         static = static_blocks(state, route, body) if hints.in_workflow else 0
         if recorder is not None:

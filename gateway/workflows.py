@@ -1025,8 +1025,8 @@ class WorkflowService:
         if run is not None:
             owner = run.workflow.get("tenant")
         else:
-            known = self._hint_workflows.get(workflow)
-            if known is not None and time.monotonic() - known[2] < self.settings.ttl_s / 2:
+            known = self._known_hint(workflow)
+            if known is not None:
                 owner = known[1]
             else:
                 try:
@@ -1145,13 +1145,20 @@ class WorkflowService:
                    error=error)
         await self._hint_write(workflow, task, rec)
 
+    def _known_hint(self, workflow: str) -> tuple[bool, Any] | None:
+        """What the cache says of `workflow` (hint mode?, tenant) while fresh: it is re-read
+        now and then, as an idle hint-mode workflow expires from the store."""
+        known = self._hint_workflows.get(workflow)
+        if known is None or time.monotonic() - known[2] >= self.settings.ttl_s / 2:
+            return None
+        return known[0], known[1]
+
     async def _is_hint_workflow(self, workflow: str, model: str, tenant: str | None
                                 ) -> tuple[bool, Any]:
         """Whether `workflow` is a hint-mode one (made now if it is new), and its tenant."""
-        known = self._hint_workflows.get(workflow)
-        # Re-checked now and then: an idle hint-mode workflow expires from the store.
-        if known is not None and time.monotonic() - known[2] < self.settings.ttl_s / 2:
-            return known[0], known[1]
+        known = self._known_hint(workflow)
+        if known is not None:
+            return known
         meta: Json = {"id": workflow, "source": "hints", "model": model, "tenant": tenant,
                       "state": "running", "created_s": self.clock(), "finished_s": None,
                       "replica": self.replica,
