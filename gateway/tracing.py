@@ -33,7 +33,7 @@ import hashlib
 import json
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -43,7 +43,7 @@ from aiohttp import web
 from opentelemetry import trace as otel
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
     ConsoleSpanExporter,
@@ -60,6 +60,21 @@ from planner.actions import Dispatch, Transfer, Warm
 from planner.cost import PlacementCost
 
 TRACEPARENT = "traceparent"
+WORKFLOW_ATTR = "kvgate.workflow.id"
+MAX_ATTR_CHARS = 1024
+"""A span's name, a string attribute or a status description is cut to this many characters,
+and a list attribute to `MAX_ATTR_ITEMS` items: what a client sends (a model name, a `user`,
+a join's parents) ends up in spans, which the memory store keeps and exporters send in
+batches a collector caps (4 MiB by gRPC's default)."""
+MAX_ATTR_ITEMS = 256
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, str):
+        return value[:MAX_ATTR_CHARS]
+    if isinstance(value, list | tuple):
+        return tuple(_bounded(v) for v in value[:MAX_ATTR_ITEMS])
+    return value
 _PROPAGATOR = TraceContextTextMapPropagator()
 _FORCED_TRACE_ID: ContextVar[int | None] = ContextVar("kvgate_forced_trace_id", default=None)
 
@@ -101,6 +116,10 @@ def _ns(epoch_s: float) -> int:
 # -- the memory store -----------------------------------------------------------------------------
 
 
+def _by_start(spans: Sequence[ReadableSpan]) -> list[Attrs]:
+    return sorted((span_json(s) for s in spans), key=lambda s: (s["start_s"], s["end_s"]))
+
+
 def span_json(span: ReadableSpan) -> Attrs:
     """One finished span as the gateway serves it."""
     ctx = span.context
@@ -128,14 +147,18 @@ def span_json(span: ReadableSpan) -> Attrs:
 
 
 class MemoryStore(SpanExporter):
-    """The last `max_traces` traces (least recently active dropped first), each up to
-    `max_spans` spans, for `GET /v1/traces`."""
+    """The last `max_traces` traces (least recently active dropped first), each its latest
+    `max_spans` spans (older ones dropped and counted), for `GET /v1/traces`."""
 
     def __init__(self, max_traces: int, max_spans: int) -> None:
         self.max_traces = max_traces
         self.max_spans = max_spans
-        self._traces: OrderedDict[int, list[ReadableSpan]] = OrderedDict()
+        self._traces: OrderedDict[int, deque[ReadableSpan]] = OrderedDict()
+        self._dropped: dict[int, int] = {}
         self._workflow_of: dict[int, str] = {}
+        """The first workflow a trace's spans named (what the operator's listing shows)."""
+        self._named: dict[int, set[str]] = {}
+        """Every workflow a kept trace's spans name."""
         self._traces_of: dict[str, list[int]] = {}
         self._lock = threading.Lock()
 
@@ -147,23 +170,28 @@ class MemoryStore(SpanExporter):
                 tid = span.context.trace_id
                 kept = self._traces.get(tid)
                 if kept is None:
-                    kept = self._traces[tid] = []
+                    kept = self._traces[tid] = deque(maxlen=self.max_spans)
                     while len(self._traces) > self.max_traces:
                         self._evict(next(iter(self._traces)))
                 else:
                     self._traces.move_to_end(tid)
-                if len(kept) < self.max_spans:
-                    kept.append(span)
-                workflow = (span.attributes or {}).get("kvgate.workflow.id")
-                if isinstance(workflow, str) and tid not in self._workflow_of:
-                    self._workflow_of[tid] = workflow
-                    self._traces_of.setdefault(workflow, []).append(tid)
+                if len(kept) == kept.maxlen:
+                    self._dropped[tid] = self._dropped.get(tid, 0) + 1
+                kept.append(span)
+                workflow = (span.attributes or {}).get(WORKFLOW_ATTR)
+                if isinstance(workflow, str):
+                    self._workflow_of.setdefault(tid, workflow)
+                    named = self._named.setdefault(tid, set())
+                    if workflow not in named:
+                        named.add(workflow)
+                        self._traces_of.setdefault(workflow, []).append(tid)
         return SpanExportResult.SUCCESS
 
     def _evict(self, tid: int) -> None:
         del self._traces[tid]
-        workflow = self._workflow_of.pop(tid, None)
-        if workflow is not None:
+        self._dropped.pop(tid, None)
+        self._workflow_of.pop(tid, None)
+        for workflow in self._named.pop(tid, ()):
             ids = self._traces_of.get(workflow, [])
             if tid in ids:
                 ids.remove(tid)
@@ -176,8 +204,9 @@ class MemoryStore(SpanExporter):
     def summaries(self, limit: int) -> list[Attrs]:
         """The most recently active traces first."""
         with self._lock:
-            items = list(self._traces.items())[-limit:]
-        return [self._summary(tid, spans) for tid, spans in reversed(items)]
+            items = [(tid, list(spans), self._workflow_of.get(tid), self._dropped.get(tid, 0))
+                     for tid, spans in list(self._traces.items())[-limit:]]
+        return [self._summary(*item) for item in reversed(items)]
 
     def spans(self, trace_id: int) -> list[Attrs] | None:
         """A trace's spans by start time; None if it is not kept."""
@@ -185,27 +214,56 @@ class MemoryStore(SpanExporter):
             spans = list(self._traces.get(trace_id) or ())
         if not spans:
             return None
-        return sorted((span_json(s) for s in spans), key=lambda s: (s["start_s"], s["end_s"]))
+        return _by_start(spans)
 
-    def traces_of(self, workflow_id: str) -> list[int]:
-        """Trace ids kept whose spans name the workflow."""
+    def dropped(self, trace_id: int) -> int:
+        """Spans of a kept trace dropped for its cap (the oldest first)."""
         with self._lock:
-            return list(self._traces_of.get(workflow_id, ()))
+            return self._dropped.get(trace_id, 0)
+
+    def workflow_spans(self, workflow_id: str) -> tuple[int, list[Attrs], int] | None:
+        """The spans of one workflow (None if none is kept): those that name it and the spans
+        under them, never another's, though a client's `traceparent` may put other calls in
+        the same trace. With the first such trace's id and the spans its traces dropped."""
+        with self._lock:
+            ids = list(self._traces_of.get(workflow_id, ()))
+            traces = [list(self._traces.get(tid) or ()) for tid in ids]
+            dropped = sum(self._dropped.get(tid, 0) for tid in ids)
+        mine: list[ReadableSpan] = []
+        for spans in traces:
+            children: dict[int, list[ReadableSpan]] = {}
+            todo: list[ReadableSpan] = []
+            for s in spans:
+                named = (s.attributes or {}).get(WORKFLOW_ATTR)
+                if named == workflow_id:
+                    todo.append(s)
+                elif named is None and s.parent is not None:
+                    children.setdefault(s.parent.span_id, []).append(s)
+            while todo:
+                s = todo.pop()
+                mine.append(s)
+                assert s.context is not None
+                todo.extend(children.pop(s.context.span_id, ()))
+        if not mine:
+            return None
+        return ids[0], _by_start(mine), dropped
 
     def workflow_of(self, trace_id: int) -> str | None:
-        """The workflow a kept trace belongs to, if any."""
+        """The workflow a kept trace belongs to (the first its spans named), if any."""
         with self._lock:
             return self._workflow_of.get(trace_id)
 
-    def _summary(self, tid: int, spans: list[ReadableSpan]) -> Attrs:
+    @staticmethod
+    def _summary(tid: int, spans: list[ReadableSpan], workflow: str | None, dropped: int
+                 ) -> Attrs:
         ids = {s.context.span_id for s in spans if s.context is not None}
         roots = [s for s in spans if s.parent is None or s.parent.span_id not in ids]
         root = min(roots or spans, key=lambda s: s.start_time or 0)
         start = min(s.start_time or 0 for s in spans) / 1e9
         end = max(s.end_time or 0 for s in spans) / 1e9
-        return {"trace_id": trace_hex(tid), "workflow_id": self._workflow_of.get(tid),
+        return {"trace_id": trace_hex(tid), "workflow_id": workflow,
                 "root": root.name, "start_s": start, "duration_s": round(end - start, 9),
-                "spans": len(spans)}
+                "spans": len(spans), "dropped_spans": dropped}
 
 
 class _StoreProcessor(SpanProcessor):
@@ -387,8 +445,8 @@ class CallTrace:
         span.end(now)
         if self.task_span is not None:
             if failed:
-                self.task_span.set_status(otel.Status(otel.StatusCode.ERROR,
-                                                      error or f"HTTP {status}"))
+                self.task_span.set_status(otel.Status(
+                    otel.StatusCode.ERROR, _bounded(error or f"HTTP {status}")))
             self.task_span.end(now)
 
 
@@ -460,7 +518,7 @@ class MoveTrace:
             return
         self.span.set_attribute("kvgate.move.outcome", "failed" if error else "done")
         if error is not None:
-            self.span.set_status(otel.Status(otel.StatusCode.ERROR, error))
+            self.span.set_status(otel.Status(otel.StatusCode.ERROR, _bounded(error)))
         self.span.end()
 
 
@@ -477,7 +535,8 @@ class Tracing:
         self.store: MemoryStore | None = None
         self.provider = TracerProvider(
             resource=Resource.create({"service.name": settings.service_name}),
-            id_generator=_WorkflowIds())
+            id_generator=_WorkflowIds(),
+            span_limits=SpanLimits(max_attribute_length=MAX_ATTR_CHARS))
         self._processors: list[SpanProcessor] = []
         """What the provider hands each ended span to (leaf spans go to them directly)."""
         if self.enabled:
@@ -557,8 +616,10 @@ class Tracing:
         about a fifth of a call's CPU in the gateway)."""
         if not ctx.trace_flags.sampled or not self._processors:
             return
-        attrs = {k: tuple(v) if isinstance(v, list) else v for k, v in attributes.items()}
-        span = ReadableSpan(name, ctx, parent, self.provider.resource, attrs, kind=kind,
+        attrs = {k: _bounded(v) for k, v in attributes.items()}
+        if status.description is not None and len(status.description) > MAX_ATTR_CHARS:
+            status = otel.Status(status.status_code, status.description[:MAX_ATTR_CHARS])
+        span = ReadableSpan(name[:MAX_ATTR_CHARS], ctx, parent, self.provider.resource, attrs, kind=kind,
                             status=status, instrumentation_scope=self._scope,
                             start_time=start_ns, end_time=end_ns)
         for processor in self._processors:
@@ -592,8 +653,8 @@ class Tracing:
                     task_span = self.tracer.start_span(
                         f"task {task}", Context(), links=links,
                         start_time=arrived_ns,
-                        attributes={"kvgate.workflow.id": workflow, "kvgate.task.id": task or "",
-                                    "kvgate.task.after": list(after),
+                        attributes={WORKFLOW_ATTR: workflow, "kvgate.task.id": task or "",
+                                    "kvgate.task.after": _bounded(after),
                                     "kvgate.workflow.source": "hints"})
                 parent = otel.set_span_in_context(task_span)
         operation = "chat" if route.endswith("/chat/completions") else "text_completion"
@@ -635,7 +696,7 @@ class Tracing:
             attrs["kvgate.move.destination"] = move.engine
             name = "warm-up"
         if workflow is not None:
-            attrs["kvgate.workflow.id"] = workflow
+            attrs[WORKFLOW_ATTR] = workflow
         with _forced(forced):
             return MoveTrace(self.tracer.start_span(name, parent or Context(), attributes=attrs))
 
@@ -662,7 +723,7 @@ class Tracing:
             span = self.tracer.start_span(
                 f"workflow {workflow}", client if client_ok else Context(),
                 kind=otel.SpanKind.SERVER, start_time=_ns(start_s),
-                attributes={"kvgate.workflow.id": workflow, "kvgate.workflow.source": "api",
+                attributes={WORKFLOW_ATTR: workflow, "kvgate.workflow.source": "api",
                             **attrs})
         self._workflows[workflow] = (span, otel.set_span_in_context(span))
         return trace_hex(span.get_span_context().trace_id)
@@ -681,8 +742,8 @@ class Tracing:
             self._tasks[key] = self.tracer.start_span(
                 f"task {task}", running[1],
                 start_time=_ns(start) if isinstance(start, float) else None,
-                attributes={"kvgate.workflow.id": workflow, "kvgate.task.id": task,
-                            "kvgate.task.after": list(record.get("after") or ())})
+                attributes={WORKFLOW_ATTR: workflow, "kvgate.task.id": task,
+                            "kvgate.task.after": _bounded(record.get("after") or ())})
         elif span is not None and state in ("done", "failed", "cancelled", "skipped"):
             self.flush_pending()
             del self._tasks[key]
@@ -695,7 +756,7 @@ class Tracing:
                     span.set_attribute(attr, record[field])
             if state != "done":
                 span.set_status(otel.Status(otel.StatusCode.ERROR,
-                                            str(record.get("error") or state)))
+                                            _bounded(str(record.get("error") or state))))
             end = record.get("finished_s")
             span.end(_ns(end) if isinstance(end, float) else None)
 
@@ -760,23 +821,22 @@ class Tracing:
             raise TraceNotFound(f"trace {raw} is not kept here (spans appear as they end; "
                                 f"the store keeps the last {store.max_traces} traces)")
         return web.json_response({"trace_id": raw, "workflow_id": store.workflow_of(int(raw, 16)),
-                                  "spans": spans})
+                                  "spans": spans, "dropped_spans": store.dropped(int(raw, 16))})
 
     async def handle_workflow_trace(self, request: web.Request) -> web.Response:
-        """The spans of a workflow's trace kept by this gateway."""
+        """The spans of a workflow kept by this gateway: those that name it and the spans under
+        them (a call in the same trace by a client's `traceparent`, another tenant's
+        included, is not the workflow's)."""
         store = self._kept()
         workflow = request.match_info["id"]
-        ids = store.traces_of(workflow)
-        if not ids:
+        found = store.workflow_spans(workflow)
+        if found is None:
             raise TraceNotFound(
                 f"no spans of workflow {workflow!r} are kept here (spans appear as they end, "
                 "on the replica that handled them)")
-        spans: list[Attrs] = []
-        for tid in ids:
-            spans.extend(store.spans(tid) or ())
-        spans.sort(key=lambda s: (s["start_s"], s["end_s"]))
-        return web.json_response({"trace_id": trace_hex(ids[0]), "workflow_id": workflow,
-                                  "spans": spans})
+        tid, spans, dropped = found
+        return web.json_response({"trace_id": trace_hex(tid), "workflow_id": workflow,
+                                  "spans": spans, "dropped_spans": dropped})
 
 
 def otlp_http_url(endpoint: str | None) -> str:

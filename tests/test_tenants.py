@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from gateway.config import ConfigError, parse_config
+from gateway.tracing import trace_hex, workflow_trace_id
 from kvgate.procs import Child, wait_healthy
 from tests.conftest import MODEL, ThreadedServer
 from tests.test_gateway_failures import RecordingEngine
@@ -166,6 +167,37 @@ def test_traces_are_the_operators_but_a_workflows_own_is_its_tenants(served: Chi
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert call("GET", slashed, headers=auth(BETA))[0] == 404
+
+
+def test_a_tenant_cannot_read_anothers_spans_by_joining_its_trace(served: Child) -> None:
+    """A client may choose its trace (`traceparent`), and a hint-mode workflow's trace id is
+    derived from its id: another tenant's workflow submitted into that trace reads its own
+    spans only, and the owner still reads all of its own."""
+    gw = served
+    openai.OpenAI(base_url=f"{gw.url}/v1", api_key=ACME, max_retries=0).chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "secret plan"}],
+        extra_headers={"X-KVGate-Workflow": "agent-42", "X-KVGate-Task": "plan"})
+    parent = f"00-{trace_hex(workflow_trace_id('agent-42'))}-{'1' * 16}-01"
+    status, _, snap = call("POST", f"{gw.url}/v1/workflows", spec("intruder"),
+                           headers={**auth(BETA), "traceparent": parent})
+    assert status == 201 and snap["trace_id"] == trace_hex(workflow_trace_id("agent-42"))
+    intruder = snap["id"]
+
+    def spans(wf: str, key: str, needed: str) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + 30
+        while True:  # spans appear as they end
+            status, _, doc = call("GET", f"{gw.url}/v1/workflows/{wf}/trace", headers=auth(key))
+            if status == 200 and needed in [s["name"] for s in doc["spans"]]:
+                return list(doc["spans"])
+            assert time.monotonic() < deadline, (status, doc)
+            time.sleep(0.1)
+
+    theirs = spans(intruder, BETA, f"workflow {intruder}")
+    assert "task plan" not in [s["name"] for s in theirs]
+    assert all(s["attributes"].get("kvgate.workflow.id") in (None, intruder) for s in theirs)
+    mine = spans("agent-42", ACME, "task plan")
+    assert "task plan" in [s["name"] for s in mine]
+    assert all(s["attributes"].get("kvgate.workflow.id") in (None, "agent-42") for s in mine)
 
 
 @pytest.mark.parametrize("tenants, message", [

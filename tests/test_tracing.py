@@ -429,6 +429,33 @@ def test_the_memory_store_serves_recent_traces_and_names_bad_ids(
     assert status == 404 and "nobody" in err["error"]["message"]
 
 
+def test_what_a_client_sends_is_cut_to_size_in_spans(
+        engines: tuple[list[str], list[list[dict[str, str]]]],
+        spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+    urls, _ = engines
+    gw = start(spawn_gateway, urls, {}, policy="round-robin")
+    status, _ = post(f"{gw.url}/v1/chat/completions",
+                     {"model": "m" * 100_000, "messages": [{"role": "user", "content": "hi"}]},
+                     {"x-request-id": "huge-model"})
+    assert status == 404
+    status, _ = post(f"{gw.url}/v1/chat/completions",
+                     {"model": MODEL, "max_tokens": 2, "user": "u" * 100_000,
+                      "messages": [{"role": "user", "content": "hi"}]},
+                     {"x-request-id": "huge-user"})
+    assert status == 200
+    status, doc = get(f"{gw.url}/v1/traces")
+    assert status == 200 and len(doc["traces"]) == 2
+    for listed in doc["traces"]:
+        status, trace = get(f"{gw.url}/v1/traces/{listed['trace_id']}")
+        assert status == 200
+        for span in trace["spans"]:
+            assert len(span["name"]) <= 1024
+            for value in span["attributes"].values():
+                assert len(value if isinstance(value, str | list) else ()) <= 1024
+            assert len(span["status"]["description"] or "") <= 1024
+    assert "m" * 1000 in json.dumps(doc)  # cut, not dropped
+
+
 # -- in-process ----------------------------------------------------------------------------------
 
 
@@ -446,6 +473,25 @@ def test_the_memory_store_drops_the_least_recently_active_trace() -> None:
     tracer.start_span("c").end()
     assert tracing.store is not None
     assert [t["root"] for t in tracing.store.summaries(10)] == ["c", "a"]
+
+
+def test_a_full_trace_keeps_its_latest_spans_and_counts_the_dropped() -> None:
+    """A hint-mode workflow that runs for weeks is one trace: past its cap the oldest spans
+    go, so its latest calls stay visible, and the listing says how many went."""
+    from opentelemetry import trace as otel
+
+    tracing = Tracing(parse_config({"engines": [{"url": "http://127.0.0.1:1"}],
+                                    "tracing": {"max_spans_per_trace": 3}}).tracing)
+    root = tracing.tracer.start_span("root", attributes={"kvgate.workflow.id": "w"})
+    ctx = otel.set_span_in_context(root)
+    for i in range(5):
+        tracing.tracer.start_span(f"call {i}", ctx).end()
+    assert tracing.store is not None
+    (summary,) = tracing.store.summaries(10)
+    assert summary["spans"] == 3 and summary["dropped_spans"] == 2
+    tid = root.get_span_context().trace_id
+    assert [s["name"] for s in tracing.store.spans(tid) or ()] == ["call 2", "call 3", "call 4"]
+    assert tracing.store.dropped(tid) == 2
 
 
 @pytest.mark.parametrize(("tracing", "problem"), [
