@@ -61,7 +61,12 @@ class GatewayMetrics:
         )
         self.time_to_first_byte = Histogram(
             "kvgate_time_to_first_byte_seconds",
-            "From request arrival to the first response byte from the engine.",
+            "From request arrival to the engine's response head (status and headers).",
+            ["route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "kvgate_time_to_first_token_seconds",
+            "From request arrival to the engine's first streamed event (streamed calls).",
             ["route"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.duration = Histogram(

@@ -695,6 +695,9 @@ class Proxy:
                 if not chunk:
                     break
                 # vLLM streams its first chunk once the prompt is prefilled.
+                if not flight.first_token and upstream.status == 200:
+                    later(metrics.observe, metrics.time_to_first_token, route,
+                          time.monotonic() - arrived)
                 self._first_token(flight, observed=upstream.status == 200)
                 if is_sse:
                     data = tail + chunk

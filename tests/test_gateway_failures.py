@@ -235,6 +235,8 @@ class RecordingEngine:
                                      status=body["fail_with"], headers={"retry-after": "7"})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        # As vLLM: the answer's head goes out at once, its first event once the prompt is in.
+        await asyncio.sleep(body.get("first_after_s", 0))
         await resp.write(b'data: {"n": 1}\n\n')
         # Hold the rest until the test has seen the first chunk through the gateway.
         released = await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
@@ -256,6 +258,26 @@ def recorded(
     gw = spawn_gateway({"engines": [{"url": server.url}]})
     wait_healthy(gw)
     return engine, gw
+
+
+def test_time_to_first_token_is_the_first_event_not_the_answers_head(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    from tests.test_gateway_metrics import scrape, value
+
+    engine, gw = recorded
+    engine.release.set()
+    req = urllib.request.Request(
+        f"{gw.url}/v1/chat/completions", method="POST",
+        data=b'{"model": "rec", "messages": [], "stream": true, "first_after_s": 0.5}',
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200 and b"[DONE]" in r.read()
+    samples = scrape(gw.url)
+    route = "/v1/chat/completions"
+    assert value(samples, "kvgate_time_to_first_token_seconds_count", route=route) == 1
+    assert (value(samples, "kvgate_time_to_first_token_seconds_sum", route=route) or 0) >= 0.5
+    assert (value(samples, "kvgate_time_to_first_byte_seconds_sum", route=route) or 1) < 0.5
 
 
 def test_unknown_fields_and_tracing_headers_pass_through(
