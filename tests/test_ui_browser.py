@@ -246,6 +246,9 @@ def test_a_deep_link_opens_the_workflow(pool: Child, page: Any) -> None:
 
 def test_a_running_workflow_fills_in_live(pool: Child, page: Any) -> None:
     wf_id = post(f"{pool.url}/v1/workflows", fanout("browser-live", think_s=0.6))["id"]
+    reads: list[str] = []
+    page.on("request", lambda r: reads.append(urllib.parse.urlsplit(r.url).path)
+            if "/v1/workflows/" in r.url else None)
     page.goto(f"{pool.url}/ui/#/workflow/{urllib.parse.quote(wf_id)}")
     page.locator("g.task").first.wait_for()
     total = page.locator("g.task").count()
@@ -274,6 +277,30 @@ def test_a_running_workflow_fills_in_live(pool: Child, page: Any) -> None:
     assert saw_live and shot
     page.locator("#live").wait_for(state="hidden")
     page.wait_for_function("() => document.querySelectorAll('g.now').length === 0")
+    # The snapshot is read every second; the trace (placements, which do not change once
+    # made) only as more tasks are placed, at most every 5 s, and once at the end.
+    snapshots = reads.count(f"/v1/workflows/{wf_id}")
+    traces = reads.count(f"/v1/workflows/{wf_id}/trace")
+    assert 1 <= traces <= 2 + snapshots // 5 and traces < snapshots, (snapshots, traces)
+
+
+def test_a_hint_mode_workflow_keeps_filling_in_between_its_agents_calls(
+        pool: Child, page: Any) -> None:
+    """A hint-mode workflow reads "done" while its agent thinks between calls: the open page
+    still shows the calls that come after."""
+    def ask(task: str) -> None:
+        post(f"{pool.url}/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": task}],
+            "kvgate": {"workflow": "browser-agent", "task": task}})
+
+    ask("think")
+    page.goto(f"{pool.url}/ui/#/workflow/browser-agent")
+    page.locator('g.task[data-task="think"]').wait_for()
+    assert get(f"{pool.url}/v1/workflows/browser-agent")["state"] == "done"
+    time.sleep(1.5)  # the page has read "done" at least once
+    ask("act")
+    page.locator('g.task[data-task="act"]').wait_for(timeout=20_000)
+    assert page.locator("g.task").count() == 2
 
 
 def test_workflow_text_is_shown_as_text_never_run(pool: Child, page: Any) -> None:

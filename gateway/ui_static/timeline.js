@@ -7,6 +7,12 @@
   const API = new URL("../v1/workflows", window.location.href).pathname;
   const LIST_REFRESH_MS = 2000;
   const LIVE_REFRESH_MS = 1000;
+  // A hint-mode workflow reads "done" whenever no call of it is open (its agent may be
+  // between calls): its page keeps looking, less often.
+  const HINTS_REFRESH_MS = 5000;
+  // Placements do not change once made: the trace is read again only when more tasks have
+  // been placed, and no more often than this.
+  const TRACE_REFRESH_MS = 5000;
   const KEY_STORAGE = "kvgate.timeline.apiKey";
   const SVG_NS = "http://www.w3.org/2000/svg";
   const TERMINAL = new Set(["done", "failed", "skipped", "cancelled"]);
@@ -102,7 +108,8 @@
 
   async function getJson(path) {
     const headers = { Accept: "application/json" };
-    const key = window.localStorage.getItem(KEY_STORAGE);
+    // Per tab, gone when it closes: the key may be the gateway's admin key.
+    const key = window.sessionStorage.getItem(KEY_STORAGE);
     if (key) headers.Authorization = `Bearer ${key}`;
     const resp = await fetch(path, { headers, cache: "no-store" });
     if (resp.status === 401 || resp.status === 403) throw new AuthNeeded();
@@ -122,8 +129,8 @@
   auth.addEventListener("submit", (ev) => {
     ev.preventDefault();
     const value = document.getElementById("auth-key").value.trim();
-    if (value) window.localStorage.setItem(KEY_STORAGE, value);
-    else window.localStorage.removeItem(KEY_STORAGE);
+    if (value) window.sessionStorage.setItem(KEY_STORAGE, value);
+    else window.sessionStorage.removeItem(KEY_STORAGE);
     auth.hidden = true;
     route();
   });
@@ -256,12 +263,20 @@
     }
     if (view !== current) return;
     current.snapshot = snap;
-    current.placements = await placementsOf(current.id);
-    if (view !== current) return;
     const running = snap.state === "running";
+    const placed = Object.values(snap.tasks || {}).filter((t) => t.engine).length;
+    const now = Date.now();
+    const due = !running || now - (current.traceRead || 0) >= TRACE_REFRESH_MS;
+    if (current.placements === undefined || (placed > (current.placedSeen || 0) && due)) {
+      current.placedSeen = placed;
+      current.traceRead = now;
+      current.placements = await placementsOf(current.id);
+      if (view !== current) return;
+    }
     live.hidden = !running;
     renderWorkflow(current);
     if (running) schedule(refreshWorkflow, current, LIVE_REFRESH_MS);
+    else if (snap.source === "hints") schedule(refreshWorkflow, current, HINTS_REFRESH_MS);
   }
 
   // The planner's decision for each task's call, from the gateway's trace store (the
