@@ -19,7 +19,7 @@ from gateway.admin import Admin
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
 from gateway.metrics import IngestCollector
-from gateway.proxy import Proxy
+from gateway.proxy import PROXIED, Proxy
 from gateway.state import GatewayState
 from gateway.tenants import TENANT_KEY, NotPermitted
 from gateway.ui import TimelineUI
@@ -69,14 +69,16 @@ async def _tenants(request: web.Request, handler: Any) -> web.StreamResponse:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every answer counted in `kvgate_requests_total` (the proxy counts its own calls'
+    answers, which it may cut short mid-stream), and every error an OpenAI-shaped body."""
     state = request.app[STATE_KEY]
     try:
         resp: web.StreamResponse = await handler(request)
-        return resp
     except GatewayError as e:
         state.metrics.requests.labels(_route_label(request), str(e.status)).inc()
         return e.response()
     except web.HTTPException as e:
+        state.metrics.requests.labels(_route_label(request), str(e.status)).inc()
         if e.status < 400:
             raise
         err = GatewayError(e.reason or "error")
@@ -85,7 +87,11 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return err.response()
     except Exception:
         log.exception("unhandled error on %s", request.path)
+        state.metrics.requests.labels(_route_label(request), "500").inc()
         return GatewayError("internal gateway error; see the gateway log").response()
+    if PROXIED not in request:
+        state.metrics.requests.labels(_route_label(request), str(resp.status)).inc()
+    return resp
 
 
 def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> web.Application:

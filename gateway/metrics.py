@@ -6,6 +6,7 @@ most `TOP_SEGMENTS` static segments.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ class GatewayMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         """The series each call counts into, by metric and label values: prometheus_client's
         `labels` checks and converts its arguments and takes a lock on every call, several
-        times per proxied call; nothing here removes a series, so a child stays valid."""
+        times per proxied call; `forget_engine` drops a removed engine's with its series."""
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), labels)
@@ -144,6 +145,24 @@ class GatewayMetrics:
         ranges = dispatch.segments.ranges
         if ranges and ranges[0].kind == "static" and 0 < ranges[0].end <= len(block_keys):
             self.segments.observe(tuple(block_keys[:ranges[0].end]), now)
+
+    UPSTREAM_ERROR_KINDS = ("timeout", "connect", "mid-stream")
+
+    def forget_engine(self, engine: str) -> None:
+        """An engine left the pool: its series go (a pool whose engines come and go, as pods
+        do, would otherwise grow them without end; Prometheus reads a counter that vanishes
+        as ended, and the totals it scraped stay in its history)."""
+        per_engine = (self.in_flight, self.routed, self.retries, self.routed_prompt_tokens,
+                      self.routed_cached_tokens, self.healthy)
+        for metric in per_engine:
+            with contextlib.suppress(KeyError):
+                metric.remove(engine)
+        for kind in self.UPSTREAM_ERROR_KINDS:
+            with contextlib.suppress(KeyError):
+                self.upstream_errors.remove(engine, kind)
+        ids = {id(m) for m in per_engine}
+        for key in [k for k in self._children if k[0] in ids and k[1] == (engine,)]:
+            del self._children[key]
 
     def finished(self, engine: str) -> None:
         """A call at `engine` is over."""

@@ -68,6 +68,9 @@ _HOP_BY_HOP = frozenset(
 
 ENGINE_HEADER = "x-kvgate-engine"
 SEGMENTS_HEADER = "x-kvgate-segments"
+PROXIED = "kvgate.proxied"
+"""Set on a request the proxy handles: it counts its answer in `kvgate_requests_total` itself
+(the middleware counts every other route's)."""
 """On a hint-mode call's answer: its prompt's full blocks by kind, e.g. `static=3,shared=9,..`."""
 RETRYING = -1
 """`_Flight.status` of a call whose engine failed before answering: it is sent elsewhere."""
@@ -300,6 +303,7 @@ class Proxy:
         """Validate, route and forward one OpenAI request."""
         state = self.state
         route = request.path
+        request[PROXIED] = True
         arrived = time.monotonic()
         arrived_ns = time.time_ns()
         raw, body = await read_json(request, state.config.max_body_bytes)

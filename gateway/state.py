@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -188,9 +187,7 @@ class GatewayState:
         if not self.pool.remove(name):
             return False
         self.policy_context.paced_engines.discard(name)
-        # Its last health figure would read as current; its counters stay (totals so far).
-        with contextlib.suppress(KeyError):
-            self.metrics.healthy.remove(name)
+        self.metrics.forget_engine(name)
         await self.listener.remove_source(name)
         await self.index.clear_engine(name)
         return True

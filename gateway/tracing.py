@@ -619,8 +619,8 @@ class Tracing:
         attrs = {k: _bounded(v) for k, v in attributes.items()}
         if status.description is not None and len(status.description) > MAX_ATTR_CHARS:
             status = otel.Status(status.status_code, status.description[:MAX_ATTR_CHARS])
-        span = ReadableSpan(name[:MAX_ATTR_CHARS], ctx, parent, self.provider.resource, attrs, kind=kind,
-                            status=status, instrumentation_scope=self._scope,
+        span = ReadableSpan(name[:MAX_ATTR_CHARS], ctx, parent, self.provider.resource, attrs,
+                            kind=kind, status=status, instrumentation_scope=self._scope,
                             start_time=start_ns, end_time=end_ns)
         for processor in self._processors:
             processor.on_end(span)

@@ -375,7 +375,41 @@ def _request_counts(url: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
     return {s.labels["status"]: s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if s.name == "kvgate_requests_total"}
+            for s in f.samples if s.name == "kvgate_requests_total"
+            and s.labels["route"] == "/v1/chat/completions"}
+
+
+def test_every_answer_is_counted_once_by_its_route(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    """Not only the proxied calls: the workflow API's answers, a wrong method and an unknown
+    path are counted too, so a per-route error ratio reads what clients got."""
+    engine, gw = recorded
+    engine.release.set()
+    for method, path in (("GET", "/v1/workflows"), ("GET", "/v1/workflows"),
+                         ("GET", "/v1/workflows/nobody"), ("GET", "/no/such/path"),
+                         ("PUT", "/v1/chat/completions")):
+        req = urllib.request.Request(f"{gw.url}{path}", method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                r.read()
+        except urllib.error.HTTPError as e:
+            e.read()
+    req = urllib.request.Request(f"{gw.url}/v1/chat/completions", method="POST",
+                                 data=b'{"model": "rec", "messages": []}',
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        r.read()
+    with urllib.request.urlopen(f"{gw.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    counted = {(s.labels["route"], s.labels["status"]): s.value
+               for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == "kvgate_requests_total"}
+    assert counted[("/v1/workflows", "200")] == 2
+    assert counted[("/v1/workflows/{id}", "404")] == 1
+    assert counted[("unmatched", "404")] == 1
+    assert counted[("unmatched", "405")] == 1  # no route took the method
+    assert counted[("/v1/chat/completions", "200")] == 1
 
 
 def test_client_hanging_up_after_the_last_event_is_no_499(

@@ -320,9 +320,15 @@ def test_an_engine_leaving_the_pool_is_purged(cluster: Cluster) -> None:
         assert cluster.index_keys(gw, name) == set()
     status, body, _ = http("POST", f"{gw.url}/v1/chat/completions", chat(5))
     assert status == 503
-    # Nor do the metrics say they are healthy.
+    # Nor do the metrics say they are healthy, or keep any series of theirs (a pool whose
+    # engines come and go would grow them without end).
     with urllib.request.urlopen(f"{gw.url}/metrics", timeout=10) as r:
-        assert "kvgate_engine_healthy{" not in r.read().decode()
+        text = r.read().decode()
+    assert "kvgate_engine_healthy{" not in text
+    for name in ("a", "b"):
+        left = [line for line in text.splitlines()
+                if f'engine="{cluster.engine_name(name)}"' in line]
+        assert not left, left
 
 
 def test_admin_api_needs_the_key(cluster: Cluster) -> None:
