@@ -111,6 +111,12 @@ class KvMover:
                            headers=trace.headers(), cache_salt=origin.cache_salt)
         except TransportError as e:
             error = str(e)
+        except asyncio.CancelledError:
+            # The gateway is stopping: the move's span and count end as those of a failure.
+            m.kv_moves.labels(kind, move.reason, "failed").inc()
+            trace.end("cancelled: the gateway stopped")
+            state.notify(TransferFailed(move.move_id, "cancelled: the gateway stopped"))
+            raise
         except Exception as e:  # whatever ends a move, the planner must hear that it did
             log.exception("%s %s (%s) raised", kind, move.move_id, move.reason)
             error = f"{type(e).__name__}: {e}"

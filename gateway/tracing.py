@@ -627,6 +627,9 @@ class Tracing:
 
     def shutdown(self) -> None:
         """End what is still open and send what is buffered (blocking: run it in a thread)."""
+        for task_span in self._tasks.values():
+            task_span.end()
+        self._tasks.clear()
         for span, _ in self._workflows.values():
             span.end()
         self._workflows.clear()

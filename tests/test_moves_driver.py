@@ -28,9 +28,12 @@ class Engine:
         self.answer = b'{"id": "c", "choices": []}'
         self.bodies: list[dict[str, Any]] = []
         self.url = ""
+        self.hang = False
 
     async def complete(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
+        if self.hang:
+            await asyncio.sleep(3600)
         return web.Response(body=self.answer, content_type="application/json")
 
 
@@ -46,7 +49,7 @@ async def engine() -> AsyncIterator[Engine]:
     eng = Engine()
     app = web.Application()
     app.router.add_post("/v1/completions", eng.complete)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)  # a hanging answer is not waited for
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -66,7 +69,7 @@ async def run_warm(engine: Engine, salt: str | None, workflows: object = None) -
         mover.remember("r1", "m", tuple(range(64)), ("wf", "t"), salt)
         mover.carry_out(Warm("w1", "e1", "r1", 32, (), "pace"))
         for _ in range(200):
-            if events:
+            if events or (engine.hang and engine.bodies):
                 break
             await asyncio.sleep(0.01)
         await mover.stop()
@@ -91,3 +94,11 @@ async def test_an_answer_that_is_not_text_fails_the_move(engine: Engine) -> None
 async def test_a_store_that_cannot_list_the_move_does_not_keep_it_from_the_planner(
         engine: Engine) -> None:
     assert await run_warm(engine, None, Store()) == [TransferDone("w1")]
+
+
+async def test_a_move_cut_short_by_a_stopping_gateway_still_ends_in_the_planner(
+        engine: Engine) -> None:
+    engine.hang = True
+    events = await run_warm(engine, None)
+    assert len(events) == 1 and isinstance(events[0], TransferFailed)
+    assert "the gateway stopped" in events[0].reason

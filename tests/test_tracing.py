@@ -494,6 +494,17 @@ def test_a_full_trace_keeps_its_latest_spans_and_counts_the_dropped() -> None:
     assert tracing.store.dropped(tid) == 2
 
 
+def test_shutting_down_ends_the_task_spans_still_open() -> None:
+    tracing = Tracing(parse_config({"engines": [{"url": "http://127.0.0.1:1"}]}).tracing)
+    tracing.workflow_started("wf", {}, {}, time.time())
+    tracing.task_changed("wf", "t", {"state": "running", "ready_s": time.time()})
+    tracing.shutdown()
+    assert tracing.store is not None
+    (summary,) = tracing.store.summaries(10)
+    tid = int(summary["trace_id"], 16)
+    assert sorted(s["name"] for s in tracing.store.spans(tid) or ()) == ["task t", "workflow wf"]
+
+
 @pytest.mark.parametrize(("tracing", "problem"), [
     ({"exporter": "jaeger"}, "tracing.exporter"),
     ({"exporter": ["none", "memory"]}, "'none' turns tracing off"),
