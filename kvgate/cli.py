@@ -108,6 +108,7 @@ def _sim(args: argparse.Namespace) -> int:
         kv_replay_endpoint=args.kv_replay,
         kv_topic=args.kv_topic if args.kv_topic is not None else f"http://{args.host}:{args.port}",
         priority_scheduling=args.scheduling_policy == "priority",
+        reserve_full_isl=args.scheduler_reserve_full_isl,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_drop_seqs=frozenset(int(x) for x in args.kv_drop_seqs.split(",") if x.strip()),
         kv_connector=connector, kv_link=link, engine_id=args.engine_id or "",
@@ -495,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--engine-id", help="the KV connector's engine id (default: the URL)")
     m.add_argument("--priority-scheduling", dest="scheduling_policy", action="store_const",
                    const="priority", help="same as --scheduling-policy priority")
+    m.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="vLLM's flag (on by default): admit a request only when the free KV "
+                        "blocks hold its whole prompt, not just its first chunk")
     m.set_defaults(func=_sim)
 
     b = sub.add_parser("microbench",

@@ -219,6 +219,25 @@ def test_preemption_under_memory_pressure_completes_everything() -> None:
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+@pytest.mark.parametrize("reserve", [True, False])
+def test_a_request_is_admitted_only_when_its_whole_prompt_fits(reserve: bool) -> None:
+    """vLLM 0.32's `--scheduler-reserve-full-isl` (its default): the second 200-token prompt
+    waits while the first holds 13 of the pool's 20 blocks, though its first 64-token chunk
+    would fit; with `--no-scheduler-reserve-full-isl` that chunk is admitted, and one of the
+    two is preempted once the pool runs out."""
+    cfg = EngineConfig(block_size=16, num_blocks=20, max_num_batched_tokens=64,
+                       max_num_seqs=8, max_model_len=320, eos_token_id=EOS,
+                       reserve_full_isl=reserve)
+    engine = EngineModel(cfg, PROFILE, sampler=lambda req: 100 + len(req.output_token_ids))
+    reqs = [request("a", list(range(1000, 1200)), max_tokens=40),
+            request("b", list(range(2000, 2200)), max_tokens=40)]
+    for r in reqs:
+        engine.add_request(r)
+    run_to_completion(engine)
+    assert not engine.requests and all(len(r.output_token_ids) == 40 for r in reqs)
+    assert (sum(r.num_preemptions for r in reqs) == 0) is reserve
+
+
 def test_abort_releases_blocks() -> None:
     engine = make_engine()
     engine.add_request(request("a", list(range(100)), max_tokens=50))

@@ -633,6 +633,12 @@ class EngineConfig:
     lacks (vLLM's `external_prefix_cache_queries`)."""
     kv_load_failure_policy: str = "recompute"
     """After a failed pull: `recompute` locally, or `fail` the request (vLLM 0.32's default)."""
+    reserve_full_isl: bool = True
+    """vLLM's `--scheduler-reserve-full-isl` (on by default since 0.32): a waiting request is
+    admitted only when the free blocks hold its whole sequence, rather than its first chunk
+    (`KVCacheManager.allocate_slots(full_sequence_must_fit=...)`, vllm/v1/core/
+    kv_cache_manager.py; without it a long prompt admitted chunk by chunk grows into blocks
+    the running requests need, and they are preempted)."""
     long_prefill_token_threshold: int = 0
     """vLLM's `--long-prefill-token-threshold`: while more than one request runs or waits, a
     request computes at most this many tokens of its prompt per step (0, vLLM's default: no
@@ -1019,9 +1025,17 @@ class EngineModel:
             if loads:
                 # The whole prompt's blocks are allocated now and filled by the pull.
                 n = req.num_prompt_tokens - num_cached
-            need = -(-(num_cached + n) // self.config.block_size) - len(hits)
-            if need > self.pool.num_free - reusable_free:
+            bs = self.config.block_size
+            need = -(-(num_cached + n) // bs) - len(hits)
+            free = self.pool.num_free - reusable_free
+            if need > free:
                 break
+            if self.config.reserve_full_isl and not loads:
+                # vLLM 0.32 admits a request only if its whole sequence fits, not its first
+                # chunk alone (a pool too small for it is refused at start-up there).
+                full = -(-min(req.num_tokens, self.config.max_model_len) // bs) - len(hits)
+                if need < full <= len(self.pool.blocks) and full > free:
+                    break
             self.waiting.popleft()
             self._prefix_memo = None
             self.pool.touch(hits)

@@ -89,6 +89,8 @@ class SimSettings:
     kv_topic: str = ""
     enable_prompt_tokens_details: bool = False
     priority_scheduling: bool = False
+    reserve_full_isl: bool = True
+    """vLLM's `--scheduler-reserve-full-isl` (`EngineConfig.reserve_full_isl`)."""
     mean_output_tokens: int = 48
     kv_drop_seqs: frozenset[int] = frozenset()
     kv_connector: ConnectorConfig | None = None
@@ -151,6 +153,7 @@ class SimEngine:
             max_model_len=min(profile.max_model_len, settings.num_blocks * settings.block_size),
             eos_token_id=self.tokenizer.eos_token_id,
             priority_scheduling=settings.priority_scheduling,
+            reserve_full_isl=settings.reserve_full_isl,
             kv_lease_s=settings.kv_connector.lease_s if settings.kv_connector else 30.0,
             kv_connector=settings.kv_connector is not None,
             kv_load_failure_policy=(settings.kv_connector.load_failure_policy
