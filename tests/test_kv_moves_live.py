@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -225,6 +226,85 @@ def test_the_two_legs_answer_as_vllm_and_a_lost_lease_fails_the_consumer(
         "model": MODEL, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params})
     assert status == 500, third
     assert third["error"]["type"] == "InternalServerError"
+
+
+def test_a_consumer_that_waits_keeps_its_producers_lease_and_one_that_leaves_frees_it(
+        tmp_path: Path) -> None:
+    """NixlConnector's heartbeats (every lease/6 by the consumer's own lease, each renewing two
+    thirds of the producer's): the consumer request waits at B (its blocks are taken by a long
+    decode) past the 2 s lease, and A still holds the export when B reads it; a consumer
+    request whose client leaves before the read frees A's export at once."""
+    events = free_port()
+    short = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"kv_lease_duration": 2}})
+    sims = []
+    try:
+        for name, extra in (("producer", ["--kv-transfer-config", short]),
+                            ("consumer", ["--kv-transfer-config", short,
+                                          "--kv-blocks", "60", "--time-scale", "5"])):
+            port = free_port()
+            sims.append(spawn(name, ["sim", "--host", "127.0.0.1", "--port", str(port),
+                                     "--model", MODEL, "--kv-events",
+                                     f"tcp://127.0.0.1:{events}", "--kv-link", "rdma", *extra],
+                              f"http://127.0.0.1:{port}", tmp_path))
+        for sim in sims:
+            wait_healthy(sim)
+        a, b = sims[0].url, sims[1].url
+        ids = [(7 * i) % 3000 + 10 for i in range(641)]
+        # B's blocks: a 600-token prompt decoding 100 more holds 44 of its 60.
+        blocker = threading.Thread(target=post_status, args=(f"{b}/v1/completions", {
+            "model": MODEL, "prompt": list(range(20, 620)), "max_tokens": 100,
+            "min_tokens": 100}))
+        blocker.start()
+        # A keeps stepping meanwhile (an idle vLLM reaps no lease: it only does so in a step).
+        busy = threading.Thread(target=post_status, args=(f"{a}/v1/completions", {
+            "model": MODEL, "prompt": list(range(5, 105)), "max_tokens": 800,
+            "min_tokens": 800}))
+        busy.start()
+        status, first = post_status(f"{a}/v1/completions", {
+            "model": MODEL, "prompt": ids, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200, first
+        started = time.monotonic()
+        status, second = post_status(f"{b}/v1/completions", {
+            "model": MODEL, "prompt": ids, "max_tokens": 1,
+            "kv_transfer_params": first["kv_transfer_params"]})
+        waited = time.monotonic() - started
+        blocker.join()
+        busy.join()
+        assert status == 200, second
+        assert waited > 2.5  # past the lease
+        produced = metrics(a)
+        assert produced[("vllm:nixl_num_kv_expired_reqs_total", ())] == 0
+        assert produced[("vllm:nixl_num_notifications_after_expiry_total", ())] == 0
+        assert by_source(b, "external_kv_transfer") == len(ids)
+
+        # A consumer that leaves before its read: the export is freed, not held for the lease.
+        status, third = post_status(f"{a}/v1/completions", {
+            "model": MODEL, "prompt": ids[::-1], "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200, third
+        assert metrics(a)[("vllm:kv_cache_usage_perc", ())] > 0
+        blocker = threading.Thread(target=post_status, args=(f"{b}/v1/completions", {
+            "model": MODEL, "prompt": list(range(20, 620)), "max_tokens": 100,
+            "min_tokens": 100}))
+        blocker.start()
+        time.sleep(0.5)
+        req = urllib.request.Request(f"{b}/v1/completions", method="POST", data=json.dumps({
+            "model": MODEL, "prompt": ids[::-1], "max_tokens": 1,
+            "kv_transfer_params": third["kv_transfer_params"]}).encode(),
+            headers={"Content-Type": "application/json"})
+        with pytest.raises(TimeoutError):
+            urllib.request.urlopen(req, timeout=0.5)
+        deadline = time.monotonic() + 1.5  # well inside the 2 s lease
+        while metrics(a)[("vllm:kv_cache_usage_perc", ())] > 0:
+            assert time.monotonic() < deadline, "the export was held after its consumer left"
+            time.sleep(0.05)
+        assert metrics(a)[("vllm:nixl_num_kv_expired_reqs_total", ())] == 0
+        blocker.join()
+    finally:
+        for sim in sims:
+            sim.stop()
 
 
 def test_malformed_transfer_params_are_a_400_naming_the_field(

@@ -95,6 +95,14 @@ class EngineMetrics:
             "vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for NIXL KV cache "
             "transfers.", (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0),
         ).labels(*lv)
+        self.nixl_expired = counter(
+            "vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire. "
+            "NOTE: This metric is tracked on the P instance.").labels(*lv)
+        self.nixl_after_expiry = counter(
+            "vllm:nixl_num_notifications_after_expiry", "Number of completion notifications for "
+            "requests that were no longer tracked, usually because their KV lease expired. The "
+            "KV blocks may have been reused before the transfer finished. Counted per "
+            "notification (one per remote rank), not per request.").labels(*lv)
         self.preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         ).labels(*lv)
@@ -148,7 +156,7 @@ class EngineMetrics:
         ).labels(*lv)
         self._seen = dict.fromkeys(("queries", "hits", "preempt", "prompt", "gen",
                                     "ext_queries", "ext_hits", "src_compute", "src_cache",
-                                    "src_external", "p2p"), 0)
+                                    "src_external", "p2p", "expired"), 0)
 
     def after_step(self, engine: EngineModel) -> None:
         """Refresh gauges and advance counters from the engine model's monotonic stats."""
@@ -172,6 +180,7 @@ class EngineMetrics:
             ("src_external", s.external_prefix_cache_hits,
              self.prompt_by_source["external_kv_transfer"]),
             ("p2p", s.external_prefix_cache_hits, self.cached_p2p),
+            ("expired", s.kv_expired_reqs, self.nixl_expired),
         ):
             delta = value - self._seen[key]
             if delta:

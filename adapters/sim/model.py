@@ -34,8 +34,8 @@ import enum
 import hashlib
 import struct
 from bisect import bisect_right
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, count, filterfalse
 from operator import attrgetter, eq
@@ -78,6 +78,8 @@ class RequestStatus(enum.Enum):
 
 
 RUNNING = RequestStatus.RUNNING
+MAX_EXPIRED = 10_000
+"""Expired exports a producer remembers, to tell a late read from a bad one."""
 
 
 class FinishReason(enum.Enum):
@@ -606,6 +608,9 @@ class EngineStats:
     external_prefix_cache_hits: int = 0
     """Prompt tokens a KV connector loaded (`external_prefix_cache_hits`)."""
     kv_pulled_blocks: int = 0
+    kv_expired_reqs: int = 0
+    """Producer requests whose exported blocks were freed at the lease's end, unread
+    (`vllm:nixl_num_kv_expired_reqs`, counted on the producer)."""
     prompt_tokens_computed: int = 0
     """Prompt tokens neither found in the local cache nor loaded from a peer."""
     busy_time: float = 0.0
@@ -694,6 +699,9 @@ class EngineModel:
         self.loading: dict[str, SimRequest] = {}
         self._pulls: list[KVPull] = []
         self.exports: dict[str, tuple[list[KVBlock], float]] = {}
+        self.expired: OrderedDict[str, None] = OrderedDict()
+        """The latest `MAX_EXPIRED` exports freed by their lease: a peer reading one after
+        reads blocks that may have been reused (vLLM does not refuse it; it counts it)."""
         self.plain_decode = True
         """Take the plain-decode shortcut where it applies (`_plain_decode_step`: the general
         step's result for less work); off only to check that it is the same."""
@@ -793,10 +801,22 @@ class EngineModel:
         self.pool.free(held[0])
         return True
 
+    def renew_exports(self, request_ids: Iterable[str], until: float) -> None:
+        """A consumer's heartbeat (NixlConnector's, every lease/6 while the consumer request
+        waits at its engine): the producer holds those exports at least `until`."""
+        for rid in request_ids:
+            held = self.exports.get(rid)
+            if held is not None and held[1] < until:
+                self.exports[rid] = (held[0], until)
+
     def expire_exports(self, now: float) -> None:
         """Free exported blocks whose lease ran out (the peer never pulled them)."""
         for rid in [r for r, (_, until) in self.exports.items() if until <= now]:
             self.release_export(rid)
+            self.stats.kv_expired_reqs += 1
+            self.expired[rid] = None
+            while len(self.expired) > MAX_EXPIRED:
+                self.expired.popitem(last=False)
 
     @property
     def num_running(self) -> int:

@@ -25,6 +25,13 @@ SIDE_CHANNEL_PATH = "/_kvgate_sim/nixl/read"
 """The producer's endpoint a consumer reads exported blocks through (not part of vLLM's API:
 it stands in for NIXL's transfer between the two engines' memories)."""
 
+HEARTBEAT_PATH = "/_kvgate_sim/nixl/heartbeat"
+"""Where a consumer renews the leases of the exports its waiting requests will read (NIXL's
+heartbeat notification, sent every lease/6 while such a request waits at the consumer)."""
+RELEASE_PATH = "/_kvgate_sim/nixl/release"
+"""Where a consumer whose request ended before it read frees the producer's export at once
+(vLLM's consumer notifies the producer with no blocks to read)."""
+
 CONNECTORS = ("NixlConnector",)
 
 

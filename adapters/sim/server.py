@@ -46,6 +46,8 @@ from adapters.sim.model import (
     TokenOutput,
 )
 from adapters.sim.nixl import (
+    HEARTBEAT_PATH,
+    RELEASE_PATH,
     SIDE_CHANNEL_PATH,
     ConnectorConfig,
     Peer,
@@ -175,7 +177,12 @@ class SimEngine:
                           or str(uuid.uuid4()))
         self.link = LinkModel(settings.kv_link)
         self._peers: dict[str, Peer] = {}
+        """Consumer requests that have not begun their read yet, by request id."""
+        self._leases: dict[str, tuple[Peer, str]] = {}
+        """Consumer requests until their read ends: the peer and the producer's request id
+        whose lease their heartbeats renew."""
         self._pulls: set[asyncio.Task[None]] = set()
+        self._heartbeat_task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     # -- engine loop ----------------------------------------------------------------------------
@@ -212,14 +219,16 @@ class SimEngine:
             self.publisher.start()
         if s.kv_connector is not None:
             self._session = aiohttp.ClientSession()
+            self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeats())
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
         """Stop stepping and close sockets."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        for loop_task in (self._loop_task, self._heartbeat_task):
+            if loop_task is not None:
+                loop_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop_task
         for task in list(self._pulls):
             task.cancel()
         await asyncio.gather(*self._pulls, return_exceptions=True)
@@ -278,9 +287,39 @@ class SimEngine:
 
     # -- KV connector ---------------------------------------------------------------------------
 
+    async def _heartbeats(self) -> None:
+        """NixlConnector's lease renewal: every lease/6 (whole seconds, as vLLM divides), each
+        producer hears which of its exports this engine's consumer requests still wait to
+        read, and holds them two thirds of a lease longer."""
+        assert self.settings.kv_connector is not None
+        interval = max(0.1, self.settings.kv_connector.lease_s // 6)
+        while True:
+            await asyncio.sleep(interval)  # wall-clock, as the lease is
+            by_peer: dict[Peer, list[str]] = {}
+            for peer, remote_id in self._leases.values():
+                by_peer.setdefault(peer, []).append(remote_id)
+            for peer, ids in by_peer.items():
+                await self._notify_peer(peer, HEARTBEAT_PATH, {"remote_request_ids": ids})
+
+    async def _notify_peer(self, peer: Peer, path: str, body: dict[str, Any]) -> None:
+        if self._session is None:
+            return
+        try:
+            async with self._session.post(f"http://{peer.host}:{peer.port}{path}", json=body,
+                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("KV connector notification to %s:%d failed: %r", peer.host, peer.port, e)
+
     async def _pull(self, pull: KVPull) -> None:
         """Read a consumer request's missing blocks from its producer over the side channel;
         on failure the request recomputes them (vLLM's default `kv_load_failure_policy`)."""
+        try:
+            await self._read_from_peer(pull)
+        finally:
+            self._leases.pop(pull.request_id, None)
+
+    async def _read_from_peer(self, pull: KVPull) -> None:
         peer = self._peers.pop(pull.request_id, None)
         ok = False
         started = time.monotonic()
@@ -330,18 +369,40 @@ class SimEngine:
             num_bytes = int(body["num_bytes"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise APIError(400, f"bad side-channel read: {e!r}") from None
-        if rid not in self.model.exports:
-            raise APIError(404, f"no exported blocks for request {rid!r} (lease expired?)",
-                           "NotFoundError")
+        if rid not in self.model.exports and rid not in self.model.expired:
+            raise APIError(404, f"no exported blocks for request {rid!r}", "NotFoundError")
         now = self.now()
         done = self.link.schedule(self.engine_id, consumer, num_bytes, now)
         await asyncio.sleep(max(0.0, done - now) * self.settings.time_scale)
+        if not self.model.release_export(rid):
+            # Its lease ran out before the read ended: as vLLM, the read is not refused (the
+            # blocks may have been reused, which NIXL cannot tell), only counted.
+            self.metrics.nixl_after_expiry.inc()
+        self.metrics.after_step(self.model)
+        return web.json_response({"ok": True, "num_bytes": num_bytes})
+
+    async def nixl_heartbeat(self, request: web.Request) -> web.Response:
+        """A consumer renews the leases of exports its requests still wait to read."""
+        if self.settings.kv_connector is None:
+            raise APIError(404, "this engine runs no KV connector", "NotFoundError")
+        try:
+            ids = [str(x) for x in (await request.json())["remote_request_ids"]]
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise APIError(400, f"bad heartbeat: {e!r}") from None
+        self.model.renew_exports(ids, self.now() + self.settings.kv_connector.lease_s * 2 / 3)
+        return web.json_response({"ok": True})
+
+    async def nixl_release(self, request: web.Request) -> web.Response:
+        """A consumer's request ended before it read: the export is freed at once."""
+        if self.settings.kv_connector is None:
+            raise APIError(404, "this engine runs no KV connector", "NotFoundError")
+        try:
+            rid = str((await request.json())["remote_request_id"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise APIError(400, f"bad release: {e!r}") from None
         released = self.model.release_export(rid)
         self.metrics.after_step(self.model)
-        if not released:
-            raise APIError(404, f"exported blocks of {rid!r} expired during the read",
-                           "NotFoundError")
-        return web.json_response({"ok": True, "num_bytes": num_bytes})
+        return web.json_response({"ok": True, "released": released})
 
     def _transfer_params(self, req: SimRequest) -> dict[str, Any] | None:
         """A producer request's answer for its consumer (None for any other request)."""
@@ -427,8 +488,9 @@ class SimEngine:
             prefill_cap=first_cap,
             prefill_caps=later_caps,
         )
-        if peer is not None:
+        if peer is not None and remote is not None:
             self._peers[rid] = peer
+            self._leases[rid] = (peer, remote.remote_request_id)
         stream = _Stream(req)
         self._streams[rid] = stream
         delay = self.api.admitted_at(received, chat, len(prompt_ids)) - self.now()
@@ -447,6 +509,15 @@ class SimEngine:
     def _release(self, stream: _Stream) -> None:
         rid = stream.request.request_id
         self._streams.pop(rid, None)
+        peer = self._peers.pop(rid, None)
+        lease = self._leases.pop(rid, None)
+        if peer is not None and lease is not None:
+            # Gone before its read began: the producer frees the export now, not at the
+            # lease's end.
+            task = asyncio.get_running_loop().create_task(
+                self._notify_peer(peer, RELEASE_PATH, {"remote_request_id": lease[1]}))
+            self._pulls.add(task)
+            task.add_done_callback(self._pulls.discard)
         if stream.request.finish_reason is None:
             aborted = self.model.abort_request(rid, self.now())
             if aborted is not None:
@@ -889,6 +960,8 @@ def build_app(engine: SimEngine, client_max_size: int = 64 * 1024 * 1024) -> web
     app.router.add_get("/metrics", engine.metrics_endpoint)
     app.router.add_post("/reset_prefix_cache", engine.reset_prefix_cache)
     app.router.add_post(SIDE_CHANNEL_PATH, engine.nixl_read)
+    app.router.add_post(HEARTBEAT_PATH, engine.nixl_heartbeat)
+    app.router.add_post(RELEASE_PATH, engine.nixl_release)
 
     async def on_startup(_: web.Application) -> None:
         await engine.start()
