@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import aiohttp
 import numpy as np
 
+from adapters.vllm.dev import reset_done
 from planner.profiles import EngineProfile
 
 PREFILL_LENGTHS = (16, 512, 1024, 2048, 3072)
@@ -275,7 +276,7 @@ class Prober:
     async def reset_cache(self) -> None:
         """Empty the engine's prefix cache if it lets us."""
         async with self.session.post(self.url + "/reset_prefix_cache") as r:
-            self.reset_available = r.status == 200
+            self.reset_available = r.status == 200 and reset_done(await r.read())
 
     async def stream(self, prompt: list[int], max_tokens: int) -> StreamTiming:
         """One streamed completion; the arrival time of every chunk that carries text."""

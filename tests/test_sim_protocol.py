@@ -585,3 +585,25 @@ def test_sglang_worker_info_endpoints_describe_the_engine(tmp_path: Path) -> Non
                 server = json.load(r)
             assert server["page_size"] == 32 and server["max_total_num_tokens"] == 3200
             assert server["dp_size"] == 1
+
+
+def test_a_prefix_cache_reset_answers_success_as_vllm(tmp_path: Path) -> None:
+    """vLLM 0.32's `POST /reset_prefix_cache`: always a 200, `{"success": false}` while a
+    request holds blocks; the live bench and `kvgate calibrate` read `success`."""
+    from adapters.vllm.dev import reset_done
+
+    with running_sim(tmp_path, "sim-reset", ["--time-scale", "5"]) as sim:
+        model = served_model(sim)
+        complete(sim, model, list(range(20, 60)), max_tokens=1)
+        decoding = threading.Thread(target=_http, args=(sim.url + "/v1/completions", {
+            "model": model, "prompt": list(range(100, 140)), "max_tokens": 200,
+            "min_tokens": 200}, 60.0))
+        decoding.start()
+        time.sleep(0.5)
+        busy = _http(sim.url + "/reset_prefix_cache", {})
+        decoding.join()
+        idle = _http(sim.url + "/reset_prefix_cache", {})
+    assert json.loads(busy) == {"success": False} and not reset_done(busy)
+    assert json.loads(idle) == {"success": True} and reset_done(idle)
+    assert reset_done(b"")  # an older vLLM's empty 200
+    assert not reset_done(b"<html>") and not reset_done(b'{"success": "yes"}')

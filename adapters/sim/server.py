@@ -835,13 +835,12 @@ class SimEngine:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def reset_prefix_cache(self, _: web.Request) -> web.Response:
-        """POST /reset_prefix_cache (vLLM dev endpoint); 409 while requests hold blocks."""
-        if not self.model.reset_prefix_cache():
-            raise APIError(409, "Cannot reset the prefix cache while requests are running.",
-                           "ConflictError")
-        if self.publisher is not None:
+        """POST /reset_prefix_cache (vLLM's dev endpoint): 200 and `{"success": bool}`, false
+        while requests hold blocks (vLLM 0.32's entrypoints/serve/dev/cache/api_router.py)."""
+        success = self.model.reset_prefix_cache()
+        if success and self.publisher is not None:
             await self.publisher.publish(self.model.pool.drain_events())
-        return web.Response(status=200)
+        return web.json_response({"success": success})
 
 
 @web.middleware

@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from adapters.vllm.dev import reset_done
 from kvgate.bench.options import BenchOptions, Prepared, progress_bar
 from kvgate.bench.prompts import ChatMessage
 from kvgate.bench.virtual import MODEL, RequestRecord, RunResult, WorkflowRecord
@@ -264,19 +265,20 @@ def served_model(url: str) -> str:
 def reset_prefix_caches(urls: list[str], timeout_s: float = 60.0) -> None:
     """Empty every engine's prefix cache, so a policy finds them as cold as the one before it
     did. vLLM answers `POST /reset_prefix_cache` only with VLLM_SERVER_DEV_MODE=1 (`kvgate
-    vllm-pool` sets it), and refuses while requests still hold blocks (retried)."""
+    vllm-pool` sets it), and answers `{"success": false}` while requests still hold blocks
+    (retried)."""
     for url in urls:
         deadline = time.monotonic() + timeout_s
         while True:
             req = urllib.request.Request(f"{url}/reset_prefix_cache", data=b"", method="POST")
             try:
                 with urllib.request.urlopen(req, timeout=10) as r:
-                    status = r.status
+                    status, done = r.status, reset_done(r.read())
             except urllib.error.HTTPError as e:
-                status = e.code
+                status, done = e.code, False
             except OSError as e:
                 raise WorkloadError(f"engine {url} is unreachable: {e}") from None
-            if status == 200:
+            if done:
                 break
             if status in (404, 405):
                 raise WorkloadError(
@@ -285,8 +287,8 @@ def reset_prefix_caches(urls: list[str], timeout_s: float = 60.0) -> None:
                     f"(kvgate vllm-pool does), or bench one policy per run")
             if time.monotonic() > deadline:
                 raise WorkloadError(f"engine {url} kept refusing to reset its prefix cache "
-                                    f"(HTTP {status}) for {timeout_s:.0f} s: is other traffic "
-                                    f"running on it?")
+                                    f"(HTTP {status}, no success) for {timeout_s:.0f} s: is "
+                                    f"other traffic running on it?")
             time.sleep(0.5)
 
 
