@@ -107,7 +107,7 @@ def test_unknown_model_is_a_404_in_openai_shape(client: openai.OpenAI) -> None:
 def test_engine_validation_errors_are_relayed_with_their_status(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=10_000_000)
-    assert "maximum context length" in str(info.value)
+    assert "cannot be greater than max_model_len" in str(info.value)
 
 
 def test_gateway_health_and_metrics(gateway: Child, client: openai.OpenAI) -> None:

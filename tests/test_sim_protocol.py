@@ -607,3 +607,22 @@ def test_a_prefix_cache_reset_answers_success_as_vllm(tmp_path: Path) -> None:
     assert json.loads(idle) == {"success": True} and reset_done(idle)
     assert reset_done(b"")  # an older vLLM's empty 200
     assert not reset_done(b"<html>") and not reset_done(b'{"success": "yes"}')
+
+
+def test_max_tokens_past_the_room_left_is_clamped_as_vllm(tmp_path: Path) -> None:
+    """vLLM 0.32 caps `max_tokens` at what the prompt leaves of the context (get_max_tokens)
+    and refuses only more than the whole context."""
+    with running_sim(tmp_path, "sim-room", ["--block-size", "16", "--kv-blocks", "8"]) as sim:
+        model = served_model(sim)  # max_model_len: the 128 tokens the KV cache holds
+        body = {"model": model, "prompt": list(range(20, 120)), "max_tokens": 100,
+                "ignore_eos": True}
+        answer = json.loads(_http(sim.url + "/v1/completions", body))
+        assert answer["usage"]["completion_tokens"] == 28
+        assert answer["choices"][0]["finish_reason"] == "length"
+        req = urllib.request.Request(
+            sim.url + "/v1/completions", data=json.dumps({**body, "max_tokens": 129}).encode(),
+            headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 400
+        assert "cannot be greater than max_model_len=128" in err.value.read().decode()

@@ -443,13 +443,17 @@ class SimEngine:
             max_tokens = room
         elif max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.")
-        elif max_tokens > room:
+        elif max_tokens > cfg.max_model_len:
             raise APIError(
                 400,
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
-                f"you requested {max_tokens} output tokens and your prompt contains {n_prompt} "
-                f"input tokens, for a total of {max_tokens + n_prompt} tokens.",
+                f"{'max_completion_tokens' if 'max_completion_tokens' in body else 'max_tokens'}"
+                f"={max_tokens} cannot be greater than max_model_len="
+                f"{cfg.max_model_len}. Please request fewer output tokens.",
             )
+        else:
+            # vLLM 0.32 clamps what the prompt leaves room for (serve/utils/api_utils.py,
+            # get_max_tokens) rather than refusing it: the answer ends with "length".
+            max_tokens = min(max_tokens, room)
         min_tokens = _opt_int(body, "min_tokens") or 0
         if min_tokens < 0 or min_tokens > max_tokens:
             raise APIError(400, f"min_tokens must be in [0, max_tokens], got {min_tokens}.")
