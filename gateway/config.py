@@ -274,6 +274,16 @@ class TenantEntry(BaseModel):
     """Tenants with the same group share cached prefixes (one `cache_salt`); by default a
     tenant shares with nobody."""
 
+    @field_validator("prefix_group")
+    @classmethod
+    def _group_name(cls, v: str | None) -> str | None:
+        # It ends up in every call's `cache_salt`, which vLLM refuses with a `/`, `@`, `\`
+        # or NUL in it or past 128 characters.
+        if v is not None and not TENANT_NAME.fullmatch(v):
+            raise ValueError(f"prefix_group {v!r}: letters, digits and . _ - (at most 64, "
+                             "starting with a letter or digit)")
+        return v
+
     @field_validator("keys")
     @classmethod
     def _long_keys(cls, v: list[str]) -> list[str]:

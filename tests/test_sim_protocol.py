@@ -626,3 +626,17 @@ def test_max_tokens_past_the_room_left_is_clamped_as_vllm(tmp_path: Path) -> Non
             urllib.request.urlopen(req, timeout=10)
         assert err.value.code == 400
         assert "cannot be greater than max_model_len=128" in err.value.read().decode()
+
+
+def test_a_cache_salt_vllm_refuses_is_a_400(tmp_path: Path) -> None:
+    with running_sim(tmp_path, "sim-salt", []) as sim:
+        model = served_model(sim)
+        for salt in ("", "team/a", "a@b", "x" * 129, 7):
+            req = urllib.request.Request(
+                sim.url + "/v1/completions", data=json.dumps({
+                    "model": model, "prompt": [11, 12], "max_tokens": 1,
+                    "cache_salt": salt}).encode(), headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=10)
+            assert err.value.code == 400 and "cache_salt" in err.value.read().decode(), salt
+        complete(sim, model, [11, 12], max_tokens=1)

@@ -460,8 +460,14 @@ class SimEngine:
         ignore_eos = bool(body.get("ignore_eos", False))
         priority = _priority(body, priority_header)
         cache_salt = body.get("cache_salt")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise APIError(400, "cache_salt must be a string.")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if "
+                                "provided.")
+        if cache_salt is not None and (len(cache_salt) > 128
+                                       or any(c in "@/\\\0" for c in cache_salt)):
+            # vLLM 0.32's validate_cache_salt (entrypoints/generate/base/protocol.py).
+            raise APIError(400, "Parameter 'cache_salt' must be at most 128 characters and "
+                                "must not contain '@', '/', '\\\\', or NUL.")
         digest = xxhash.xxh64_intdigest(
             json.dumps([prompt_ids, body.get("seed"), cache_salt]).encode(), seed=self.settings.seed
         )
