@@ -528,11 +528,11 @@ class SimEngine:
                 self._notify_peer(peer, RELEASE_PATH, {"remote_request_id": lease[1]}))
             self._pulls.add(task)
             task.add_done_callback(self._pulls.discard)
-        if stream.request.finish_reason is None:
-            aborted = self.model.abort_request(rid, self.now())
-            if aborted is not None:
-                self.metrics.request_finished(aborted)
-                self.metrics.after_step(self.model)
+        # As vLLM's output processor: a request its client left is dropped without a finished
+        # request's statistics (no `request_success`, no latency histograms).
+        if (stream.request.finish_reason is None
+                and self.model.abort_request(rid, self.now()) is not None):
+            self.metrics.after_step(self.model)
 
     async def _tokens(self, stream: _Stream) -> AsyncIterator[TokenOutput]:
         while True:
