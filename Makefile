@@ -79,6 +79,29 @@ bench-moves: $(VENV)/.native
 	  $(MOVES) --workload $$w $(PLANNER_LONG) --workflows 24 --link rdma --goodput \
 	  --policy $(MOVE_POLICIES) --json $(R)/moves-$$w-long.json > $(R)/moves-$$w-long.txt || exit 1; done
 
+# "Today's results" in the README, exactly as its commands there (hours: claude-code alone
+# is about 45 minutes a policy). The tables go to $(R)/today-tables.md.
+TODAY_SHORT := kvgate,kvgate-no-batch,kvgate-no-priority,kvgate-no-siblings,kvgate-routing-only,round-robin,least-loaded,session,sglang-like,llmd-like,llmd-approx-like,llmd-affinity-like,llmd-p2p-tokenaware-like,dynamo-like
+TODAY_REACT := kvgate,session,least-loaded,round-robin,dynamo-like,llmd-p2p-tokenaware-like,sglang-like
+TODAY_LONG := kvgate,kvgate-no-batch,kvgate-no-prefetch,kvgate-no-replicate,sglang-like,dynamo-like,session,llmd-like,llmd-p2p-like,llmd-p2p-tokenaware-like,llmd-p2p-affinity-like
+TODAY := $(VENV)/bin/kvgate bench --no-progress --goodput
+.PHONY: bench-today
+bench-today: $(VENV)/.native
+	@mkdir -p $(R)
+	for w in fanout tree debate; do \
+	  $(TODAY) --workload $$w --workflows 100 --goodput-precision 0.01 --policy $(TODAY_SHORT) \
+	  --json $(R)/today-$$w.json > $(R)/today-$$w.txt || exit 1; done
+	$(TODAY) --workload react --workflows 1000 --goodput-precision 0.01 --policy $(TODAY_REACT) \
+	  --json $(R)/today-react.json > $(R)/today-react.txt
+	for w in fanout tree debate; do \
+	  $(TODAY) --workload $$w $(PLANNER_LONG) --workflows 48 --link rdma --goodput-precision 0.01 \
+	  --policy $(TODAY_LONG) --json $(R)/today-$$w-long.json > $(R)/today-$$w-long.txt || exit 1; done
+	for p in kvgate dynamo-like; do \
+	  $(TODAY) --workload claude-code --workload-arg think_scale=0 --workflows 77 --policy $$p \
+	  --json $(R)/today-claude-code-$$p.json > $(R)/today-claude-code-$$p.txt || exit 1; done
+	$(PY) -m kvgate.bench.tables $(R)/today-*.json > $(R)/today-tables.md
+	@echo "tables in $(R)/today-tables.md"
+
 .PHONY: bench-tables
 bench-tables: $(REPORTS)
 	$(PY) -m kvgate.bench.tables $(REPORTS) > $(R)/tables.md

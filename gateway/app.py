@@ -139,6 +139,12 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
             status=200 if ok else 503,
         )
 
+    async def livez(_: web.Request) -> web.Response:
+        # Alive while the event loop answers: no I/O and no key (a liveness probe that read
+        # an engine or Redis would restart the gateway during their outages, and one on a
+        # `/v1/` route gets 401 once tenants are configured).
+        return web.json_response({"status": "alive"})
+
     async def metrics(_: web.Request) -> web.Response:
         nonlocal index_stats
         assert state.pool is not None
@@ -156,6 +162,7 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
     app.router.add_post("/v1/completions", proxy.handle)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/livez", livez)
     app.router.add_get("/metrics", metrics)
     Admin(state, proxy).routes(app)
     workflows.routes(app)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlparse
 
 import yaml
@@ -386,11 +387,35 @@ class GatewayConfig(BaseModel):
         return self
 
 
+def _model_at(loc: Sequence[int | str]) -> type[BaseModel] | None:
+    """The config section a key path leads to (`engines.0` is an EngineEntry)."""
+    model: type[BaseModel] = GatewayConfig
+    parts = list(loc)
+    while parts:
+        field = model.model_fields.get(str(parts.pop(0)))
+        if field is None:
+            return None
+        kind: Any = field.annotation
+        while get_origin(kind) in (list, dict):
+            kind = get_args(kind)[-1]
+            if parts:
+                parts.pop(0)  # the list index or the mapping key
+        if not (isinstance(kind, type) and issubclass(kind, BaseModel)):
+            return None
+        model = kind
+    return model
+
+
 def _format(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"{source}: {loc}: {e['msg']}")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            section = _model_at(e["loc"][:-1])
+            if section is not None:
+                msg += f"; known keys here: {', '.join(section.model_fields)}"
+        lines.append(f"{source}: {loc}: {msg}")
     return "\n".join(lines)
 
 

@@ -440,13 +440,16 @@ def test_client_hanging_up_after_the_last_event_is_no_499(
 
 def test_invalid_config_names_the_bad_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("engines:\n  - url: not-a-url\npolicy: fastest\nbogus: 1\n")
+    cfg.write_text("engines:\n  - url: not-a-url\n    prfile: x\npolicy: fastest\nbogus: 1\n")
     proc = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--config", str(cfg)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "engines.0.url" in proc.stderr
     assert "policy" in proc.stderr and "fastest" in proc.stderr
     assert "bogus" in proc.stderr
+    # A misspelt key is named with the keys its section knows.
+    assert "known keys here: host, port, engines" in proc.stderr
+    assert "engines.0.prfile" in proc.stderr and "profile, profile_file" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

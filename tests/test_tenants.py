@@ -9,6 +9,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from typing import Any
+from unittest.mock import ANY
 
 import openai
 import pytest
@@ -78,6 +79,8 @@ def test_every_call_needs_a_tenants_key(recorded: tuple[RecordingEngine, Child])
     assert status == 401
     status, _, models = call("GET", f"{gw.url}/v1/models", headers=auth(BETA))
     assert status == 200 and [m["id"] for m in models["data"]] == ["rec"]
+    # A liveness probe needs no key (the k8s manifest's).
+    assert call("GET", f"{gw.url}/livez") == (200, ANY, {"status": "alive"})
 
 
 def test_a_tenants_calls_carry_the_gateways_salt_for_it(
