@@ -86,7 +86,8 @@ def test_values_the_planner_cannot_price_leave_the_gateway_working(gateway: Chil
     # simulated engine, as vLLM, refuses it for the model's context.
     url = f"{gateway.url}/v1/chat/completions"
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a river."}]}
-    for huge, refusal in ((10**400, "maximum context length"), (-(10**400), "at least 1")):
+    for huge, refusal in ((10**400, "cannot be greater than max_model_len"),
+                          (-(10**400), "at least 1")):
         status, body = post(url, json.dumps({**chat, "max_tokens": huge}).encode(),
                             {"X-KVGate-Workflow": "absurd", "X-KVGate-Task": f"t{huge > 0}"})
         assert status == 400, body
