@@ -220,6 +220,11 @@ def test_the_two_legs_answer_as_vllm_and_a_lost_lease_fails_the_consumer(
         "model": MODEL, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params})
     assert status == 200, second
     assert by_source(b, "external_kv_transfer") - before == len(ids)
+    # The consumer reports the producer's own cache hit (none: the prompt was new there) as
+    # its cached tokens, not the transfer's near-total one.
+    assert params["remote_prefill_cached_tokens"] == first["usage"]["prompt_tokens_details"][
+        "cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # The producer freed its blocks once read: the same params again find nothing to pull,
     # and under vLLM's default kv_load_failure_policy (fail) the request ends in an error.
     status, third = post_status(f"{sims[2].url}/v1/completions", {

@@ -511,6 +511,15 @@ def test_metrics_parse_like_vllm(tmp_path: Path) -> None:
         queries_1 = _value(fams, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total")
         assert hits_1 - hits_0 == 48
         assert queries_1 - queries_0 == 128
+        # vLLM 0.32's cached-token counters: every tier declared, the local hits on `device`,
+        # and the total (local + external) equal to the prefix-cache hits without a connector.
+        tiers = {s.labels["source"]: s.value
+                 for s in fams["vllm:prompt_tokens_cached_by_source"].samples
+                 if s.name.endswith("_total")}
+        assert tiers == {"device": hits_1, "host": 0, "disk": 0, "p2p": 0,
+                         "external_unspecified": 0}
+        assert _value(fams, "vllm:prompt_tokens_cached", "vllm:prompt_tokens_cached_total") \
+            == hits_1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -82,11 +82,21 @@ class EngineMetrics:
         )
         self.prompt_by_source = {src: by_source.labels(*lv, src) for src in (
             "local_compute", "local_cache_hit", "external_kv_transfer")}
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        ).labels(*lv)
         cached_by_source = Counter(
-            "vllm:prompt_tokens_cached_by_source", "Number of cached prompt tokens by source.",
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
+            "host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or "
+            "external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + "
+            "vllm:external_prefix_cache_hits.",
             [*LABELS, "source"], registry=r,
         )
-        self.cached_p2p = cached_by_source.labels(*lv, "p2p")
+        # Every tier vLLM 0.32 declares (CacheHitSource) is there from the start, as there.
+        tiers = {src: cached_by_source.labels(*lv, src)
+                 for src in ("device", "host", "disk", "p2p", "external_unspecified")}
+        self.cached_device, self.cached_p2p = tiers["device"], tiers["p2p"]
         self.nixl_bytes = histogram(
             "vllm:nixl_bytes_transferred", "Histogram of bytes transferred per NIXL transfer.",
             tuple(float(2 ** (10 + i)) for i in range(1, 24, 2)),
@@ -156,7 +166,8 @@ class EngineMetrics:
         ).labels(*lv)
         self._seen = dict.fromkeys(("queries", "hits", "preempt", "prompt", "gen",
                                     "ext_queries", "ext_hits", "src_compute", "src_cache",
-                                    "src_external", "p2p", "expired"), 0)
+                                    "src_external", "p2p", "expired", "device",
+                                    "cached"), 0)
 
     def after_step(self, engine: EngineModel) -> None:
         """Refresh gauges and advance counters from the engine model's monotonic stats."""
@@ -180,6 +191,8 @@ class EngineMetrics:
             ("src_external", s.external_prefix_cache_hits,
              self.prompt_by_source["external_kv_transfer"]),
             ("p2p", s.external_prefix_cache_hits, self.cached_p2p),
+            ("device", s.prefix_cache_hits, self.cached_device),
+            ("cached", s.prefix_cache_hits + s.external_prefix_cache_hits, self.prompt_cached),
             ("expired", s.kv_expired_reqs, self.nixl_expired),
         ):
             delta = value - self._seen[key]

@@ -471,6 +471,9 @@ class RemotePrefill:
     remote_engine_id: str
     remote_request_id: str
     remote_block_ids: tuple[int, ...]
+    remote_prefill_cached_tokens: int | None = None
+    """The producer's own prefix-cache hit for the prompt, which vLLM 0.32's consumer reports as
+    its `cached_tokens` (rather than its near-total hit from the transfer)."""
 
 
 @dataclass(frozen=True)

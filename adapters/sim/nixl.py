@@ -117,16 +117,20 @@ def request_params(params: Any) -> tuple[bool, RemotePrefill | None, Peer | None
             raise ValueError("kv_transfer_params needs remote_engine_id and remote_request_id")
         if not isinstance(host, str) or type(port) is not int:
             raise ValueError("kv_transfer_params needs remote_host and remote_port")
-        return False, RemotePrefill(engine_id, rid, tuple(ids)), Peer(host, port)
+        cached = params.get("remote_prefill_cached_tokens")
+        return False, RemotePrefill(engine_id, rid, tuple(ids),
+                                    cached if type(cached) is int else None), Peer(host, port)
     return bool(params.get("do_remote_decode")), None, None
 
 
 def producer_params(engine_id: str, request_id: str, block_ids: tuple[int, ...], host: str,
-                    port: int, num_tokens: int) -> dict[str, Any]:
+                    port: int, num_tokens: int, cached_tokens: int) -> dict[str, Any]:
     """What a finished producer request answers, field for field as vLLM 0.32's
-    `NixlPullConnectorScheduler.request_finished` builds it (one KV-cache group)."""
+    `NixlPullConnectorScheduler.request_finished` builds it (one KV-cache group), with the
+    producer's own prefix-cache hit the scheduler adds (`remote_prefill_cached_tokens`)."""
     return {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [list(block_ids)], "remote_engine_id": engine_id,
             "remote_request_id": request_id, "remote_host": host, "remote_port": port,
             "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": num_tokens,
-            "remote_blocks_expiry_time": None, "transfer_mode": "pull"}
+            "remote_blocks_expiry_time": None, "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": cached_tokens}

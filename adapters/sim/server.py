@@ -410,7 +410,7 @@ class SimEngine:
             return None
         s = self.settings
         return producer_params(self.engine_id, req.request_id, req.exported_block_ids, s.host,
-                               s.port, req.num_prompt_tokens)
+                               s.port, req.num_prompt_tokens, max(req.num_cached_tokens, 0))
 
     # -- request plumbing -----------------------------------------------------------------------
 
@@ -564,7 +564,11 @@ class SimEngine:
             "prompt_tokens_details": None,
         }
         if self.settings.enable_prompt_tokens_details:
-            usage["prompt_tokens_details"] = {"cached_tokens": max(req.num_cached_tokens, 0)}
+            cached = max(req.num_cached_tokens, 0)
+            remote = req.remote_prefill
+            if remote is not None and remote.remote_prefill_cached_tokens is not None:
+                cached = remote.remote_prefill_cached_tokens  # as vLLM 0.32's consumer
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
     def _text(self, ids: list[int]) -> str:
