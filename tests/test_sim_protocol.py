@@ -649,3 +649,18 @@ def test_a_cache_salt_vllm_refuses_is_a_400(tmp_path: Path) -> None:
                 urllib.request.urlopen(req, timeout=10)
             assert err.value.code == 400 and "cache_salt" in err.value.read().decode(), salt
         complete(sim, model, [11, 12], max_tokens=1)
+
+
+def test_a_streamed_usage_chunk_leaves_out_what_is_unset(tmp_path: Path) -> None:
+    """vLLM writes its chunks with `exclude_unset`: without `--enable-prompt-tokens-details`
+    the usage chunk has no `prompt_tokens_details` at all (the whole answer has it, null)."""
+    with running_sim(tmp_path, "sim-usage", []) as sim:
+        body = {"model": served_model(sim), "prompt": [11, 12, 13], "max_tokens": 2,
+                "stream": True, "stream_options": {"include_usage": True}}
+        raw = _http(sim.url + "/v1/completions", body).decode()
+        events = [json.loads(line[6:]) for line in raw.splitlines()
+                  if line.startswith("data: {")]
+        usage = events[-1]["usage"]
+        assert usage["prompt_tokens"] == 3 and "prompt_tokens_details" not in usage
+        whole = json.loads(_http(sim.url + "/v1/completions", {**body, "stream": False}))
+        assert whole["usage"]["prompt_tokens_details"] is None

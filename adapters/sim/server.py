@@ -556,7 +556,15 @@ class SimEngine:
             raise APIError(500, "Internal server error", "InternalServerError")
         return ids, reason
 
-    def _usage(self, req: SimRequest) -> dict[str, Any]:
+    def _usage(self, req: SimRequest, streamed: bool = False) -> dict[str, Any]:
+        """The answer's `usage`; a streamed chunk leaves out what is unset, as vLLM writes its
+        chunks with `exclude_unset` (no `"prompt_tokens_details": null` there)."""
+        usage = self._full_usage(req)
+        if streamed and usage["prompt_tokens_details"] is None:
+            del usage["prompt_tokens_details"]
+        return usage
+
+    def _full_usage(self, req: SimRequest) -> dict[str, Any]:
         usage: dict[str, Any] = {
             "prompt_tokens": req.num_prompt_tokens,
             "total_tokens": req.num_prompt_tokens + len(req.output_token_ids),
@@ -675,7 +683,7 @@ class SimEngine:
                     choice["stop_reason"] = None
                 await resp.write(chunk([choice]))
             if include_usage:
-                await resp.write(chunk([], self._usage(stream.request)))
+                await resp.write(chunk([], self._usage(stream.request, streamed=True)))
             await resp.write(b"data: [DONE]\n\n")
         finally:
             self._release(stream)
@@ -714,7 +722,8 @@ class SimEngine:
                 if include_usage:
                     await resp.write(_sse({"id": rid, "object": "text_completion",
                                            "created": created, "model": model, "choices": [],
-                                           "usage": self._usage(stream.request)}))
+                                           "usage": self._usage(stream.request,
+                                                                streamed=True)}))
                 await resp.write(b"data: [DONE]\n\n")
             finally:
                 self._release(stream)
