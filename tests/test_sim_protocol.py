@@ -662,5 +662,14 @@ def test_a_streamed_usage_chunk_leaves_out_what_is_unset(tmp_path: Path) -> None
                   if line.startswith("data: {")]
         usage = events[-1]["usage"]
         assert usage["prompt_tokens"] == 3 and "prompt_tokens_details" not in usage
+        del body["stream_options"]
         whole = json.loads(_http(sim.url + "/v1/completions", {**body, "stream": False}))
         assert whole["usage"]["prompt_tokens_details"] is None
+        # As vLLM: stream options without a stream are refused.
+        req = urllib.request.Request(
+            sim.url + "/v1/completions", data=json.dumps({
+                **body, "stream": False, "stream_options": {"include_usage": True}}).encode(),
+            headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 400 and "only be defined when" in err.value.read().decode()

@@ -597,6 +597,8 @@ class SimEngine:
         model = body.get("model")
         if model is not None and model != self.settings.model and model not in self._loras:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError")
+        if body.get("stream_options") and not body.get("stream"):
+            raise APIError(400, "Stream options can only be defined when `stream=True`.")
         return body
 
     def _check_n(self, body: dict[str, Any]) -> None:
