@@ -203,6 +203,19 @@ def test_sglang_least_loaded_ties_go_to_the_first_worker_in_pool_order() -> None
     assert policy.choose(request(text="unrelated"), pool, 1.0) == "b"
 
 
+def test_sglang_least_loaded_ties_go_to_the_worker_routed_to_least() -> None:
+    """smg's (load, processed, index) key: an idle pool's cold misses, each over before the
+    next, go round the workers rather than all to the first (sglang-router 0.3.2's)."""
+    policy = SglangCacheAware()
+    pool = [engine(n) for n in "abc"]
+    chosen = []
+    for i in range(6):
+        name = route(policy, request(f"q{i}", text=f"{i} unrelated " * 20), pool, float(i))
+        policy.on_finish(f"q{i}", name, float(i) + 0.5)
+        chosen.append(name)
+    assert chosen == ["a", "b", "c", "a", "b", "c"]
+
+
 def test_sglang_equal_matches_go_to_the_worker_that_cached_the_prefix_last() -> None:
     policy = SglangCacheAware()
     route(policy, request("1", text=SYSTEM + "1"), [engine("a")], 0.0)

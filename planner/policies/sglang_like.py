@@ -1,9 +1,13 @@
 """`sglang-like`: sglang-router 0.3.2's `cache_aware` policy, re-implemented sans-IO.
 
-Peer rule (sgl-router `policies/cache_aware.rs` and `tree.rs`, CLI defaults):
+Peer rule (sgl-router `policies/cache_aware.rs` and `tree.rs`, CLI defaults; the tie-break of
+its successor, smg, lightseekorg/smg v1.9.0 `model_gateway/src/policies/cache_aware.rs`
+`select_worker`, #1714, in smg since v1.6.0):
 - load = the router's own in-flight count per worker. If (max - min) > balance_abs_threshold (64)
-  *and* max > balance_rel_threshold (1.5) x min: the least-loaded worker (`min_by_key` over the
-  worker list: the first in pool order on ties).
+  *and* max > balance_rel_threshold (1.5) x min: the least-loaded worker, ties broken by the
+  fewest requests routed to it so far, then pool order (smg's `(load, processed, idx)` key;
+  sglang-router 0.3.2 took the first in pool order, which sends every cold miss of an idle
+  pool to one worker: the stronger reading is smg's).
 - Otherwise the longest character-level prefix match of the prompt text over the per-worker
   approximate trees; if matched chars / prompt chars > cache_threshold (0.3): that worker. When
   several workers match equally far, the one that cached the matched node last wins (the peer's
@@ -151,6 +155,8 @@ class SglangCacheAware:
         self.max_tree_chars = max_tree_chars
         self.trees: dict[str, CharRadixTree] = {}
         self.loads: dict[str, int] = {}
+        self.processed: dict[str, int] = {}
+        """Requests routed to each worker so far (smg's `processed`, the min-load tie-break)."""
         self._routed: dict[str, str] = {}
         self._started: float | None = None
         self._next_eviction = 0.0
@@ -162,7 +168,10 @@ class SglangCacheAware:
         self._evict_if_due(now)
         loads = [self.loads.get(e.name, 0) for e in eligible]
         most, least = max(loads), min(loads)
-        least_loaded = eligible[loads.index(least)].name
+        processed = self.processed
+        least_loaded = min(
+            enumerate(eligible),
+            key=lambda ie: (loads[ie[0]], processed.get(ie[1].name, 0), ie[0]))[1].name
         if (most - least > self.balance_abs_threshold
                 and most > least * self.balance_rel_threshold):
             return least_loaded
@@ -191,6 +200,7 @@ class SglangCacheAware:
         engine = placement.engine
         self.trees.setdefault(engine, CharRadixTree()).insert(request.prompt_text, now)
         self.loads[engine] = self.loads.get(engine, 0) + 1
+        self.processed[engine] = self.processed.get(engine, 0) + 1
         self._routed[request.request_id] = engine
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
