@@ -380,6 +380,20 @@ def test_llmd_approx_pod_record_forgets_the_least_recently_routed_blocks() -> No
     assert policy.prefix_matches(policy.prompt_hashes(request(keys=range(100, 104)))) == {"a": 4}
 
 
+def test_llmd_approx_pod_record_holds_as_many_blocks_as_the_pods_kv_cache() -> None:
+    """GIE's autoTune (its default): each pod's LRU is sized to the engine's own block count,
+    so the record forgets a prefix about when the engine evicts it."""
+    from planner.policy import PolicyContext
+    from planner.profiles import get_profile
+
+    small = get_profile("h200-qwen3-32b")
+    ctx = PolicyContext(profiles={"a": small, "b": get_profile("h100-llama3-8b")})
+    policy = LlmdApproximateScheduler(ctx)
+    assert policy.capacity("a") == small.num_blocks(16) == 13824
+    assert policy.capacity("b") == get_profile("h100-llama3-8b").num_blocks(16)
+    assert LlmdApproximateScheduler(ctx, lru_capacity_per_pod=31250).capacity("a") == 31250
+
+
 # -- dynamo-like -------------------------------------------------------------------------------
 
 def test_dynamo_cost_is_scaled_prefill_blocks_plus_active_blocks() -> None:

@@ -7,8 +7,10 @@ kv-cache-utilization 2, no-hit-lru 2. Scorers:
   `indexer.go`, as shipped with llm-d v0.8.x / GIE v1.x): the prompt is cut into blocks of 16
   tokens (`blockSizeTokens`), at most the first 256 (`maxPrefixBlocksToMatch`), each block's hash
   chained to the previous one (here the gateway's own chained block keys, which are exactly such
-  a chain). The plugin keeps its own record, per pod an LRU of at most 31,250 block hashes
-  (`lruCapacityPerServer`), filled *at routing time* (PreRequest) with every hash of the request
+  a chain). The plugin keeps its own record, per pod an LRU of block hashes filled *at
+  routing time* (PreRequest), as many as the pod's KV cache holds blocks (`autoTune`, true by
+  default in GIE v1.5.0: the capacity is the engine's own block count; 31,250,
+  `lruCapacityPerServer`, only without it), with every hash of the request
   routed there. To score, it walks the prompt's blocks from the first while any pod holds the
   block and counts, per pod, the blocks it holds; score = that count / the prompt's blocks. It
   never sees the engines' KV events, so it neither learns evictions nor needs speculative entries.
@@ -137,7 +139,7 @@ class LlmdApproximateScheduler:
         no_hit_lru_weight: float = 2.0,
         block_tokens: int = 16,
         max_prefix_blocks: int = 256,
-        lru_capacity_per_pod: int = 31250,
+        lru_capacity_per_pod: int | None = None,
         cold_lru_size: int = 1024,
     ) -> None:
         ctx = context or PolicyContext()
@@ -148,6 +150,8 @@ class LlmdApproximateScheduler:
         self.block_tokens = block_tokens
         self.max_prefix_blocks = max_prefix_blocks
         self.lru_capacity_per_pod = lru_capacity_per_pod
+        """A fixed capacity (`autoTune: false`); None: each pod's own block count."""
+        self._context = ctx
         self.cold_lru_size = cold_lru_size
         self.pods: dict[str, PodBlockLru] = {}
         self.cold = ColdLru(cold_lru_size)
@@ -197,7 +201,14 @@ class LlmdApproximateScheduler:
         hashes = self.prompt_hashes(request)
         if not self.prefix_matches(hashes):
             self.cold.touch(engine)
-        record_routing(self.pods, engine, hashes, self.lru_capacity_per_pod)
+        record_routing(self.pods, engine, hashes, self.capacity(engine))
+
+    def capacity(self, engine: str) -> int:
+        """The pod's LRU capacity: its KV cache's blocks of `block_tokens` (autoTune), unless a
+        fixed one was configured."""
+        if self.lru_capacity_per_pod is not None:
+            return self.lru_capacity_per_pod
+        return self._context.profile(engine).num_blocks(self.block_tokens)
 
     def on_first_token(self, request_id: str, engine: str, now: float) -> None:
         """Not used by the peer."""
