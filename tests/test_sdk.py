@@ -209,6 +209,38 @@ async def test_a_sibling_that_starts_late_does_not_extend_a_finished_sibling(
                                 "ask-4": ["ask-2", "ask-3"]}
 
 
+async def test_a_branch_never_extends_a_sibling_branch_however_late_it_starts_a_task(
+    kv: Client, recorder: Recorder
+) -> None:
+    """Work started later inside one branch (a `wait_for`, which makes an asyncio task, or a
+    nested `gather`) sees what its branch saw, not the sibling branches' finished work."""
+    @task
+    async def research() -> str:
+        return await chat(kv)
+
+    @task
+    async def plan() -> str:
+        return await chat(kv)
+
+    limit = asyncio.Semaphore(2)
+
+    async def bounded() -> str:
+        async with limit:
+            return await asyncio.wait_for(research(), 30)
+
+    async def nested() -> None:
+        await asyncio.sleep(0.2)  # the other branches' research is over by now
+        await asyncio.gather(research(), research())
+
+    async with workflow("bounded"):
+        await plan()
+        await asyncio.gather(*(bounded() for _ in range(4)), nested())
+        await plan()
+    after = recorder.after()
+    assert all(after[f"research-{i}"] == ["plan-1"] for i in range(1, 7)), after
+    assert after["plan-2"] == [f"research-{i}" for i in range(1, 7)]
+
+
 async def test_a_second_fan_out_extends_the_first(kv: Client, recorder: Recorder) -> None:
     @task
     async def ask() -> str:
@@ -358,6 +390,42 @@ async def test_hints_the_caller_set_are_left_alone(kv: Client, recorder: Recorde
             model=MODEL, messages=[], extra_headers={"X-KVGate-Workflow": "mine",
                                                      "X-KVGate-Task": "t"})
     assert recorder.hints() == [("mine", "t", None)]
+
+
+async def test_a_callers_own_task_or_hint_wins_over_the_sdks(kv: Client,
+                                                             recorder: Recorder) -> None:
+    async with workflow("own") as wf:
+        with hints(priority=3):
+            await kv.openai.chat.completions.create(
+                model=MODEL, messages=[], extra_headers={"X-KVGate-Task": "mine"})
+            await kv.openai.chat.completions.create(
+                model=MODEL, messages=[], extra_headers={"X-KVGate-Priority": "-5"})
+            await kv.openai.chat.completions.create(
+                model=MODEL, messages=[], extra_body={"kvgate": {"workflow": "other-wf"}})
+    first, second, third = recorder.calls
+    assert first.get("x-kvgate-task") == "mine" and "x-kvgate-workflow" not in first
+    assert second["x-kvgate-priority"] == "-5" and second["x-kvgate-workflow"] == wf.id
+    assert "x-kvgate-workflow" not in third and "x-kvgate-task" not in third
+
+
+def test_names_the_gateway_could_not_carry_or_that_collide_are_refused() -> None:
+    with pytest.raises(ValueError, match="printable ASCII"):
+        task("résumé")
+    with pytest.raises(ValueError, match="surrounding spaces"):
+        workflow(" my flow")
+    with pytest.raises(ValueError, match="reserved"):
+        @task
+        async def call() -> None:
+            return None
+
+
+def test_a_synchronous_client_is_refused_rather_than_left_without_hints() -> None:
+    import httpx
+
+    with pytest.raises(TypeError, match="synchronous"):
+        add_hints(httpx.Client())
+    with pytest.raises(TypeError, match="synchronous"):
+        instrument(openai.OpenAI(api_key="x", base_url="http://127.0.0.1:9/v1"))
 
 
 async def test_concurrent_workflows_keep_their_own_context(kv: Client,

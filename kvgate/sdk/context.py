@@ -19,18 +19,26 @@ task body) from the work finished in it:
   made a call has that call as parent. A task that made no call passes its parents through.
 
 Precisely: a finished unit X (a call, or a task with all it did) is visible to new work in
-asyncio task L when X ran in L, or in an asyncio task started (directly or not) from L, or
-when L did not exist yet when X finished. The new work's parents are the visible units that no
-other visible unit extends; with none, the scope's own parents.
+asyncio task L when X ran in L or in an asyncio task started (directly or not) from L; or,
+going up from L to the task that started it, and so on, when the first of those tasks whose
+descendants X ran in had X finished before it started the task on L's side. So a join sees
+the branches it awaited, and a task started later sees what its starter saw then, but not a
+sibling branch's work, however late it is started (a `wait_for` or a nested `gather` in one
+branch). Who started a task is recorded when it is created: a workflow installs a task factory
+on its event loop (chaining one already set).
+The new work's parents are the visible units that no other visible unit extends; with none,
+the scope's own parents.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextvars
 import functools
 import inspect
 import itertools
+import math
 import secrets
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
@@ -55,11 +63,69 @@ def _current_lane() -> _Lane:
         return None
 
 
-def _alive() -> weakref.WeakSet[asyncio.Task[Any]]:
+_clock = itertools.count(1)
+"""One order for task creations and finished units."""
+
+
+@dataclass(frozen=True)
+class _Birth:
+    """Who created an asyncio task, and when (on `_clock`); `serial` names it for good."""
+
+    creator: _Lane
+    at: int
+    serial: int
+
+
+_births: weakref.WeakKeyDictionary[asyncio.Task[Any], _Birth] = weakref.WeakKeyDictionary()
+_factories: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, bool] = \
+    weakref.WeakKeyDictionary()
+
+
+def _install_factory() -> None:
+    """Record each task's creator as it is created on the running loop (once per loop)."""
     try:
-        return weakref.WeakSet(asyncio.all_tasks())
+        loop = asyncio.get_running_loop()
     except RuntimeError:
-        return weakref.WeakSet()
+        return
+    if loop in _factories:
+        return
+    previous = loop.get_task_factory()
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> Any:
+        creator = asyncio.current_task(loop)
+        task = (previous(loop, coro, **kwargs) if previous is not None
+                else asyncio.Task(coro, loop=loop, **kwargs))
+        if isinstance(task, asyncio.Task):
+            _births[task] = _Birth(creator, next(_clock), next(_clock))
+        return task
+
+    loop.set_task_factory(factory)
+    _factories[loop] = True
+
+
+def _birth(lane: _Lane) -> _Birth | None:
+    return _births.get(lane) if lane is not None else None
+
+
+def _serial(lane: _Lane) -> int:
+    """A number for the task that is never reused (0: no task)."""
+    if lane is None:
+        return 0
+    birth = _births.get(lane)
+    if birth is None:
+        # Created before the factory was in place (or around it): a root of its own.
+        birth = _births[lane] = _Birth(None, 0, next(_clock))
+    return birth.serial
+
+
+def _lineage(lane: _Lane) -> frozenset[int]:
+    """The task and every task that started it, up to a root."""
+    out = [_serial(lane)]
+    birth = _birth(lane)
+    while birth is not None and birth.creator is not None and len(out) < 10_000:
+        out.append(_serial(birth.creator))
+        birth = _birth(birth.creator)
+    return frozenset(out)
 
 
 @dataclass
@@ -71,9 +137,10 @@ class _Unit:
     """The gateway task ids (calls) its result is in."""
     extends: frozenset[int]
     """The units of the same scope it extended (their `seq`)."""
-    lane: _Lane
-    alive: weakref.WeakSet[asyncio.Task[Any]]
-    """The asyncio tasks that existed when it finished."""
+    lane: int
+    """The asyncio task it ran in (`_serial`)."""
+    finished_at: int
+    """When it finished, on `_clock`."""
     extended_by: list[int] = field(default_factory=list)
     """The units that extended it."""
 
@@ -93,7 +160,7 @@ class _Run:
 
     def loose_call_id(self) -> str:
         """The id of a call made outside any task."""
-        return f"call-{next(self._calls)}"
+        return f"{LOOSE_CALL}-{next(self._calls)}"
 
 
 class _Scope:
@@ -109,82 +176,121 @@ class _Scope:
         self.units: dict[int, _Unit] = {}
         self._leaves: set[int] = set()
         """Units nothing extends yet (the search for parents starts there)."""
+        self._lineages: dict[int, frozenset[int]] = {}
+        """Per asyncio task that finished work here, it and the tasks that started it."""
+        self._by_lane: dict[int, tuple[list[int], list[int]]] = {}
+        """Per asyncio task, its units' finish times and `seq`s, in the order they finished."""
+        self._external: dict[int, tuple[list[int], list[int]]] = {}
+        """Per asyncio task, the units of other tasks its units extended, with when the
+        extending unit finished."""
         self._seq = itertools.count()
         self._calls = 0
-        self.forked_from: weakref.WeakKeyDictionary[asyncio.Task[Any], _Lane] = \
-            weakref.WeakKeyDictionary()
-        """Each asyncio task that worked in this scope, and the one it was started from."""
         self.open_calls: weakref.WeakKeyDictionary[asyncio.Task[Any], Call] = \
             weakref.WeakKeyDictionary()
         """The call each asyncio task has in flight (a retry reuses its id)."""
 
-    def enter(self, lane: _Lane, came_from: _Lane) -> None:
-        """`lane` starts working here; it was created from `came_from`."""
-        if lane is not None and lane is not came_from and lane not in self.forked_from:
-            self.forked_from[lane] = came_from
+    @staticmethod
+    def enter(lane: _Lane, came_from: _Lane) -> None:
+        """`lane` starts working here; its context was copied from `came_from`'s. A task the
+        factory did not see being created is taken as started by `came_from` just now."""
+        if lane is not None and lane is not came_from and lane not in _births:
+            _births[lane] = _Birth(came_from, next(_clock), next(_clock))
 
-    def _descends(self, lane: _Lane, ancestor: _Lane) -> bool:
+    def _threshold(self, lane_serial: int, lane: _Lane) -> float:
+        """New work in `lane` sees the units of the asyncio task `lane_serial` that finished
+        before this (`_clock`): all of them (inf) when that task is `lane` or started from it,
+        none (-inf) when no task on `lane`'s side descends from its starters."""
+        lineage = self._lineages[lane_serial]
+        if _serial(lane) in lineage:
+            return math.inf
+        birth = _birth(lane)
         seen = 0
-        while lane is not None and seen < 10_000:
-            if lane is ancestor:
-                return True
-            lane = self.forked_from.get(lane)
+        while birth is not None and birth.creator is not None and seen < 10_000:
+            if _serial(birth.creator) in lineage:
+                return float(birth.at)
+            birth = _birth(birth.creator)
             seen += 1
-        return False
-
-    def _visible(self, unit: _Unit, lane: _Lane) -> bool:
-        if unit.lane is lane or self._descends(unit.lane, lane):
-            return True
-        return lane is not None and lane not in unit.alive
+        return -math.inf
 
     def parents(self, lane: _Lane) -> tuple[tuple[str, ...], frozenset[int]]:
         """What new work in `lane` extends: the gateway task ids, and the units they are.
 
         The walk starts at the units nothing extends and goes back through the ones `lane`
-        cannot see; a visible unit reached that way counts unless something visible extends
-        it. A sequential chain stops at its last unit, so the cost stays with the work in
-        flight, not the history."""
-        leaves: list[_Unit] = []
+        cannot see. What `lane` sees of one asyncio task's units is those finished before a
+        time (`_threshold`), so an unseen unit takes the walk at once to the last seen unit of
+        its task and to the units outside it that the task's unseen ones extended: the cost
+        is the number of asyncio tasks that worked here, not their history. The visible
+        units reached that no other reached one extends are the parents."""
+        thresholds: dict[int, float] = {}
+        found: list[_Unit] = []
         stack = sorted(self._leaves)
         seen: set[int] = set()
+        jumped: set[int] = set()
         while stack:
             seq = stack.pop()
             if seq in seen:
                 continue
             seen.add(seq)
             unit = self.units[seq]
-            if not self._visible(unit, lane):
-                stack.extend(unit.extends)
-            elif not self._seen_through(unit, lane):
-                leaves.append(unit)
+            t = thresholds.get(unit.lane)
+            if t is None:
+                t = thresholds[unit.lane] = self._threshold(unit.lane, lane)
+            if unit.finished_at < t:
+                found.append(unit)
+                continue
+            if unit.lane in jumped:
+                continue
+            jumped.add(unit.lane)
+            times, seqs = self._by_lane[unit.lane]
+            i = bisect.bisect_left(times, t)
+            if i > 0:
+                stack.append(seqs[i - 1])
+            ext_times, ext_seqs = self._external[unit.lane]
+            stack.extend(ext_seqs[bisect.bisect_left(ext_times, t):])
+        leaves = [u for u in found if not self._extended_by_any(u, found)]
         if not leaves:
             return self.base, frozenset()
         leaves.sort(key=lambda u: u.seq)
         ends = tuple(dict.fromkeys(e for u in leaves for e in u.ends))
         return ends, frozenset(u.seq for u in leaves)
 
-    def _seen_through(self, unit: _Unit, lane: _Lane) -> bool:
-        """Something visible to `lane` extends `unit` (directly or not)."""
-        stack = list(unit.extended_by)
+    def _extended_by_any(self, unit: _Unit, others: list[_Unit]) -> bool:
+        """Some unit of `others` extends `unit`, directly or not (a unit finished before
+        `unit` cannot, which bounds the search)."""
+        stack = [o.seq for o in others if o is not unit and o.finished_at > unit.finished_at]
         seen: set[int] = set()
         while stack:
             seq = stack.pop()
             if seq in seen:
                 continue
             seen.add(seq)
-            later = self.units[seq]
-            if self._visible(later, lane):
-                return True
-            stack.extend(later.extended_by)
+            for below in self.units[seq].extends:
+                if below == unit.seq:
+                    return True
+                if self.units[below].finished_at > unit.finished_at:
+                    stack.append(below)
         return False
 
     def finish(self, ends: tuple[str, ...], extends: frozenset[int], lane: _Lane) -> None:
         """Work in `lane` that extended `extends` finished; its result is in `ends`."""
-        unit = _Unit(next(self._seq), ends, extends, lane, _alive())
+        serial = _serial(lane)
+        unit = _Unit(next(self._seq), ends, extends, serial, next(_clock))
         self.units[unit.seq] = unit
+        if serial not in self._lineages:
+            self._lineages[serial] = _lineage(lane)
+            self._by_lane[serial] = ([], [])
+            self._external[serial] = ([], [])
+        times, seqs = self._by_lane[serial]
+        times.append(unit.finished_at)
+        seqs.append(unit.seq)
+        ext_times, ext_seqs = self._external[serial]
         for seq in extends:
-            self.units[seq].extended_by.append(unit.seq)
+            below = self.units[seq]
+            below.extended_by.append(unit.seq)
             self._leaves.discard(seq)
+            if below.lane != serial:
+                ext_times.append(unit.finished_at)
+                ext_seqs.append(seq)
         self._leaves.add(unit.seq)
 
     def next_call_id(self) -> str:
@@ -233,6 +339,8 @@ DEADLINE_HEADER = "X-KVGate-Deadline"
 # that sets them is, rather than answered with a 400 on every call made in the block.
 MAX_NAME = 200
 """A task name's most characters (its id, NAME-N, goes in headers the gateway caps at 256)."""
+LOOSE_CALL = "call"
+"""The name of the calls made outside any task (`call-1`, ...), which no task may take."""
 
 
 def _check_expect_children(value: int | None) -> None:
@@ -241,12 +349,17 @@ def _check_expect_children(value: int | None) -> None:
 
 
 def _check_name(name: str | None, what: str) -> None:
-    # A task id travels in comma-separated X-KVGate-After lists, and the gateway strips
-    # what it reads from a header.
+    # A task id travels in comma-separated X-KVGate-After lists, ids travel in headers (ASCII),
+    # and the gateway strips what it reads from a header.
     if name is not None and (not isinstance(name, str) or not name or name != name.strip()
-                             or "," in name or len(name) > MAX_NAME):
-        raise ValueError(f"a {what} name must be a non-empty string without commas or "
-                         f"surrounding spaces, at most {MAX_NAME} characters, got {name!r}")
+                             or "," in name or len(name) > MAX_NAME
+                             or not name.isascii() or not name.isprintable()):
+        raise ValueError(f"a {what} name must be a non-empty printable ASCII string without "
+                         f"commas or surrounding spaces, at most {MAX_NAME} characters, got "
+                         f"{name!r}")
+    if what == "task" and name == LOOSE_CALL:
+        raise ValueError(f"the task name {LOOSE_CALL!r} is reserved: calls made outside any "
+                         f"task are {LOOSE_CALL}-1, {LOOSE_CALL}-2, ...")
 
 
 @dataclass
@@ -389,6 +502,8 @@ class WorkflowScope:
     """One workflow run, entered with `async with`; also a decorator (see `workflow`)."""
 
     def __init__(self, name: str | None, workflow_id: str | None) -> None:
+        _check_name(name, "workflow")
+        _check_name(workflow_id, "workflow id")
         self.name = name
         self.workflow_id = workflow_id
         self._token: contextvars.Token[_Cursor | None] | None = None
@@ -417,6 +532,7 @@ class WorkflowScope:
             raise RuntimeError("a workflow scope is entered once; make a new one per run")
         name = self.name or "workflow"
         wf_id = self.workflow_id or f"{name}-{secrets.token_hex(4)}"
+        _install_factory()
         scope = _Scope(_Run(wf_id), None, ())
         self._token = _cursor.set(_Cursor(scope, _current_lane()))
         return WorkflowInfo(wf_id, name)
@@ -444,6 +560,7 @@ class TaskScope:
         """Decorate an async function: each call runs as a new task."""
         _check_async(fn, "task")
         name = self.name or fn.__name__
+        _check_name(name, "task")
         expect = self.expect_children
 
         @functools.wraps(fn)

@@ -3,8 +3,10 @@
 They work on any `httpx.AsyncClient` or `httpx2.AsyncClient` (the OpenAI client's, LangChain's
 `http_async_client`, the OpenAI Agents SDK's through its `AsyncOpenAI`): the request hook runs in
 the caller's asyncio task, so it reads the context variables at send time, not when the client
-was made. Only POSTs to `/chat/completions` and `/completions` are annotated, and a request
-that names its own workflow (`X-KVGate-Workflow`) is left alone.
+was made. Only POSTs to `/chat/completions` and `/completions` are annotated; a request that
+names its own workflow or task (`X-KVGate-Workflow`, `X-KVGate-Task`, or the body's
+`kvgate.workflow` / `kvgate.task`) is left alone, and a hint header the caller set itself (a
+priority, say) is never replaced.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import weakref
 from typing import Any
 
-from kvgate.sdk.context import AFTER_HEADER, WORKFLOW_HEADER, Call, start_call
+from kvgate.sdk.context import AFTER_HEADER, TASK_HEADER, WORKFLOW_HEADER, Call, start_call
 from planner.hints import BODY_FIELD
 
 _ANNOTATED = ("/chat/completions", "/completions")
@@ -27,20 +29,34 @@ async def on_request(request: Any) -> None:
     """httpx request hook: add the hint headers of the current context."""
     if request.method != "POST" or not request.url.path.endswith(_ANNOTATED):
         return
-    if WORKFLOW_HEADER in request.headers:
+    if WORKFLOW_HEADER in request.headers or TASK_HEADER in request.headers or _names_own(
+            request):
         return
     retry = request.headers.get(_RETRY_HEADER, "0") not in ("", "0")
     call = start_call(retry=retry)
     if call is None:
         return
     for name, value in call.headers.items():
-        request.headers[name] = value
+        if name not in request.headers:
+            request.headers[name] = value
     extra = call.body_hints
     if extra is not None and not _put_in_body(request, extra):
         # Not a JSON body the hook can rewrite: the header, however long, and the gateway
         # (or a proxy before it) says whether it takes it.
         request.headers[AFTER_HEADER] = ",".join(call.after)
     _in_flight[request] = call
+
+
+def _names_own(request: Any) -> bool:
+    """The JSON body's `kvgate` field names a workflow or task of the caller's own."""
+    content = getattr(request, "_content", None)
+    if not isinstance(content, bytes) or b'"' + BODY_FIELD.encode() + b'"' not in content:
+        return False
+    try:
+        ours = json.loads(content).get(BODY_FIELD)
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(ours, dict) and ("workflow" in ours or "task" in ours)
 
 
 def _put_in_body(request: Any, extra: dict[str, Any]) -> bool:
@@ -78,7 +94,11 @@ async def on_response(response: Any) -> None:
 
 
 def add_hints(client: Any) -> Any:
-    """Add the hooks to an `httpx.AsyncClient` / `httpx2.AsyncClient` (once); returns it."""
+    """Add the hooks to an `httpx.AsyncClient` / `httpx2.AsyncClient` (once); returns it. A
+    synchronous client is refused: it would never run the hooks' coroutines."""
+    if not hasattr(client, "__aenter__"):
+        raise TypeError(f"add_hints takes an async HTTP client (httpx.AsyncClient); "
+                        f"{type(client).__name__} is synchronous")
     hooks = client.event_hooks
     request_hooks = list(hooks.get("request", []))
     response_hooks = list(hooks.get("response", []))
@@ -101,5 +121,10 @@ def http_client(**kwargs: Any) -> Any:
 
 def instrument(client: Any) -> Any:
     """An `openai.AsyncOpenAI` like `client` (same key, base URL, options) whose calls carry
-    the workflow hints: a copy over a hooked HTTP client."""
+    the workflow hints: a copy over a hooked HTTP client (a new one: a custom transport,
+    proxy or TLS setting of the original's HTTP client is not carried over; for those, build
+    the client yourself and pass it through `add_hints`)."""
+    if not hasattr(client, "__aenter__"):
+        raise TypeError(f"instrument takes an openai.AsyncOpenAI; {type(client).__name__} is "
+                        "synchronous (the SDK's workflows are async)")
     return client.copy(http_client=http_client(timeout=client.timeout))
