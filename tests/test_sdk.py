@@ -408,6 +408,27 @@ async def test_a_callers_own_task_or_hint_wins_over_the_sdks(kv: Client,
     assert "x-kvgate-workflow" not in third and "x-kvgate-task" not in third
 
 
+async def test_hints_outside_a_workflow_still_go_with_the_calls(kv: Client,
+                                                                recorder: Recorder) -> None:
+    with hints(priority=-1, deadline_s=2.5):
+        await chat(kv)
+    (sent,) = recorder.calls
+    assert sent["x-kvgate-priority"] == "-1" and sent["x-kvgate-deadline"] == "2.5"
+    assert "x-kvgate-workflow" not in sent
+
+
+async def test_a_failed_workflow_says_which_run_it_was(kv: Client, recorder: Recorder) -> None:
+    @workflow
+    async def crashes() -> None:
+        await chat(kv)
+        raise RuntimeError("tool crashed")
+
+    with pytest.raises(RuntimeError) as failed:
+        await crashes.run()
+    (sent,) = recorder.calls
+    assert f"in kvgate workflow {sent['x-kvgate-workflow']}" in failed.value.__notes__
+
+
 def test_names_the_gateway_could_not_carry_or_that_collide_are_refused() -> None:
     with pytest.raises(ValueError, match="printable ASCII"):
         task("résumé")

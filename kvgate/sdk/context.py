@@ -390,6 +390,12 @@ class Call:
         self._scope.finish((self.task,), self._extends, self._lane)
 
 
+def call_hints() -> dict[str, str]:
+    """The headers of the current `hints` blocks (priority, deadline, expected children): the
+    hooks send them with calls made outside any workflow too."""
+    return dict(_call_hints.get())
+
+
 def start_call(retry: bool = False) -> Call | None:
     """A call is being sent from the current context: its hints, or None outside a workflow.
     A retry (`retry=True`) reuses the id of the call this asyncio task has in flight.
@@ -507,6 +513,7 @@ class WorkflowScope:
         self.name = name
         self.workflow_id = workflow_id
         self._token: contextvars.Token[_Cursor | None] | None = None
+        self._id: str | None = None
 
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> WorkflowFunction[P, R]:
         """Decorate an async function: each call runs as a new workflow."""
@@ -533,6 +540,7 @@ class WorkflowScope:
         name = self.name or "workflow"
         wf_id = self.workflow_id or f"{name}-{secrets.token_hex(4)}"
         _install_factory()
+        self._id = wf_id
         scope = _Scope(_Run(wf_id), None, ())
         self._token = _cursor.set(_Cursor(scope, _current_lane()))
         return WorkflowInfo(wf_id, name)
@@ -541,6 +549,9 @@ class WorkflowScope:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         assert self._token is not None
         _cursor.reset(self._token)
+        if isinstance(exc, Exception) and self._id is not None:
+            # The run that failed is worth finding at the gateway (`GET /v1/workflows/ID`).
+            exc.add_note(f"in kvgate workflow {self._id}")
 
 
 class TaskScope:

@@ -15,7 +15,14 @@ import json
 import weakref
 from typing import Any
 
-from kvgate.sdk.context import AFTER_HEADER, TASK_HEADER, WORKFLOW_HEADER, Call, start_call
+from kvgate.sdk.context import (
+    AFTER_HEADER,
+    TASK_HEADER,
+    WORKFLOW_HEADER,
+    Call,
+    call_hints,
+    start_call,
+)
 from planner.hints import BODY_FIELD
 
 _ANNOTATED = ("/chat/completions", "/completions")
@@ -35,6 +42,11 @@ async def on_request(request: Any) -> None:
     retry = request.headers.get(_RETRY_HEADER, "0") not in ("", "0")
     call = start_call(retry=retry)
     if call is None:
+        # Outside a workflow a `hints` block's priority and deadline still apply (the gateway
+        # takes them on any call).
+        for name, value in call_hints().items():
+            if name not in request.headers:
+                request.headers[name] = value
         return
     for name, value in call.headers.items():
         if name not in request.headers:
