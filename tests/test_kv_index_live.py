@@ -196,6 +196,7 @@ def test_a_lora_adapters_blocks_are_keyed_apart_and_found(cluster: Cluster) -> N
     body = {**chat(1), "model": "sql-lora"}
     status, out, headers = http("POST", f"{gw.url}/v1/chat/completions", body)
     assert status == 200, out
+    assert out["model"] == "sql-lora"  # as vLLM answers: the adapter asked for
     name = "a" if headers["x-kvgate-engine"] == cluster.engine_name("a") else "b"
     expected = set(cluster.prompt_keys(gw, body)[: out["usage"]["prompt_tokens"] // 16])
     wait_for(lambda: cluster.index_keys(gw, name) == expected,

@@ -601,6 +601,12 @@ class SimEngine:
             raise APIError(400, "Stream options can only be defined when `stream=True`.")
         return body
 
+    def _answering(self, body: dict[str, Any]) -> str:
+        """The model an answer names: the LoRA adapter the request asked for, as vLLM's
+        (`models/serving.py`), else the served model."""
+        asked = body.get("model")
+        return asked if isinstance(asked, str) and asked in self._loras else self.settings.model
+
     def _check_n(self, body: dict[str, Any]) -> None:
         n = body.get("n", 1)
         if n not in (1, None):
@@ -627,7 +633,7 @@ class SimEngine:
                               chat=True)
         rid = f"chatcmpl-{_base_request_id(request, body)}"
         created = int(time.time())
-        model = self.settings.model
+        model = self._answering(body)
         if body.get("stream"):
             return await self._stream_chat(request, body, stream, rid, created)
         ids, reason = await self._collect(stream)
@@ -651,7 +657,7 @@ class SimEngine:
     async def _stream_chat(
         self, request: web.Request, body: dict[str, Any], stream: _Stream, rid: str, created: int
     ) -> web.StreamResponse:
-        model = self.settings.model
+        model = self._answering(body)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = web.StreamResponse()
 
@@ -701,7 +707,7 @@ class SimEngine:
                               chat=False)
         rid = f"cmpl-{_base_request_id(request, body)}"
         created = int(time.time())
-        model = self.settings.model
+        model = self._answering(body)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             try:
