@@ -141,8 +141,6 @@ class _Unit:
     """The asyncio task it ran in (`_serial`)."""
     finished_at: int
     """When it finished, on `_clock`."""
-    extended_by: list[int] = field(default_factory=list)
-    """The units that extended it."""
 
 
 class _Run:
@@ -285,10 +283,8 @@ class _Scope:
         seqs.append(unit.seq)
         ext_times, ext_seqs = self._external[serial]
         for seq in extends:
-            below = self.units[seq]
-            below.extended_by.append(unit.seq)
             self._leaves.discard(seq)
-            if below.lane != serial:
+            if self.units[seq].lane != serial:
                 ext_times.append(unit.finished_at)
                 ext_seqs.append(seq)
         self._leaves.add(unit.seq)
