@@ -214,6 +214,11 @@ def test_sglang_least_loaded_ties_go_to_the_worker_routed_to_least() -> None:
         policy.on_finish(f"q{i}", name, float(i) + 0.5)
         chosen.append(name)
     assert chosen == ["a", "b", "c", "a", "b", "c"]
+    # sglang-router 0.3.2 (`sglang-0.3-like`): the first worker in pool order every time.
+    old = make_policy("sglang-0.3-like")
+    for i in range(3):
+        assert route(old, request(f"r{i}", text=f"{i} unrelated " * 20), pool, float(i)) == "a"
+        old.on_finish(f"r{i}", "a", float(i) + 0.5)
 
 
 def test_sglang_equal_matches_go_to_the_worker_that_cached_the_prefix_last() -> None:

@@ -5,9 +5,11 @@ its successor, smg, lightseekorg/smg v1.9.0 `model_gateway/src/policies/cache_aw
 `select_worker`, #1714, in smg since v1.6.0):
 - load = the router's own in-flight count per worker. If (max - min) > balance_abs_threshold (64)
   *and* max > balance_rel_threshold (1.5) x min: the least-loaded worker, ties broken by the
-  fewest requests routed to it so far, then pool order (smg's `(load, processed, idx)` key;
-  sglang-router 0.3.2 took the first in pool order, which sends every cold miss of an idle
-  pool to one worker: the stronger reading is smg's).
+  fewest requests routed to it so far, then pool order (smg's `(load, processed, idx)` key).
+  sglang-router 0.3.2, which pip still ships as `sglang-router`, took the first in pool order:
+  `sglang-0.3-like` (the same policy with that tie-break). Neither is stronger everywhere
+  (measured on the long-context rows, results log "Twenty-second session"), so both run and
+  the better counts as the peer's.
 - Otherwise the longest character-level prefix match of the prompt text over the per-worker
   approximate trees; if matched chars / prompt chars > cache_threshold (0.3): that worker. When
   several workers match equally far, the one that cached the matched node last wins (the peer's
@@ -26,6 +28,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from planner.policy import EngineView, Placement, PolicyContext, RouteRequest, candidates, register
 
@@ -147,6 +150,7 @@ class SglangCacheAware:
         balance_rel_threshold: float = 1.5,
         eviction_interval_s: float = 60.0,
         max_tree_chars: int = 2**26,
+        ties_by_routed: bool = True,
     ) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
@@ -157,6 +161,8 @@ class SglangCacheAware:
         self.loads: dict[str, int] = {}
         self.processed: dict[str, int] = {}
         """Requests routed to each worker so far (smg's `processed`, the min-load tie-break)."""
+        self.ties_by_routed = ties_by_routed
+        """smg's tie-break; False: sglang-router 0.3.2's first worker in pool order."""
         self._routed: dict[str, str] = {}
         self._started: float | None = None
         self._next_eviction = 0.0
@@ -168,10 +174,13 @@ class SglangCacheAware:
         self._evict_if_due(now)
         loads = [self.loads.get(e.name, 0) for e in eligible]
         most, least = max(loads), min(loads)
-        processed = self.processed
-        least_loaded = min(
-            enumerate(eligible),
-            key=lambda ie: (loads[ie[0]], processed.get(ie[1].name, 0), ie[0]))[1].name
+        if self.ties_by_routed:
+            processed = self.processed
+            least_loaded = min(
+                enumerate(eligible),
+                key=lambda ie: (loads[ie[0]], processed.get(ie[1].name, 0), ie[0]))[1].name
+        else:
+            least_loaded = eligible[loads.index(least)].name
         if (most - least > self.balance_abs_threshold
                 and most > least * self.balance_rel_threshold):
             return least_loaded
@@ -229,3 +238,14 @@ class SglangCacheAware:
             tree.evict_to(self.max_tree_chars)
         ticks = int((now - self._started) // self.eviction_interval_s)
         self._next_eviction = self._started + (ticks + 1) * self.eviction_interval_s
+
+
+@register("sglang-0.3-like")
+class Sglang03CacheAware(SglangCacheAware):
+    """sglang-router 0.3.2's `cache_aware` as pip ships it: min-load ties go to the first
+    worker in pool order (`min_by_key` over the worker list)."""
+
+    name = "sglang-0.3-like"
+
+    def __init__(self, context: PolicyContext | None = None, **options: Any) -> None:
+        super().__init__(context, ties_by_routed=False, **options)
