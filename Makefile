@@ -47,7 +47,7 @@ $(VENV)/.native: $(VENV)/.dev adapters/sim/model.py adapters/sim/__init__.py
 # The README's result tables: every report under bench-results/, then the markdown tables.
 # Each report runs its policies side by side on the machine's cores (`kvgate bench --jobs`,
 # by default as many as the process may use), so plain `make bench-tables` keeps them busy.
-POLICIES := kvgate,kvgate-no-pace,kvgate-no-batch,kvgate-no-priority,kvgate-no-siblings,kvgate-routing-only,round-robin,least-loaded,session,sglang-like,llmd-like,llmd-approx-like,llmd-affinity-like,llmd-approx-affinity-like,llmd-p2p-tokenaware-like,dynamo-like
+POLICIES := kvgate,kvgate-no-pace,kvgate-no-batch,kvgate-no-priority,kvgate-no-siblings,kvgate-routing-only,round-robin,least-loaded,session,sglang-like,sglang-0.3-like,llmd-like,llmd-approx-like,llmd-affinity-like,llmd-approx-affinity-like,llmd-p2p-tokenaware-like,dynamo-like
 BENCH := $(VENV)/bin/kvgate bench --no-progress --policy $(POLICIES)
 LONG := --profile h100x4-llama3-70b --workload-arg context_tokens=32000 --workload-arg agent_types=4
 R := bench-results
@@ -82,8 +82,8 @@ bench-moves: $(VENV)/.native
 # "Today's results" in the README, exactly as its commands there (hours: claude-code alone
 # is about 45 minutes a policy). The tables go to $(R)/today-tables.md.
 TODAY_SHORT := kvgate,kvgate-no-batch,kvgate-no-priority,kvgate-no-siblings,kvgate-routing-only,round-robin,least-loaded,session,sglang-like,llmd-like,llmd-approx-like,llmd-affinity-like,llmd-p2p-tokenaware-like,dynamo-like
-TODAY_REACT := kvgate,session,least-loaded,round-robin,dynamo-like,llmd-p2p-tokenaware-like,sglang-like
-TODAY_LONG := kvgate,kvgate-no-batch,kvgate-no-prefetch,kvgate-no-replicate,sglang-like,dynamo-like,session,llmd-like,llmd-p2p-like,llmd-p2p-tokenaware-like,llmd-p2p-affinity-like
+TODAY_REACT := kvgate,session,least-loaded,round-robin,dynamo-like,llmd-p2p-tokenaware-like,llmd-affinity-like,sglang-like
+TODAY_LONG := kvgate,kvgate-no-batch,kvgate-no-prefetch,kvgate-no-replicate,sglang-like,sglang-0.3-like,dynamo-like,session,llmd-like,llmd-affinity-like,llmd-p2p-like,llmd-p2p-tokenaware-like,llmd-p2p-affinity-like
 TODAY := $(VENV)/bin/kvgate bench --no-progress --goodput
 .PHONY: bench-today
 bench-today: $(VENV)/.native
