@@ -210,11 +210,16 @@ def test_static_segment_replicas_count_the_engines_that_hold_it(
                 out.setdefault(dict(labels)["segment"], {})[what] = v
         return out
 
-    wait_for(lambda: [seg["replicas"] for seg in segments().values()] == [1.0],
-             "one engine to hold the system prompt", seen=segments)
+    # Where the calls went holds the prompt: usually one engine (the later calls follow the
+    # cache), two when a loaded machine delays the first call's KV events past the second.
+    holders = len(set(served["engines"]))
+    wait_for(lambda: [seg["replicas"] for seg in segments().values()] == [float(holders)],
+             "the engines the calls went to to hold the system prompt", seen=segments)
     (seg,) = segments().values()
     assert seg["calls"] == served["calls"]
     assert seg["blocks"] * 16 <= len(SYSTEM)  # full blocks of the system prompt alone
+    if holders == len(pool.sims):
+        return
     # The other engine computes the same system prompt (a call straight to it): two replicas.
     holder = served["engines"][0]
     other = next(s for i, s in enumerate(pool.sims) if f"sim-{i}" != holder)

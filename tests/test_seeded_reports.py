@@ -6,8 +6,10 @@ with every registered baseline. Under the `immediate` release policy a run today
 every field recorded there: the Planner may move code, not change a baseline's decision.
 Regenerate (only when a change of behaviour is intended, and say so in the commit) with
 `KVGATE_RECORD_SEEDED=1 pytest tests/test_seeded_reports.py`. `dynamo-like`'s entries alone were
-re-recorded on 2026-11-27, when its equal costs began to be broken at random as upstream's are
-(every other field of every report is as first recorded).
+re-recorded on 2026-11-27, when its equal costs began to be broken at random as upstream's are.
+On 2026-11-29 `sglang-like` took smg's min-load tie-break: the entries first recorded for it are
+now `sglang-0.3-like`'s (which keeps sglang-router 0.3.2's and reproduces them), and
+`sglang-like`'s were recorded anew. Every other field of every report is as first recorded.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvgate.bench.runner import run_bench
 DATA = Path(__file__).parent / "data" / "seeded"
 
 BASELINES = ["dynamo-like", "least-loaded", "llmd-approx-like", "llmd-like", "round-robin",
-             "session", "sglang-like"]
+             "session", "sglang-0.3-like", "sglang-like"]
 """Every per-request router (the reports also hold the `kvgate` of their day, whose cost model
 has changed since on purpose; it is not compared)."""
 
