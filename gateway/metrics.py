@@ -146,27 +146,31 @@ class GatewayMetrics:
         if ranges and ranges[0].kind == "static" and 0 < ranges[0].end <= len(block_keys):
             self.segments.observe(tuple(block_keys[:ranges[0].end]), now)
 
-    UPSTREAM_ERROR_KINDS = ("timeout", "connect", "mid-stream")
+    def count(self, counter: Counter, *labels: str) -> None:
+        """One more in `counter`'s series for `labels` (through the series cache, so
+        `forget_engine` finds it)."""
+        self._child(counter, *labels).inc()
 
     def forget_engine(self, engine: str) -> None:
-        """An engine left the pool: its series go (a pool whose engines come and go, as pods
-        do, would otherwise grow them without end; Prometheus reads a counter that vanishes
-        as ended, and the totals it scraped stay in its history)."""
-        per_engine = (self.in_flight, self.routed, self.retries, self.routed_prompt_tokens,
-                      self.routed_cached_tokens, self.healthy)
-        for metric in per_engine:
-            with contextlib.suppress(KeyError):
-                metric.remove(engine)
-        for kind in self.UPSTREAM_ERROR_KINDS:
-            with contextlib.suppress(KeyError):
-                self.upstream_errors.remove(engine, kind)
-        ids = {id(m) for m in per_engine}
-        for key in [k for k in self._children if k[0] in ids and k[1] == (engine,)]:
+        """An engine left the pool: every series it labels goes (a pool whose engines come
+        and go, as pods do, would otherwise grow them without end; Prometheus reads a counter
+        that vanishes as ended, and the totals it scraped stay in its history)."""
+        with contextlib.suppress(KeyError):
+            self.healthy.remove(engine)
+        per_engine = {id(m): m for m in (self.in_flight, self.routed, self.retries,
+                                         self.routed_prompt_tokens, self.routed_cached_tokens,
+                                         self.upstream_errors)}
+        for key in [k for k in self._children if k[0] in per_engine and k[1][0] == engine]:
             del self._children[key]
+            with contextlib.suppress(KeyError):
+                per_engine[key[0]].remove(*key[1])
 
     def finished(self, engine: str) -> None:
-        """A call at `engine` is over."""
-        self._child(self.in_flight, engine).dec()
+        """A call at `engine` is over (nothing to count once the engine has left the pool:
+        its gauge went with it)."""
+        child = self._children.get((id(self.in_flight), (engine,)))
+        if child is not None:
+            child.dec()
 
     def answered(self, route: str, status: int) -> None:
         """A call on `route` was answered with `status`."""

@@ -432,7 +432,7 @@ class Proxy:
                     sent, sent_headers, arrived)
             except _RetryableFailure as e:
                 last_error = str(e)
-                state.metrics.retries.labels(engine).inc()
+                state.metrics.count(state.metrics.retries, engine)
                 log.warning("request %s: engine %s failed before answering (%s); retrying",
                             route_req.request_id, engine, e)
         if recorder is not None:
@@ -614,14 +614,14 @@ class Proxy:
                                                      state.config.request_timeout_s)
             except UpstreamTimeout:
                 # Slow, not dead (a long generation, a deep queue): no retry, no eviction.
-                metrics.upstream_errors.labels(engine, "timeout").inc()
+                metrics.count(metrics.upstream_errors, engine, "timeout")
                 raise EngineTimeout(
                     f"engine {engine} sent no response within request_timeout_s="
                     f"{state.config.request_timeout_s:g}"
                 ) from None
             except UpstreamConnectError as e:
                 # Refused, reset, disconnected or connect timeout: the engine never answered.
-                metrics.upstream_errors.labels(engine, "connect").inc()
+                metrics.count(metrics.upstream_errors, engine, "connect")
                 state.pool.mark_failed(engine, str(e))
                 flight.status = RETRYING
                 raise _RetryableFailure(f"{engine}: {e}") from None
@@ -761,7 +761,8 @@ class Proxy:
         state = self.state
         assert state.pool is not None
         timed_out = isinstance(error, TimeoutError)
-        state.metrics.upstream_errors.labels(engine, "timeout" if timed_out else "mid-stream").inc()
+        state.metrics.count(state.metrics.upstream_errors, engine,
+                            "timeout" if timed_out else "mid-stream")
         log.warning("engine %s failed mid-response: %r", engine, error)
         if timed_out:
             return EngineTimeout(f"engine {engine} timed out mid-response")

@@ -246,3 +246,23 @@ def test_a_request_no_engine_can_take_is_counted_as_rejected(pool: Pool,
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 404
     assert rejected() == before + 1
+
+
+def test_a_removed_engine_leaves_no_series_even_when_its_calls_end_later() -> None:
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    for engine in ("gone", "kept"):
+        m._child(m.in_flight, engine).inc()  # a call in flight there
+        m.count(m.retries, engine)
+        m.count(m.upstream_errors, engine, "mid-stream")
+        m.healthy.labels(engine).set(1)
+    m.forget_engine("gone")
+    m.finished("gone")  # the call in flight at the removed engine ends afterwards
+    m.finished("kept")
+    text = generate_latest(m.registry).decode()
+    assert 'engine="gone"' not in text
+    assert 'kvgate_engine_in_flight{engine="kept"} 0.0' in text
+    assert 'kvgate_upstream_errors_total{engine="kept",kind="mid-stream"} 1.0' in text
