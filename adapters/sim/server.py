@@ -298,8 +298,10 @@ class SimEngine:
             by_peer: dict[Peer, list[str]] = {}
             for peer, remote_id in self._leases.values():
                 by_peer.setdefault(peer, []).append(remote_id)
-            for peer, ids in by_peer.items():
-                await self._notify_peer(peer, HEARTBEAT_PATH, {"remote_request_ids": ids})
+            # Side by side, so one slow peer delays no other's lease.
+            await asyncio.gather(*(
+                self._notify_peer(peer, HEARTBEAT_PATH, {"remote_request_ids": ids})
+                for peer, ids in by_peer.items()))
 
     async def _notify_peer(self, peer: Peer, path: str, body: dict[str, Any]) -> None:
         if self._session is None:
@@ -308,7 +310,7 @@ class SimEngine:
             async with self._session.post(f"http://{peer.host}:{peer.port}{path}", json=body,
                                           timeout=aiohttp.ClientTimeout(total=5)) as r:
                 await r.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             log.warning("KV connector notification to %s:%d failed: %r", peer.host, peer.port, e)
 
     async def _pull(self, pull: KVPull) -> None:
