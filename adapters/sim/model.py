@@ -642,7 +642,7 @@ class EngineConfig:
     kv_load_failure_policy: str = "recompute"
     """After a failed pull: `recompute` locally, or `fail` the request (vLLM 0.32's default)."""
     reserve_full_isl: bool = True
-    """vLLM's `--scheduler-reserve-full-isl` (on by default since 0.32): a waiting request is
+    """vLLM's `--scheduler-reserve-full-isl` (on by default in 0.32): a waiting request is
     admitted only when the free blocks hold its whole sequence, rather than its first chunk
     (`KVCacheManager.allocate_slots(full_sequence_must_fit=...)`, vllm/v1/core/
     kv_cache_manager.py; without it a long prompt admitted chunk by chunk grows into blocks
