@@ -561,14 +561,17 @@ class Proxy:
 
     # -- accounting -----------------------------------------------------------------------------
 
-    def _first_token(self, flight: _Flight, observed: bool) -> None:
-        if not flight.first_token:
-            flight.first_token = True
-            self.state.notify(FirstToken(flight.route.request_id, observed))
-            if observed and flight.recorder is not None:
-                flight.recorder.first_token()
-            if observed and flight.trace is not None:
-                flight.trace.first_token()
+    def _first_token(self, flight: _Flight, observed: bool) -> bool:
+        """The engine started answering (the first time it is called for `flight`: True)."""
+        if flight.first_token:
+            return False
+        flight.first_token = True
+        self.state.notify(FirstToken(flight.route.request_id, observed))
+        if observed and flight.recorder is not None:
+            flight.recorder.first_token()
+        if observed and flight.trace is not None:
+            flight.trace.first_token()
+        return True
 
     def _finished(self, flight: _Flight, error: str | None = None) -> None:
         """The request ended at its engine: undo the dispatch accounting and tell the planner
@@ -699,10 +702,10 @@ class Proxy:
                 if not chunk:
                     break
                 # vLLM streams its first chunk once the prompt is prefilled.
-                if not flight.first_token and upstream.status == 200:
+                observed = upstream.status == 200
+                if self._first_token(flight, observed) and observed:
                     later(metrics.observe, metrics.time_to_first_token, route,
                           time.monotonic() - arrived)
-                self._first_token(flight, observed=upstream.status == 200)
                 if is_sse:
                     data = tail + chunk
                     cut = data.rfind(b"\n\n") + 2

@@ -233,6 +233,16 @@ def test_the_two_legs_answer_as_vllm_and_a_lost_lease_fails_the_consumer(
     assert third["error"]["type"] == "InternalServerError"
 
 
+def hold_blocks(url: str) -> threading.Thread:
+    """A call in the background that holds 44 of a 60-block engine's blocks: a 600-token
+    prompt decoding 100 more."""
+    thread = threading.Thread(target=post_status, args=(f"{url}/v1/completions", {
+        "model": MODEL, "prompt": list(range(20, 620)), "max_tokens": 100,
+        "min_tokens": 100}))
+    thread.start()
+    return thread
+
+
 def test_a_consumer_that_waits_keeps_its_producers_lease_and_one_that_leaves_frees_it(
         tmp_path: Path) -> None:
     """NixlConnector's heartbeats (every lease/6 by the consumer's own lease, each renewing two
@@ -256,11 +266,7 @@ def test_a_consumer_that_waits_keeps_its_producers_lease_and_one_that_leaves_fre
             wait_healthy(sim)
         a, b = sims[0].url, sims[1].url
         ids = [(7 * i) % 3000 + 10 for i in range(641)]
-        # B's blocks: a 600-token prompt decoding 100 more holds 44 of its 60.
-        blocker = threading.Thread(target=post_status, args=(f"{b}/v1/completions", {
-            "model": MODEL, "prompt": list(range(20, 620)), "max_tokens": 100,
-            "min_tokens": 100}))
-        blocker.start()
+        blocker = hold_blocks(b)
         # A keeps stepping meanwhile (an idle vLLM reaps no lease: it only does so in a step).
         busy = threading.Thread(target=post_status, args=(f"{a}/v1/completions", {
             "model": MODEL, "prompt": list(range(5, 105)), "max_tokens": 800,
@@ -290,10 +296,7 @@ def test_a_consumer_that_waits_keeps_its_producers_lease_and_one_that_leaves_fre
             "kv_transfer_params": {"do_remote_decode": True}})
         assert status == 200, third
         assert metrics(a)[("vllm:kv_cache_usage_perc", ())] > 0
-        blocker = threading.Thread(target=post_status, args=(f"{b}/v1/completions", {
-            "model": MODEL, "prompt": list(range(20, 620)), "max_tokens": 100,
-            "min_tokens": 100}))
-        blocker.start()
+        blocker = hold_blocks(b)
         time.sleep(0.5)
         req = urllib.request.Request(f"{b}/v1/completions", method="POST", data=json.dumps({
             "model": MODEL, "prompt": ids[::-1], "max_tokens": 1,

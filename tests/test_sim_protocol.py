@@ -104,6 +104,15 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -
         return out
 
 
+def _refused(url: str, body: dict[str, Any]) -> tuple[int, str]:
+    """POST `body`, which the engine must refuse: its status and error text."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    return err.value.code, err.value.read().decode()
+
+
 def served_model(child: Child) -> str:
     cards = json.loads(_http(child.url + "/v1/models"))["data"]
     assert len(cards) == 1
@@ -628,26 +637,18 @@ def test_max_tokens_past_the_room_left_is_clamped_as_vllm(tmp_path: Path) -> Non
         answer = json.loads(_http(sim.url + "/v1/completions", body))
         assert answer["usage"]["completion_tokens"] == 28
         assert answer["choices"][0]["finish_reason"] == "length"
-        req = urllib.request.Request(
-            sim.url + "/v1/completions", data=json.dumps({**body, "max_tokens": 129}).encode(),
-            headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(req, timeout=10)
-        assert err.value.code == 400
-        assert "cannot be greater than max_model_len=128" in err.value.read().decode()
+        status, text = _refused(sim.url + "/v1/completions", {**body, "max_tokens": 129})
+        assert status == 400
+        assert "cannot be greater than max_model_len=128" in text
 
 
 def test_a_cache_salt_vllm_refuses_is_a_400(tmp_path: Path) -> None:
     with running_sim(tmp_path, "sim-salt", []) as sim:
         model = served_model(sim)
         for salt in ("", "team/a", "a@b", "x" * 129, 7):
-            req = urllib.request.Request(
-                sim.url + "/v1/completions", data=json.dumps({
-                    "model": model, "prompt": [11, 12], "max_tokens": 1,
-                    "cache_salt": salt}).encode(), headers={"Content-Type": "application/json"})
-            with pytest.raises(urllib.error.HTTPError) as err:
-                urllib.request.urlopen(req, timeout=10)
-            assert err.value.code == 400 and "cache_salt" in err.value.read().decode(), salt
+            status, text = _refused(sim.url + "/v1/completions", {
+                "model": model, "prompt": [11, 12], "max_tokens": 1, "cache_salt": salt})
+            assert status == 400 and "cache_salt" in text, salt
         complete(sim, model, [11, 12], max_tokens=1)
 
 
@@ -666,10 +667,6 @@ def test_a_streamed_usage_chunk_leaves_out_what_is_unset(tmp_path: Path) -> None
         whole = json.loads(_http(sim.url + "/v1/completions", {**body, "stream": False}))
         assert whole["usage"]["prompt_tokens_details"] is None
         # As vLLM: stream options without a stream are refused.
-        req = urllib.request.Request(
-            sim.url + "/v1/completions", data=json.dumps({
-                **body, "stream": False, "stream_options": {"include_usage": True}}).encode(),
-            headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(req, timeout=10)
-        assert err.value.code == 400 and "only be defined when" in err.value.read().decode()
+        status, text = _refused(sim.url + "/v1/completions", {
+            **body, "stream": False, "stream_options": {"include_usage": True}})
+        assert status == 400 and "only be defined when" in text

@@ -561,17 +561,10 @@ class SimEngine:
     def _usage(self, req: SimRequest, streamed: bool = False) -> dict[str, Any]:
         """The answer's `usage`; a streamed chunk leaves out what is unset, as vLLM writes its
         chunks with `exclude_unset` (no `"prompt_tokens_details": null` there)."""
-        usage = self._full_usage(req)
-        if streamed and usage["prompt_tokens_details"] is None:
-            del usage["prompt_tokens_details"]
-        return usage
-
-    def _full_usage(self, req: SimRequest) -> dict[str, Any]:
         usage: dict[str, Any] = {
             "prompt_tokens": req.num_prompt_tokens,
             "total_tokens": req.num_prompt_tokens + len(req.output_token_ids),
             "completion_tokens": len(req.output_token_ids),
-            "prompt_tokens_details": None,
         }
         if self.settings.enable_prompt_tokens_details:
             cached = max(req.num_cached_tokens, 0)
@@ -579,6 +572,8 @@ class SimEngine:
             if remote is not None and remote.remote_prefill_cached_tokens is not None:
                 cached = remote.remote_prefill_cached_tokens  # as vLLM 0.32's consumer
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        elif not streamed:
+            usage["prompt_tokens_details"] = None
         return usage
 
     def _text(self, ids: list[int]) -> str:
