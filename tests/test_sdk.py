@@ -5,6 +5,8 @@ workflow shows up with those tasks; a static DAG is submitted whole and followed
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -43,10 +45,11 @@ class Recorder:
         self.calls: list[dict[str, str]] = []
         self.bodies: list[dict[str, Any]] = []
         self.fail_first = 0
+        self.release = asyncio.Event()
         self.url = ""
         self._runner: web.AppRunner | None = None
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.calls.append({k.lower(): v for k, v in request.headers.items()})
         self.bodies.append(body)
@@ -55,11 +58,29 @@ class Recorder:
             return web.json_response({"error": {"message": "busy"}}, status=503)
         delay = float(body.get("metadata", {}).get("delay", 0))
         await asyncio.sleep(delay)
+        if body.get("stream"):
+            return await self._stream(request, body)
         return web.json_response({
             "id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant", "content": "ok"}}],
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """A streamed answer of two chunks; with `metadata.hold` the second waits for
+        `self.release`."""
+        answer = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await answer.prepare(request)
+        for n, word in enumerate(("o", "k")):
+            if n == 1 and body.get("metadata", {}).get("hold"):
+                await self.release.wait()
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0,
+                     "model": body["model"], "choices": [
+                         {"index": 0, "delta": {"content": word}, "finish_reason": None}]}
+            await answer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await answer.write(b"data: [DONE]\n\n")
+        await answer.write_eof()
+        return answer
 
     async def start(self) -> Recorder:
         app = web.Application()
@@ -121,6 +142,65 @@ async def test_calls_outside_a_workflow_carry_no_hints(kv: Client, recorder: Rec
     await chat(kv)
     await step()
     assert recorder.hints() == [(None, None, None), (None, None, None)]
+
+
+async def test_a_workflow_method_runs_with_its_instance(kv: Client, recorder: Recorder) -> None:
+    class Agent:
+        def __init__(self, label: str) -> None:
+            self.label = label
+
+        @workflow("agent")
+        async def solve(self, suffix: str) -> str:
+            await chat(kv)
+            return self.label + suffix
+
+    agent = Agent("a")
+    assert inspect.iscoroutinefunction(agent.solve) and inspect.iscoroutinefunction(Agent.solve)
+    assert list(inspect.signature(agent.solve).parameters) == ["suffix"]
+    assert await agent.solve("1") == "a1"
+    result = await agent.solve.run("2")
+    assert result.value == "a2" and result.id.startswith("agent-")
+    assert (await Agent.solve.run(Agent("b"), "3")).value == "b3"
+    workflows = [wf for wf, _, _ in recorder.hints()]
+    assert len(workflows) == 3 and workflows[1] == result.id and len(set(workflows)) == 3
+
+
+async def test_a_streamed_call_is_a_parent_once_its_answer_has_ended(
+    kv: Client, recorder: Recorder
+) -> None:
+    @workflow("stream")
+    async def agent() -> None:
+        await chat(kv)
+        stream = await kv.openai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            stream=True, metadata={"hold": "1"})
+        pieces = [await stream.__anext__()]
+        # Work started while the answer streams does not extend it.
+        await asyncio.create_task(chat(kv))
+        recorder.release.set()
+        pieces += [piece async for piece in stream]
+        assert "".join(p.choices[0].delta.content or "" for p in pieces) == "ok"
+        await chat(kv)
+
+    await agent()
+    assert recorder.after() == {"call-1": [], "call-2": ["call-1"], "call-3": ["call-1"],
+                                "call-4": ["call-2", "call-3"]}
+
+
+async def test_a_streamed_call_read_in_part_is_a_parent_once_closed(
+    kv: Client, recorder: Recorder
+) -> None:
+    @workflow("stream")
+    async def agent() -> None:
+        stream = await kv.openai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            stream=True)
+        await stream.__anext__()
+        await stream.close()  # enough read: the caller goes on from what it has
+        await chat(kv)
+
+    await agent()
+    assert recorder.after() == {"call-1": [], "call-2": ["call-1"]}
 
 
 async def test_sequential_tasks_chain_and_ids_count_per_name(kv: Client,

@@ -44,13 +44,15 @@ import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
 from planner.hints import MAX_AFTER_HEADER, MAX_TOKENS, PRIORITY_LIMIT
 
 P = ParamSpec("P")
 R = TypeVar("R")
 R_co = TypeVar("R_co", covariant=True)
+_T = TypeVar("_T")
+_P2 = ParamSpec("_P2")
 
 _Lane = asyncio.Task[Any] | None
 """The asyncio task work runs in (None outside any: the hooks then treat the thread as one)."""
@@ -490,6 +492,14 @@ class WorkflowFunction(Protocol[P, R_co]):
     def run(self, *args: P.args,
             **kwargs: P.kwargs) -> Coroutine[Any, Any, WorkflowResult[R_co]]: ...
 
+    # On a method: looked up on an instance it binds the instance, as a function does.
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> WorkflowFunction[P, R_co]: ...
+
+    @overload
+    def __get__(self: WorkflowFunction[Concatenate[_T, _P2], R_co], obj: _T,
+                owner: type | None = None) -> WorkflowFunction[_P2, R_co]: ...
+
 
 TaskFunction = Callable[P, Coroutine[Any, Any, R]]
 """A `@task` function: an async function that runs as a new task each time it is called."""
@@ -498,6 +508,47 @@ TaskFunction = Callable[P, Coroutine[Any, Any, R]]
 def _check_async(fn: Callable[..., Any], what: str) -> None:
     if not inspect.iscoroutinefunction(fn):
         raise TypeError(f"@{what} decorates async functions; {fn.__qualname__} is not one")
+
+
+class _Workflow:
+    """What `@workflow` makes of an async function. A descriptor, like a function, so on a
+    method both `obj.method(...)` and `obj.method.run(...)` pass `obj` along."""
+
+    def __init__(self, fn: Callable[..., Awaitable[Any]], name: str, fixed: str | None,
+                 bound: object = None) -> None:
+        functools.update_wrapper(self, fn)
+        # What `inspect.iscoroutinefunction` reads (so frameworks that ask, a web framework
+        # choosing how to call a handler, see an async function), and `signature` too.
+        self.__code__ = getattr(fn, "__code__", None)
+        self.__defaults__ = getattr(fn, "__defaults__", None)
+        self.__kwdefaults__ = getattr(fn, "__kwdefaults__", None)
+        self._fn = fn
+        self._name = name
+        self._fixed = fixed
+        self._bound = bound
+        if bound is not None:
+            params = list(inspect.signature(fn).parameters.values())[1:]
+            self.__signature__ = inspect.signature(fn).replace(parameters=params)
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None or self._bound is not None:
+            return self
+        return _Workflow(self._fn, self._name, self._fixed, obj)
+
+    def _args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return args if self._bound is None else (self._bound, *args)
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        async with WorkflowScope(self._name, self._fixed):
+            return await self._fn(*self._args(args), **kwargs)
+
+    async def run(self, *args: Any, **kwargs: Any) -> WorkflowResult[Any]:
+        async with WorkflowScope(self._name, self._fixed) as info:
+            value = await self._fn(*self._args(args), **kwargs)
+        return WorkflowResult(info.id, value)
+
+    def __repr__(self) -> str:
+        return f"<kvgate workflow {self._name!r}: {self._fn!r}>"
 
 
 class WorkflowScope:
@@ -517,18 +568,7 @@ class WorkflowScope:
         name = self.name or fn.__name__
         fixed = self.workflow_id
 
-        @functools.wraps(fn)
-        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
-            async with WorkflowScope(name, fixed):
-                return await fn(*args, **kwargs)
-
-        async def run(*args: P.args, **kwargs: P.kwargs) -> WorkflowResult[R]:
-            async with WorkflowScope(name, fixed) as info:
-                value = await fn(*args, **kwargs)
-            return WorkflowResult(info.id, value)
-
-        call.run = run  # type: ignore[attr-defined]
-        return cast(WorkflowFunction[P, R], call)
+        return cast(WorkflowFunction[P, R], _Workflow(fn, name, fixed))
 
     async def __aenter__(self) -> WorkflowInfo:
         if self._token is not None:

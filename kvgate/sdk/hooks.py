@@ -98,11 +98,61 @@ def _put_in_body(request: Any, extra: dict[str, Any]) -> bool:
 
 
 async def on_response(response: Any) -> None:
-    """httpx response hook: an answered call becomes a parent for later work (a failed one
-    does not; it stays open for the client's retry)."""
+    """httpx response hook: an answered call becomes a parent for later work once its body
+    is read (a streamed answer at its end, or where the caller stops reading it); a failed
+    one does not, and stays open for the client's retry. The hook runs when the response's
+    head arrives, so the body's stream is wrapped to tell when it ends."""
     call = _in_flight.pop(response.request, None)
-    if call is not None and 200 <= response.status_code < 300:
-        call.finished()
+    if call is None or not 200 <= response.status_code < 300:
+        return
+    wrapper = _finishing_stream(type(response.stream))
+    if wrapper is None or getattr(response, "is_closed", False):
+        call.finished()  # no stream to follow (an unknown client, or read already)
+        return
+    response.stream = wrapper(response.stream, call)
+
+
+_wrappers: dict[type, type | None] = {}
+
+
+def _finishing_stream(kind: type) -> type | None:
+    """A stream class that passes `kind`'s body through and finishes the call when the body
+    ends or is closed without a failure; None where `kind` is no async byte stream."""
+    if kind in _wrappers:
+        return _wrappers[kind]
+    base = next((c for c in kind.__mro__ if c.__name__ == "AsyncByteStream"), None)
+    wrapper: type | None = None
+    if base is not None:
+
+        class _Finishing(base):  # type: ignore[misc, valid-type]
+            def __init__(self, inner: Any, call: Call) -> None:
+                self._inner = inner
+                self._call: Call | None = call
+                self._failed = False
+
+            async def __aiter__(self) -> Any:
+                try:
+                    async for piece in self._inner:
+                        yield piece
+                except GeneratorExit:
+                    raise  # the caller stopped reading: `aclose` tells the rest
+                except BaseException:
+                    self._failed = True
+                    raise
+                self._finish()
+
+            async def aclose(self) -> None:
+                self._finish()
+                await self._inner.aclose()
+
+            def _finish(self) -> None:
+                call, self._call = self._call, None
+                if call is not None and not self._failed:
+                    call.finished()
+
+        wrapper = _Finishing
+    _wrappers[kind] = wrapper
+    return wrapper
 
 
 def add_hints(client: Any) -> Any:
