@@ -725,3 +725,19 @@ def test_server_load_counts_requests_in_flight_when_tracked(tmp_path: Path) -> N
             after = json.loads(_http(sim.url + "/load"))
         assert during == {"server_load": 2 if tracked else 0}, tracked
         assert after == {"server_load": 0}
+
+
+def test_a_lora_adapters_blocks_carry_its_name_and_int_id(tmp_path: Path) -> None:
+    """vLLM numbers `--lora-modules` 1, 2, ... in order (`lora_int_id`) and sends that id as
+    `lora_id` beside `lora_name` in the adapter's BlockStored events (0.32's block_pool.py)."""
+    with collector() as sub, running_sim(
+        tmp_path, "sim-lora",
+        ["--kv-events", sub.endpoint, "--block-size", str(BLOCK),
+         "--model", "base", "--lora-modules", "sql=/loras/sql", "chat=/loras/chat"],
+    ) as sim:
+        prompt = token_ids(random.Random(5), 3 * BLOCK + 1)
+        complete(sim, "chat", prompt, max_tokens=1)
+        complete(sim, "base", prompt, max_tokens=1)
+        msgs = sub.wait_for(lambda m: stored_blocks(m) >= 6, what="3 blocks of each request")
+    stored = events_of(decode(msgs), BlockStored)
+    assert {(ev.lora_id, ev.lora_name) for ev in stored} == {(2, "chat"), (None, None)}

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Mapping
 
 import zmq
 import zmq.asyncio
@@ -32,15 +33,19 @@ def is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def to_wire(event: model.KVEvent, medium: str = "GPU") -> WireEvent:
-    """Convert an engine-model event into vLLM's wire struct."""
+def to_wire(event: model.KVEvent, medium: str = "GPU",
+            lora_ids: Mapping[str, int] | None = None) -> WireEvent:
+    """Convert an engine-model event into vLLM's wire struct. `lora_ids`: each served LoRA
+    adapter's int id (vLLM's `lora_int_id`, 1, 2, ... in `--lora-modules` order), sent as the
+    event's `lora_id` beside its `lora_name`."""
     if isinstance(event, model.BlockStored):
         return BlockStored(
             block_hashes=list(event.block_hashes),
             parent_block_hash=event.parent_block_hash,
             token_ids=list(event.token_ids),
             block_size=event.block_size,
-            lora_id=None,
+            lora_id=(None if event.lora_name is None or lora_ids is None
+                     else lora_ids.get(event.lora_name)),
             medium=medium,
             lora_name=event.lora_name,
             extra_keys=list(event.extra_keys),
@@ -52,16 +57,18 @@ def to_wire(event: model.KVEvent, medium: str = "GPU") -> WireEvent:
     return AllBlocksCleared()
 
 
-def wire_batch(events: list[model.KVEvent], ts: float) -> KVEventBatch:
+def wire_batch(events: list[model.KVEvent], ts: float,
+               lora_ids: Mapping[str, int] | None = None) -> KVEventBatch:
     """One step's events as vLLM's wire batch, before encoding."""
-    batch = KVEventBatch(ts=ts, events=[to_wire(e) for e in events])
+    batch = KVEventBatch(ts=ts, events=[to_wire(e, lora_ids=lora_ids) for e in events])
     batch.data_parallel_rank = 0
     return batch
 
 
-def encode_events(events: list[model.KVEvent], ts: float) -> bytes:
+def encode_events(events: list[model.KVEvent], ts: float,
+                  lora_ids: Mapping[str, int] | None = None) -> bytes:
     """One step's events as the payload of one vLLM KV-event message."""
-    return encode_batch(wire_batch(events, ts))
+    return encode_batch(wire_batch(events, ts, lora_ids))
 
 
 class KVEventPublisher:
@@ -75,7 +82,9 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
         drop_seqs: frozenset[int] = frozenset(),
+        lora_ids: Mapping[str, int] | None = None,
     ) -> None:
+        self._lora_ids = dict(lora_ids or {})
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
@@ -103,7 +112,7 @@ class KVEventPublisher:
         """Send one batch (one engine step's events) with the next sequence number."""
         if not events:
             return
-        payload = encode_events(events, time.time())
+        payload = encode_events(events, time.time(), self._lora_ids)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))

@@ -113,7 +113,8 @@ class SimSettings:
     lora_modules: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the base model, (name, path), as vLLM's `--lora-modules
     name=path`: a request naming one as its `model` runs with it, and its KV is keyed apart
-    (the adapter's name in every block's hash, in the KV events' `lora_name`)."""
+    (the adapter's name in every block's hash, in the KV events' `lora_name`, and its int id,
+    1, 2, ... in this order as vLLM numbers them, in their `lora_id`)."""
 
 
 class APIError(Exception):
@@ -221,8 +222,8 @@ class SimEngine:
         s = self.settings
         if s.kv_events_endpoint:
             self.publisher = KVEventPublisher(
-                s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_topic, drop_seqs=s.kv_drop_seqs
-            )
+                s.kv_events_endpoint, s.kv_replay_endpoint, s.kv_topic, drop_seqs=s.kv_drop_seqs,
+                lora_ids={name: n for n, (name, _) in enumerate(s.lora_modules, start=1)})
             self.publisher.start()
         if s.kv_connector is not None:
             self._session = aiohttp.ClientSession()
