@@ -215,6 +215,11 @@ class _Flight:
     """The engine's HTTP status once the answer is complete (0: it never completed)."""
     trace: EngineCallTrace | None = None
     """This attempt's span (tracing on)."""
+    gone: bool = False
+    """The client went away before its answer was complete."""
+
+
+CLIENT_GONE = "the client went away"
 
 
 class Proxy:
@@ -353,8 +358,14 @@ class Proxy:
             status, error = e.status, e.message
             raise
         except asyncio.CancelledError:
-            status = self._answered.get(route_req.request_id, 499)
-            error = None if status != 499 else "the client went away"
+            # The client's connection closed. A hang-up the relay saw is counted already (with
+            # the engine's status when the whole answer had been written); any other (while the
+            # call was held, placed, or waiting for its engine's answer) is a 499 here.
+            counted = self._answered.get(route_req.request_id)
+            if counted is None:
+                state.metrics.requests.labels(route, "499").inc()
+            status = counted or 499
+            error = None if status != 499 else CLIENT_GONE
             raise
         except Exception as e:
             status, error = 500, f"internal gateway error: {e!r}"
@@ -394,7 +405,8 @@ class Proxy:
             except BaseException as e:
                 if recorder is not None:
                     recorder.finished(None, str(e) if isinstance(e, GatewayError)
-                                      else "the client went away before the call was placed")
+                                      else f"{CLIENT_GONE} before the call was placed",
+                                      cancelled=isinstance(e, asyncio.CancelledError))
                 raise
             engine = d.engine
             tried.add(engine)
@@ -580,7 +592,7 @@ class Proxy:
         state.later(state.metrics.finished, flight.dispatch.engine)
         state.notify(Finished(flight.route.request_id, flight.streamed_tokens, error))
         if flight.recorder is not None and flight.status != RETRYING:
-            flight.recorder.finished(flight, error)
+            flight.recorder.finished(flight, error, cancelled=flight.gone and error is not None)
         if flight.trace is not None:
             state.later(flight.trace.end, max(flight.status, 0), flight.streamed_tokens or None,
                         "the engine was unreachable; the call is sent elsewhere"
@@ -638,8 +650,12 @@ class Proxy:
                 # Fully read, the connection goes back to the pool; otherwise it is dropped, so
                 # the engine sees the disconnect and aborts the request.
                 upstream.release()
+        except asyncio.CancelledError:
+            flight.gone = True  # the client's connection closed: the server cancels its handler
+            raise
         finally:
             self._finished(flight, None if 200 <= flight.status < 300 else
+                           CLIENT_GONE if flight.gone else
                            f"the call did not complete (engine status {flight.status or 'none'})")
             state.later(metrics.observe, metrics.duration, route, time.monotonic() - arrived)
 
@@ -681,7 +697,7 @@ class Proxy:
                 await answer.prepare(request)
                 await answer.write_eof()
             except ConnectionResetError:
-                self._client_gone(route, engine, "before the answer was written")
+                self._client_gone(route, engine, "before the answer was written", flight)
                 return answer
             later(metrics.answered, route, upstream.status)
             return answer
@@ -708,7 +724,7 @@ class Proxy:
                           time.monotonic() - arrived)
                 if is_sse:
                     data = tail + chunk
-                    cut = data.rfind(b"\n\n") + 2
+                    cut = _events_end(data)
                     chunk, tail = data[:cut], data[cut:]
                     if not chunk:
                         continue
@@ -751,11 +767,13 @@ class Proxy:
             self.state.metrics.requests.labels(route, str(flight.status)).inc()
             self._answered[flight.route.request_id] = flight.status
         else:
-            self._client_gone(route, engine, "during the response")
+            self._client_gone(route, engine, "during the response", flight)
 
-    def _client_gone(self, route: str, engine: str, when: str) -> None:
+    def _client_gone(self, route: str, engine: str, when: str, flight: _Flight) -> None:
         """The client hung up while its answer was being written: counted as a 499."""
         log.info("client went away %s from %s", when, engine)
+        flight.gone = True
+        self._answered[flight.route.request_id] = 499
         self.state.metrics.requests.labels(route, "499").inc()
 
     def _engine_failure(self, engine: str, error: BaseException) -> GatewayError:
@@ -794,6 +812,14 @@ def _call_attributes(route: RouteRequest, hints: RequestHints) -> dict[str, Any]
     if hints.priority is not None:
         attrs["kvgate.request.priority"] = hints.priority
     return attrs
+
+
+def _events_end(data: bytes) -> int:
+    """Where the last whole server-sent event in `data` ends (0: none is whole yet). Events
+    end with a blank line; vLLM writes `\n\n`, and `\r\n\r\n` is taken too."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def _token_events(events: bytes) -> int:
@@ -888,7 +914,10 @@ class _Recorder:
         self._write(self.proxy.state.workflows.hinted_first_token(
             self.workflow, self.task, attempt=self.attempt))
 
-    def finished(self, flight: _Flight | None, error: str | None) -> None:
+    def finished(self, flight: _Flight | None, error: str | None,
+                 cancelled: bool = False) -> None:
+        """The call ended: answered (`error` None), failed, or `cancelled` (its client went
+        away)."""
         assert self.proxy.state.workflows is not None
         if self.unrecorded:
             return
@@ -913,7 +942,7 @@ class _Recorder:
         self._write(self.proxy.state.workflows.hinted_task_finished(
             self.workflow, self.task, prompt_tokens=self.route.prompt_tokens or None,
             output_tokens=output_tokens, cached_tokens=cached, output=output, error=error,
-            attempt=self.attempt))
+            cancelled=cancelled, attempt=self.attempt))
 
 
 class _RetryableFailure(Exception):

@@ -1128,18 +1128,20 @@ class WorkflowService:
     async def hinted_task_finished(
         self, workflow: str, task: str, *, prompt_tokens: int | None = None,
         output_tokens: int | None = None, cached_tokens: int | None = None,
-        output: str | None = None, error: str | None = None, attempt: str | None = None,
+        output: str | None = None, error: str | None = None, cancelled: bool = False,
+        attempt: str | None = None,
     ) -> None:
-        """The call ended: answered, or failed with `error` (a client that went away counts
-        as cancelled). `attempt`: the call's token, when another may have taken its task
-        over."""
+        """The call ended: answered, or failed with `error`, or `cancelled` (its client went
+        away; `error` says when). `attempt`: the call's token, when another may have taken
+        its task over."""
         if workflow in self._runs:
             return
         rec = self._hint_attempt(workflow, task, attempt)
         if rec is None:
             return
         del self._hint_tasks[(workflow, task)]
-        state = TaskState.DONE if error is None else TaskState.FAILED
+        state = (TaskState.DONE if error is None else
+                 TaskState.CANCELLED if cancelled else TaskState.FAILED)
         rec.update(state=state.value, finished_s=self.clock(), prompt_tokens=prompt_tokens,
                    output_tokens=output_tokens, cached_tokens=cached_tokens, output=output,
                    error=error)

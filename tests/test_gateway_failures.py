@@ -238,7 +238,17 @@ class RecordingEngine:
         await resp.prepare(request)
         # As vLLM: the answer's head goes out at once, its first event once the prompt is in.
         await asyncio.sleep(body.get("first_after_s", 0))
-        await resp.write(b'data: {"n": 1}\n\n')
+        if body.get("die_mid_event"):
+            # A whole event, then half of one, and the engine is gone.
+            await resp.write(b'data: {"n": 1}\n\n')
+            await asyncio.sleep(0.2)
+            await resp.write(b'data: {"n": 2, "par')
+            await asyncio.sleep(0.2)
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        end = b"\r\n\r\n" if body.get("crlf") else b"\n\n"
+        await resp.write(b'data: {"n": 1}' + end)
         # Hold the rest until the test has seen the first chunk through the gateway.
         released = await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
         await resp.write(b'data: {"n": 2, "released": %s}\n\n' % str(released).lower().encode())
@@ -372,12 +382,48 @@ def test_stream_chunks_are_forwarded_before_the_stream_ends(
     assert b'"released": true' in rest
 
 
-def _request_counts(url: str) -> dict[str, float]:
+def _request_counts(url: str, route: str = "/v1/chat/completions") -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
     return {s.labels["status"]: s.value for f in text_string_to_metric_families(text)
             for s in f.samples if s.name == "kvgate_requests_total"
-            and s.labels["route"] == "/v1/chat/completions"}
+            and s.labels["route"] == route}
+
+
+def test_an_engine_dying_mid_event_leaves_the_client_whole_events_and_the_error(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    """The half event the engine sent before it died is not forwarded: the error event
+    begins on an event boundary, so an SSE client reads it (and the openai client raises)."""
+    engine, gw = recorded
+    req = urllib.request.Request(
+        f"{gw.url}/v1/chat/completions", method="POST",
+        data=b'{"model": "rec", "messages": [], "stream": true, "die_mid_event": true}',
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        events = r.read().decode().split("\n\n")
+    assert events[0] == 'data: {"n": 1}' and events[-1] == ""
+    assert events[1].startswith('data: {"error": ') and len(events) == 3, events
+
+
+def test_events_that_end_in_crlf_are_forwarded_as_they_come(
+    recorded: tuple[RecordingEngine, Child],
+) -> None:
+    engine, gw = recorded  # the engine holds its second event until `release`
+    host, port = gw.url.removeprefix("http://").split(":")
+    body = b'{"model": "rec", "stream": true, "crlf": true}'
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        got = b""
+        while b'data: {"n": 1}\r\n\r\n' not in got:
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream ended early: {got!r}"
+            got += chunk
+        engine.release.set()
+        while b"data: [DONE]" not in got:
+            got += sock.recv(65536)
 
 
 def test_every_answer_is_counted_once_by_its_route(
@@ -487,6 +533,21 @@ def test_client_hanging_up_aborts_the_request_at_the_engine(
             break
         threading.Event().wait(0.1)
     assert engine_counts() == (0.0, 0.0)
+    # Counted as the client's hang-up, and a hint-mode call's record says it was cancelled.
+    assert _request_counts(gw.url, "/v1/completions") == {"499": 1.0}
+    req.add_header("X-KVGate-Workflow", "left")
+    with pytest.raises(TimeoutError):
+        urllib.request.urlopen(req, timeout=1.0)
+    for _ in range(100):
+        with urllib.request.urlopen(f"{gw.url}/v1/workflows/left", timeout=10) as r:
+            workflow = json.load(r)
+        if workflow["state"] != "running":
+            break
+        threading.Event().wait(0.1)
+    [task] = workflow["tasks"].values()
+    assert task["state"] == "cancelled" and "client went away" in task["error"]
+    assert workflow["state"] == "done"
+    assert _request_counts(gw.url, "/v1/completions") == {"499": 2.0}
 
 
 class CutJsonEngine:
