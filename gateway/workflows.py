@@ -20,11 +20,12 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
+import redis.exceptions
 from aiohttp import web
 
 from gateway.config import WorkflowSettings
@@ -95,6 +96,23 @@ class WorkflowStoreUnavailable(GatewayError):
     status = 503
     err_type = "server_error"
     code = "workflow_store_unavailable"
+
+
+STORE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError,
+                                                 TimeoutError)
+"""What a store that cannot be reached raises: Redis's errors, a socket's, a timeout."""
+
+
+@contextlib.contextmanager
+def store_unavailable(doing: str) -> Iterator[None]:
+    """Turn the store's failures while `doing` into a 503 (WorkflowStoreUnavailable) that
+    says so, rather than an internal error."""
+    try:
+        yield
+    except STORE_ERRORS as e:
+        raise WorkflowStoreUnavailable(
+            f"the workflow store could not be reached ({type(e).__name__}) to {doing}; "
+            "try again") from None
 
 
 class WorkflowNotCancellable(GatewayError):
@@ -690,7 +708,9 @@ class WorkflowService:
     async def snapshot(self, workflow_id: str, viewer: Tenant | None = None) -> Json:
         """The workflow's current snapshot, or WorkflowNotFound (also when `viewer`, with
         tenants configured, is another tenant than its owner)."""
-        snap = None if names_a_store_key(workflow_id) else await self.store.get(workflow_id)
+        with store_unavailable("read the workflow"):
+            snap = (None if names_a_store_key(workflow_id)
+                    else await self.store.get(workflow_id))
         if snap is None or (viewer is not None and not viewer.may_see(snap.get("tenant"))):
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (unknown or expired)")
         return hint_state(snap) if snap.get("source") == "hints" else snap
@@ -698,8 +718,9 @@ class WorkflowService:
     async def recent(self, limit: int, viewer: Tenant | None = None) -> list[Json]:
         """Summaries of the newest `limit` workflows (see `workflow_summary`), newest first
         (`viewer`'s own, with tenants configured)."""
-        snaps = await self.store.recent(
-            limit, None if viewer is None else lambda w: viewer.may_see(w.get("tenant")))
+        with store_unavailable("list the workflows"):
+            snaps = await self.store.recent(
+                limit, None if viewer is None else lambda w: viewer.may_see(w.get("tenant")))
         return [workflow_summary(hint_state(s) if s.get("source") == "hints" else s)
                 for s in snaps]
 
@@ -784,7 +805,8 @@ class WorkflowService:
 
     async def handle_delete(self, request: web.Request) -> web.Response:
         """DELETE /v1/workflows/{id}: cancel; 200 once cancelled, 202 if still landing."""
-        snap, landed = await self.cancel(request.match_info["id"], caller(request))
+        with store_unavailable("cancel the workflow"):
+            snap, landed = await self.cancel(request.match_info["id"], caller(request))
         return web.json_response(snap, status=200 if landed else 202)
 
     async def handle_events(self, request: web.Request) -> web.StreamResponse:
@@ -801,7 +823,18 @@ class WorkflowService:
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
         while True:
-            batch = await self.store.events(wf_id, last, wait_s=SSE_KEEPALIVE_S)
+            try:
+                batch = await self.store.events(wf_id, last, wait_s=SSE_KEEPALIVE_S)
+                gone = not batch and await self.store.get(wf_id) is None
+            except STORE_ERRORS as e:
+                # Mid-stream there is no status to give: an error event, then the end. The
+                # client reconnects with the last id it read (`Last-Event-ID`).
+                error = {"type": "error", "error": {
+                    "message": f"the workflow store could not be reached "
+                               f"({type(e).__name__}); reconnect with Last-Event-ID",
+                    "code": WorkflowStoreUnavailable.code}}
+                await resp.write(f"data: {json.dumps(error)}\n\n".encode())
+                break
             for event_id, event in batch:
                 data = json.dumps(event, separators=(",", ":"))
                 await resp.write(f"id: {event_id}\ndata: {data}\n\n".encode())
@@ -810,7 +843,7 @@ class WorkflowService:
                     await resp.write_eof()
                     return resp
             if not batch:
-                if await self.store.get(wf_id) is None:
+                if gone:
                     break  # expired while we waited
                 await resp.write(b": keep-alive\n\n")
         await resp.write_eof()

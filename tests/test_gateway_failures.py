@@ -655,6 +655,41 @@ def test_a_hint_mode_call_goes_on_when_the_workflow_store_is_away(
     assert in_flight == [0.0]
 
 
+def test_workflow_reads_with_the_store_away_are_503s_and_a_follower_gets_an_error_event(
+    spawn_sim: Callable[..., Child], spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    from tests.redis_server import RedisServer
+
+    sim = spawn_sim("--time-scale", "20")
+    with RedisServer() as url:
+        gw = spawn_gateway({"engines": [{"url": sim.url}],
+                            "workflows": {"store": "redis", "redis_url": url}})
+        wait_healthy(gw)
+        status, snap = post(f"{gw.url}/v1/workflows", json.dumps({
+            "model": MODEL, "tasks": [{"id": "t", "output_tokens": 200, "messages": [
+                {"role": "user", "content": "a long answer"}]}]}).encode())
+        assert status == 201
+        wf = snap["id"]
+        follower = urllib.request.urlopen(f"{gw.url}/v1/workflows/{wf}/events", timeout=30)
+        assert follower.readline().startswith(b"id: ")
+    # Redis is gone: reads, the list and a cancel say so, with the store's code.
+    for method, path in (("GET", f"/v1/workflows/{wf}"), ("GET", "/v1/workflows"),
+                         ("DELETE", f"/v1/workflows/{wf}"),
+                         ("GET", f"/v1/workflows/{wf}/events")):
+        req = urllib.request.Request(gw.url + path, method=method)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        assert info.value.code == 503, (method, path)
+        body = json.loads(info.value.read())
+        assert_openai_error(body, "workflow store could not be reached")
+        assert body["error"]["code"] == "workflow_store_unavailable"
+    # The follower's stream ends with an error event rather than a cut connection.
+    rest = follower.read().decode()
+    last = [line for line in rest.splitlines() if line.startswith("data: ")][-1]
+    error = json.loads(last[6:])
+    assert error["type"] == "error" and error["error"]["code"] == "workflow_store_unavailable"
+
+
 class GarbageEngine(RecordingEngine):
     """An engine whose `/v1/models` and `/metrics` answer nothing a health check can read."""
 
