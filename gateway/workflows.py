@@ -149,8 +149,7 @@ class TaskOutcome:
     def output(self) -> str:
         """The answer's text (its tool calls as JSON when it has no text)."""
         assert self.response is not None
-        choices = self.response.get("choices") or [{}]
-        message = choices[0].get("message") or {}
+        message = _message(self.response) or {}
         content = message.get("content")
         if isinstance(content, str) and content:
             return content
@@ -159,9 +158,18 @@ class TaskOutcome:
 
     def usage(self, key: str) -> int | None:
         """A `usage` figure of the answer (prompt_tokens, completion_tokens), if reported."""
-        usage = (self.response or {}).get("usage") or {}
-        value = usage.get(key)
+        usage = (self.response or {}).get("usage")
+        value = usage.get(key) if isinstance(usage, dict) else None
         return value if isinstance(value, int) else None
+
+
+def _message(doc: Json) -> Json | None:
+    """A chat completion's `choices[0].message`, or None where the answer has none."""
+    choices = doc.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    message = choices[0].get("message")
+    return message if isinstance(message, dict) else None
 
 
 class TaskExecutor(Protocol):
@@ -229,8 +237,13 @@ class LoopbackExecutor:
 
 
 def _outcome(status: int, doc: Json, engine: str | None) -> TaskOutcome:
-    details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens")
+    if _message(doc) is None:
+        # A 2xx that is no chat completion (a broken engine or proxy): the task fails.
+        return TaskOutcome(status, error="the engine's answer has no choices[0].message: "
+                           + json.dumps(doc)[:300], engine=engine)
+    usage = doc.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return TaskOutcome(status, doc, engine=engine,
                        cached_tokens=cached if isinstance(cached, int) else None)
 
@@ -879,13 +892,20 @@ class WorkflowService:
             wf["finished_s"] = self.clock()
             await self._write(run, workflow=wf, events=[workflow_event(wf)],
                               ttl_s=self.settings.ttl_s)
-        except Exception:
-            # Its state could not be written (the store is away past every retry): its calls
-            # are aborted, and with a shared store its lease lapses and another replica goes
-            # on from what was written.
+        except Exception as e:
+            # Its state could not be written (the store is away past every retry), or a bug:
+            # its calls are aborted, and with a shared store its lease lapses and another
+            # replica goes on from what was written. With the memory store nobody would: it
+            # ends failed here, so that no workflow reads `running` for ever.
             log.exception("workflow %s: its driver failed", run.id)
             for job in run.inflight.values():
                 job.cancel()
+            if not self.store.shared:
+                run.workflow = {**run.workflow, "state": "failed"}
+                with contextlib.suppress(Exception):
+                    await self._end_undriven(run.workflow, run.tasks, TaskState.FAILED,
+                                             self.clock(),
+                                             error=f"the gateway failed to run it: {e!r}")
         finally:
             for handle in run.timers.values():
                 handle.cancel()

@@ -487,3 +487,40 @@ async def test_the_write_that_ends_a_workflow_is_tried_again_too() -> None:
         assert store.failed and snap["state"] == "done" and snap["finished_s"] is not None
     finally:
         await service.stop()
+
+
+async def test_a_driver_that_fails_ends_its_workflow_failed_with_the_memory_store() -> None:
+    """Nobody takes a workflow over from the memory store: one whose driver fails (a bug, here
+    one step made to raise) ends failed, its open tasks with it, rather than reading
+    `running` for ever."""
+    service = WorkflowService(WorkflowSettings(), MemoryWorkflowStore(), Recorder(),
+                              replica="a")
+    real = service._step
+
+    def step(run: Any, msg: Any, changes: Any) -> None:
+        if getattr(msg, "task", None) == "slow" and type(msg).__name__ == "_Done":
+            raise RuntimeError("a bug in a step")
+        real(run, msg, changes)
+
+    service._step = step  # type: ignore[method-assign]
+    try:
+        wf = (await service.submit(chain()))["id"]
+        await asyncio.wait_for(service._runs[wf].over.wait(), 10)
+        snap = await service.snapshot(wf)
+        assert snap["state"] == "failed" and "a bug in a step" in snap["error"]
+        states = {t: r["state"] for t, r in snap["tasks"].items()}
+        assert states == {"first": "done", "slow": "failed", "last": "failed"}
+    finally:
+        await service.stop()
+
+
+async def test_an_answer_that_is_no_chat_completion_fails_its_task() -> None:
+    from gateway.workflows import _outcome
+
+    for doc in ({"choices": ["oops"]}, {"choices": []}, {"choices": [{"message": "x"}]},
+                {"object": "chat.completion"}):
+        outcome = _outcome(200, doc, "e1")
+        assert not outcome.ok and outcome.error is not None
+        assert "no choices[0].message" in outcome.error
+    odd_usage = _outcome(200, {"choices": [{"message": {"content": "hi"}}], "usage": [1]}, None)
+    assert odd_usage.ok and odd_usage.output == "hi" and odd_usage.usage("prompt_tokens") is None
