@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from gateway.errors import (
@@ -110,11 +111,18 @@ async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, 
         )
     chunks = []
     size = 0
-    async for chunk in request.content.iter_chunked(64 * 1024):
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.content.iter_chunked(64 * 1024):
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except RequestPayloadError as e:
+        # A body its Content-Encoding does not decode (gzip that is not gzip), or whose
+        # chunked framing breaks off.
+        cause = e.__cause__ or e
+        raise InvalidRequest(f"request body could not be read: "
+                             f"{getattr(cause, 'message', None) or cause}") from None
     raw = b"".join(chunks)
     if not raw:
         raise InvalidRequest("request body is empty; expected a JSON object")

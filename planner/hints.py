@@ -79,6 +79,12 @@ def _ident(value: object, where: str) -> str:
     value = value.strip()
     if len(value) > _MAX_ID:
         raise HintError(f"{where} is longer than {_MAX_ID} characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        # Bytes that are no UTF-8 (a header's, kept as surrogates): no store or trace id
+        # can be made of them.
+        raise HintError(f"{where} must be UTF-8 text") from None
     return value
 
 
@@ -119,10 +125,16 @@ def _seconds(value: object, where: str) -> float:
             value = float(value.strip())
         except ValueError:
             raise HintError(f"{where} must be a number of seconds, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 \
-            or value == float("inf"):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise HintError(f"{where} must be a positive number of seconds")
-    return float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an integer past any float
+        raise HintError(f"{where} must be a positive number of seconds, not {len(str(value))} "
+                        "digits") from None
+    if seconds == float("inf"):
+        raise HintError(f"{where} must be a positive number of seconds")
+    return seconds
 
 
 def parse_hints(headers: Mapping[str, str], body: dict[str, Any]

@@ -58,6 +58,29 @@ def test_non_object_and_empty_bodies_are_400(gateway: Child) -> None:
     assert_openai_error(body, "empty")
 
 
+def test_a_body_its_encoding_does_not_decode_and_bytes_no_id_can_hold_are_400s(
+    gateway: Child,
+) -> None:
+    for encoding in ("gzip", "deflate"):
+        status, body = post(f"{gateway.url}/v1/chat/completions", b"not compressed",
+                            {"Content-Encoding": encoding})
+        assert status == 400, encoding
+        assert_openai_error(body, "request body could not be read", encoding)
+    host, port = gateway.url.removeprefix("http://").split(":")
+    body_bytes = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 1}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+                     b"X-KVGate-Workflow: w\xff\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body_bytes), body_bytes))
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert_openai_error(json.loads(payload), "X-KVGate-Workflow must be UTF-8 text")
+
+
 def test_json_python_cannot_read_is_a_400(gateway: Child) -> None:
     deep = b'{"model": "x", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     status, body = post(f"{gateway.url}/v1/chat/completions", deep)

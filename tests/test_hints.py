@@ -89,6 +89,13 @@ def test_dynamo_agent_hints_are_read_and_nvext_forwarded() -> None:
     ({}, {"kvgate": {"task": "t"}}, "needs a workflow id"),
     ({}, {"nvext": {"agent_hints": []}}, "nvext.agent_hints must be an object"),
     ({}, {"nvext": {"agent_hints": {"osl": "long"}}}, "nvext.agent_hints.osl"),
+    # An integer past any float, and header bytes that are no UTF-8 (aiohttp keeps them as
+    # surrogates): both were 500s.
+    ({}, {"kvgate": {"workflow": "w", "deadline_s": 10**400}},
+     "kvgate.deadline_s must be a positive number of seconds, not 401 digits"),
+    ({"X-KVGate-Workflow": "w\udcff"}, {}, "header X-KVGate-Workflow must be UTF-8 text"),
+    ({"X-KVGate-Workflow": "w", "X-KVGate-After": "a,\udcfe"}, {},
+     "header X-KVGate-After must be UTF-8 text"),
 ])
 def test_bad_hints_name_the_problem(headers: dict[str, str], body: dict[str, Any],
                                     message: str) -> None:
