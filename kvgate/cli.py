@@ -700,9 +700,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvgate` console script."""
+    from adapters.sim_native import NativeUnavailable
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except NativeUnavailable as e:  # KVGATE_NATIVE asks for a build there is not
+        print(f"kvgate: {e}", file=sys.stderr)
+        return 2
     return code
 
 

@@ -3,7 +3,7 @@
 A virtual benchmark spends about two fifths of its time in the simulated engine's block pool
 (`adapters/sim/model.py`), one Python operation per 16-token block of 100k-token prompts.
 mypyc compiles that module, unchanged, to a C extension (about 15 s here). The build goes to
-`adapters.sim.native_dir()`, keyed by the source's digest, and `import adapters.sim.model`
+`adapters.sim_native.native_dir()`, keyed by the source's digest, and `import adapters.sim.model`
 loads it from there while the key matches (`KVGATE_NATIVE`, see `adapters.sim`). Nothing is
 written into the source tree, and an edited source is never shadowed by an old build.
 """
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import adapters.sim as sim
+import adapters.sim_native as sim
 
 __all__ = ["NativeBuildError", "build", "status"]
 
@@ -46,16 +46,20 @@ class NativeBuildError(RuntimeError):
 
 def _source_root() -> Path:
     """The directory holding the top-level packages (the checkout, or site-packages)."""
-    return Path(sim.__file__).resolve().parent.parent.parent
+    return Path(sim.__file__).resolve().parent.parent
 
 
 def status() -> str:
     """One line: whether a build for the current source exists and whether it is in use."""
     directory = sim.native_dir()
-    mode = os.environ.get("KVGATE_NATIVE", "auto")
+    mode = sim.native_mode()
     built = sim.native_built(directory)
-    if sim.native_path:
-        return f"compiled engine model in use (KVGATE_NATIVE={mode}): {sim.native_path}"
+    try:
+        import adapters.sim
+    except sim.NativeUnavailable as e:
+        return str(e)
+    if adapters.sim.native_path:
+        return f"compiled engine model in use (KVGATE_NATIVE={mode}): {adapters.sim.native_path}"
     if built:
         return f"compiled engine model built but not in use (KVGATE_NATIVE={mode}): {directory}"
     return f"no compiled engine model for this source (would be {directory}); `kvgate native build`"

@@ -71,7 +71,16 @@ def test_a_build_that_does_not_load_falls_back_to_the_source(tmp_path: Path) -> 
 
 def test_the_compiled_engine_model_gives_the_same_results(tmp_path: Path) -> None:
     native_dir = tmp_path / "native"
-    built = run(["-m", "kvgate.cli", "native", "build"], "auto", native_dir, timeout=600)
+    # `on` before there is a build: the commands that need it say how to make it, and
+    # `native status` and `native build` work.
+    unbuilt = run(["-m", "kvgate.cli", "bench", "--workload", "fanout", "--workflows", "2"],
+                  "on", native_dir)
+    assert unbuilt.returncode == 2 and "Traceback" not in unbuilt.stderr
+    assert "no compiled engine model" in unbuilt.stderr
+    assert "kvgate native build" in unbuilt.stderr
+    status = run(["-m", "kvgate.cli", "native", "status"], "on", native_dir)
+    assert status.returncode == 0 and "run `kvgate native build`" in status.stdout
+    built = run(["-m", "kvgate.cli", "native", "build"], "on", native_dir, timeout=600)
     assert built.returncode == 0, built.stderr
     shown = run(["-c", SHOW], "on", native_dir)
     assert shown.returncode == 0, shown.stderr
