@@ -427,8 +427,19 @@ Each command has its own --help. The README has every option, config key and end
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for every subcommand."""
+def _policies_help() -> str:
+    """`bench --policy`'s help: the policies it knows (read only when help is asked for,
+    since the planner's import costs a fifth of a second)."""
+    from kvgate.bench.runner import LIVE_ONLY_POLICIES
+    from planner.core import planner_names
+
+    return (f"comma-separated policies to compare, of: {', '.join(planner_names())}; and, "
+            f"with --mode live, {', '.join(LIVE_ONLY_POLICIES)}")
+
+
+def build_parser(full_help: bool = False) -> argparse.ArgumentParser:
+    """The argument parser for every subcommand (`full_help`: help texts that cost an import,
+    for `--help`)."""
     p = argparse.ArgumentParser(
         prog="kvgate", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="kvgate: a workflow-aware, KV-cache-aware gateway in front of vLLM engines.",
@@ -555,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="workload parameter (repeatable), e.g. width=16")
     bench.add_argument("--policy", default="kvgate,round-robin,least-loaded",
-                       help="comma-separated policies to compare")
+                       help=_policies_help() if full_help else
+                       "comma-separated policies to compare (--help lists them)")
     bench.add_argument("--engines", type=int, default=8)
     bench.add_argument("--profile", default="h100-llama3-8b")
     bench.add_argument("--profile-file", help="a profile YAML (e.g. from `kvgate calibrate`); "
@@ -702,7 +714,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvgate` console script."""
     from adapters.sim_native import NativeUnavailable
 
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args = build_parser(full_help="-h" in given or "--help" in given).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     try:
         code: int = args.func(args)

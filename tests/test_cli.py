@@ -36,6 +36,17 @@ def test_help_lists_every_command_and_how_to_start() -> None:
     assert "getting started:" in out.stdout and "kvgate sim --port 8101" in out.stdout
 
 
+def test_bench_help_names_every_policy() -> None:
+    from kvgate.bench.runner import LIVE_ONLY_POLICIES
+    from planner.core import planner_names
+
+    out = kvgate("bench", "--help")
+    assert out.returncode == 0
+    text = " ".join(out.stdout.split())
+    for name in (*planner_names(), *LIVE_ONLY_POLICIES):
+        assert name in text.replace("- ", "-"), name
+
+
 def test_serve_without_engines_says_how_to_name_them() -> None:
     out = kvgate("serve")
     assert out.returncode == 2

@@ -184,9 +184,13 @@ def fanout_spec(a: WorkloadArgs, agent: int) -> dict[str, Any]:
     head = [*head, {"segment": "question"}]
     worker_head = head
     worker_types = a.count("worker_types", 0)
+    worker_static = a.int("worker_static_tokens", 4000)  # read always: a known argument
+    if worker_types == 0 and "worker_static_tokens" in a.values:
+        raise WorkloadError("--workload-arg worker_static_tokens sizes the sub-agents' own "
+                            "prompts: it needs worker_types (at least 1)")
     if worker_types > 0:
         worker = f"worker{agent % worker_types}"
-        segments[worker] = _seg("static", a.int("worker_static_tokens", 4000))
+        segments[worker] = _seg("static", worker_static)
         worker_head = [{"segment": worker}, {"segment": "question"}]
     tasks: list[dict[str, Any]] = [{"id": "plan", "messages": head,
                                     "output_tokens": out["plan"]}]
