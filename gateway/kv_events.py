@@ -33,6 +33,9 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_UNKNOWN_TOPICS = 1000
 """Unknown topics remembered (each logged once); more are counted, not kept."""
 PROBE_INTERVAL_S = 2.0
+RESTART_SEEN_S = 30.0
+"""How recent a restart the events showed must be for a restart seen on /metrics (scraped
+every half second) to be taken as the same one."""
 
 
 @dataclass(frozen=True)
@@ -135,13 +138,16 @@ class KVEventListener:
             await self.apply(self.ingestor.forget(engine))
 
     async def reset_engine(self, engine: str, reason: str) -> None:
-        """Forget the engine's blocks and sequence (it restarted); keep listening to it.
-
-        If its events already revealed the restart, blocks the new process announced since are
-        dropped too; its next batch is a first contact again and, with a replay endpoint,
-        replays them from the start, so nothing stale survives and nothing is lost for good.
-        """
+        """Forget the engine's blocks and sequence (its process restarted, seen on /metrics);
+        keep listening to it. Unless its events showed that restart already
+        (RESTART_SEEN_S ago at most): what the index holds for it then is the new process's,
+        which vLLM never announces again, so forgetting it would hide its cache for good
+        where the engine has no replay endpoint."""
         async with self._lock(engine):
+            if self.ingestor.restart_seen(engine, RESTART_SEEN_S):
+                log.info("%s: %s, as its KV events showed already; its index entries are "
+                         "the new process's and stay", engine, reason)
+                return
             await self.apply(self.ingestor.forget(engine, reason))
 
     async def _keep_subscribed(self) -> None:
@@ -170,7 +176,17 @@ class KVEventListener:
                     if engine not in self._sources:
                         continue
                     result = self.ingestor.probe(engine)
-                    await self.apply(result.ops)
+                    try:
+                        await self.apply(result.ops)
+                    except Exception:
+                        # The index is unreachable (Redis away): no replay starts, and the
+                        # engine is a first contact again at the next probe or batch (it
+                        # would otherwise wait for a replay nobody started, holding its
+                        # batches for good).
+                        log.exception("index update for %s failed; probing it again later",
+                                      engine)
+                        self.ingestor.forget(engine, "index update failed")
+                        continue
                 if result.replay is not None:
                     self._start_replay(result.replay)
 
@@ -250,8 +266,18 @@ class KVEventListener:
                 if seq < 0:
                     return
                 async with self._lock(engine):
-                    await self.apply(self.ingestor.on_replayed(engine, seq, body[2],
-                                                               request.generation))
+                    ops = self.ingestor.on_replayed(engine, seq, body[2], request.generation)
+                    try:
+                        await self.apply(ops)
+                    except Exception:
+                        # As for a live batch: the index missed operations, so start over for
+                        # this engine rather than keep a view that silently diverged.
+                        log.exception("index update for %s failed during its replay; "
+                                      "resyncing it", engine)
+                        clear = self.ingestor.forget(engine, "index update failed in a replay")
+                        with contextlib.suppress(Exception):  # at once, if the index is back
+                            await self.apply(clear)
+                        return
         except Exception:
             log.exception("replay from %s failed", engine)
         finally:

@@ -15,8 +15,9 @@ the replays on the engine's replay socket.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -130,14 +131,18 @@ class _EngineState:
     replay_generation: int = -1
     # Live batches that arrived while a replay was running, by sequence number.
     held: dict[int, KVEventBatch] = field(default_factory=dict)
+    # When (the ingestor's clock) the events showed a new process (sequence went backwards).
+    restarted_at: float | None = None
 
 
 class EventIngestor:
     """Maps every engine's KV events to index operations at one index block size."""
 
-    def __init__(self, index_block_size: int, replay_available: set[str] | None = None) -> None:
+    def __init__(self, index_block_size: int, replay_available: set[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if index_block_size <= 0:
             raise ValueError("index block size must be positive")
+        self._clock = clock
         self.block_size = index_block_size
         self.replay_available = set(replay_available or ())
         self.stats = IngestStats()
@@ -159,6 +164,13 @@ class EventIngestor:
         """Last sequence number applied for `engine`."""
         state = self._engines.get(engine)
         return state.last_seq if state else None
+
+    def restart_seen(self, engine: str, within_s: float) -> bool:
+        """Whether the engine's events showed it restarting in the last `within_s` seconds (so
+        what is held for it now is the new process's)."""
+        state = self._engines.get(engine)
+        return (state is not None and state.restarted_at is not None
+                and self._clock() - state.restarted_at <= within_s)
 
     def forget(self, engine: str, reason: str = "engine left the pool") -> list[IndexOp]:
         """The engine left the pool: drop its state and its index entries."""
@@ -209,6 +221,7 @@ class EventIngestor:
         if last is not None and seq <= last:
             self.stats.restarts += 1
             self._reset(state, engine, "engine restarted (sequence went backwards)", result)
+            state.restarted_at = self._clock()
             last = None
         if last is None and seq > 0 and engine in self.replay_available:
             # We joined late: fetch what the engine still buffers so its cache is known.

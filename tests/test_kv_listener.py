@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import zmq
+import zmq.asyncio
 
 from gateway.kv_events import EventSource, KVEventListener
 from kvgate.procs import free_port
@@ -100,3 +101,144 @@ async def test_a_batch_the_ingestor_cannot_apply_resyncs_its_engine(
     rig.seq = 0
     rig.send(stored(0))
     assert await rig.until(1) == 1
+
+
+class Replayer:
+    """An engine's replay endpoint (a real ROUTER): answers each request with the buffered
+    batches from its start, then the end marker."""
+
+    def __init__(self, buffer: dict[int, bytes]) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.buffer = buffer
+        self.requests = 0
+        self._router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        self._router.bind(self.endpoint)
+        self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            ident, _, start = await self._router.recv_multipart()
+            self.requests += 1
+            first = int.from_bytes(start, "big")
+            for seq in sorted(self.buffer):
+                if seq >= first:
+                    await self._router.send_multipart(
+                        [ident, b"", E.encode(), encode_seq(seq), self.buffer[seq]])
+            await self._router.send_multipart(
+                [ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self._task.cancel()
+        self._router.close(0)
+
+
+class FailsOnce(InMemoryIndex):
+    """An index whose named operation fails once when armed (Redis away for a moment)."""
+
+    def __init__(self, operation: str) -> None:
+        super().__init__()
+        self.operation = operation
+        self.armed = False
+
+    async def clear_engine(self, engine: str) -> None:
+        self._fail("clear_engine")
+        await super().clear_engine(engine)
+
+    async def remove(self, *args: Any, **kwargs: Any) -> Any:
+        self._fail("remove")
+        return await super().remove(*args, **kwargs)
+
+    def _fail(self, operation: str) -> None:
+        if self.armed and operation == self.operation:
+            self.armed = False
+            raise ConnectionError("the index is unreachable")
+
+
+def held(index: InMemoryIndex, blocks: int) -> int:
+    match = index.match_sync(chain_keys(TOKENS[:16 * blocks], 16), 0.0).get(E)
+    return match.confirmed_blocks if match else 0
+
+
+async def test_a_probe_whose_index_write_fails_probes_again_and_holds_nothing_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The silent-engine probe's first write fails: the engine is probed again, and its
+    live batches are applied (they were held for a replay nobody started, for good)."""
+    import gateway.kv_events as kv_events
+
+    monkeypatch.setattr(kv_events, "PROBE_INTERVAL_S", 0.1)
+    replayer = Replayer({})
+    index = FailsOnce("clear_engine")
+    index.armed = True
+    ingestor = EventIngestor(16, {E})
+    port = free_port()
+    listener = KVEventListener(index, ingestor, [EventSource(E, E, None, replayer.endpoint)],
+                               bind=f"tcp://127.0.0.1:{port}")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.connect(f"tcp://127.0.0.1:{port}")
+    await listener.start()
+    try:
+        deadline = time.monotonic() + 10
+        while (index.armed or replayer.requests == 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not index.armed and replayer.requests >= 1  # failed once, then probed again
+        for attempt in range(100):
+            pub.send_multipart([E.encode(), encode_seq(0), stored(0)])
+            await asyncio.sleep(0.05)
+            if held(index, 1) == 1:
+                break
+        for i in range(1, 4):
+            pub.send_multipart([E.encode(), encode_seq(i), stored(i)])
+        deadline = time.monotonic() + 5
+        while held(index, 4) != 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert held(index, 4) == 4
+        assert all(not t.done() for t in listener._tasks)  # the probe loop lives on
+    finally:
+        pub.close(0)
+        replayer.close()
+        await listener.stop()
+
+
+async def test_a_replayed_removal_the_index_misses_resyncs_the_engine() -> None:
+    """A gap is filled by a replay whose batch removes blocks; that write fails: the engine is
+    started over, not left credited with what it dropped."""
+    from kvindex.events import BlockRemoved
+
+    removal = encode_batch(KVEventBatch(ts=0.0, events=[
+        BlockRemoved(block_hashes=[100, 101], medium="GPU")], data_parallel_rank=0))
+    replayer = Replayer({2: removal})
+    index = FailsOnce("remove")
+    ingestor = EventIngestor(16, {E})
+    listener = KVEventListener(index, ingestor, [EventSource(E, E, None, replayer.endpoint)])
+    try:
+        await listener._handle([E.encode(), encode_seq(0), stored(0)])
+        await listener._handle([E.encode(), encode_seq(1), stored(1)])
+        assert held(index, 2) == 2
+        index.armed = True
+        await listener._handle([E.encode(), encode_seq(3), stored(2)])  # a gap: replay from 2
+        deadline = time.monotonic() + 5
+        while listener._replays and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert not index.armed and held(index, 2) == 0
+        assert ingestor.last_seq(E) is None  # forgotten: the next batch is a first contact
+    finally:
+        replayer.close()
+
+
+async def test_a_restart_the_events_showed_is_not_forgotten_again_when_metrics_show_it() -> None:
+    index = InMemoryIndex()
+    ingestor = EventIngestor(16)
+    listener = KVEventListener(index, ingestor, [EventSource(E, E)])
+    for i in range(3):
+        await listener._handle([E.encode(), encode_seq(i), stored(i)])
+    # The new process's first batch: the sequence goes back to 0.
+    await listener._handle([E.encode(), encode_seq(0), stored(0)])
+    await listener._handle([E.encode(), encode_seq(1), stored(1)])
+    assert held(index, 2) == 2
+    await listener.reset_engine(E, "engine process restarted (seen on /metrics)")
+    assert held(index, 2) == 2  # the new process's blocks, which it never announces again
+    # A restart only /metrics saw (its first batches lost) is forgotten as before.
+    ingestor.forget(E)
+    await listener._handle([E.encode(), encode_seq(5), stored(0)])
+    await listener.reset_engine(E, "engine process restarted (seen on /metrics)")
+    assert held(index, 1) == 0
