@@ -155,8 +155,13 @@ class GatewayState:
         return name in self._priority_engines
 
     def notify(self, event: Event) -> None:
-        """Tell the planner what happened, and carry out what that lets it decide."""
-        self.planner.on_event(event, self.now())
+        """Tell the planner what happened, and carry out what that lets it decide. The events
+        come from the answer's path (a first token, the end of a call): a planner bug there
+        is logged, never let through to cut a client's answer."""
+        try:
+            self.planner.on_event(event, self.now())
+        except Exception:
+            log.exception("the planner failed on %r; the call goes on", event)
         if self.planner.pending:
             self.pump()
 

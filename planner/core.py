@@ -626,6 +626,8 @@ class Planner:
                 self._load_changed = True
             case EngineLeft(engine=name):
                 self.engines.pop(name, None)
+                if self._batch is not None:
+                    self._batch.forget_engine(name)
                 self._load_changed = True
             case EngineHealth(engine=name, healthy=healthy, models=models):
                 rec = self.engines.get(name)
@@ -922,8 +924,11 @@ class Planner:
         if (children < 2 or planner_fn is None or not keys
                 or segments.blocks_of("shared") == 0):
             return
-        destinations: list[str] = planner_fn(route, children, self.views(), now,
-                                             holder=out.engine)
+        try:
+            destinations: list[str] = planner_fn(route, children, self.views(), now,
+                                                 holder=out.engine)
+        except NoEngineAvailable:
+            return  # best effort: no engine to copy to now (none healthy serves the model)
         self._copy_ahead(route, keys, out.engine, destinations, now)
 
     def _plan_join_prefetch(self, req: _Request, now: float) -> None:
@@ -948,8 +953,11 @@ class Planner:
                     or known.engine is None or not known.shared):
                 continue
             route = known.route
-            destinations: list[str] = planner_fn(route, 1, self.views(), now,
-                                                 holder=known.engine)
+            try:
+                destinations: list[str] = planner_fn(route, 1, self.views(), now,
+                                                     holder=known.engine)
+            except NoEngineAvailable:
+                continue  # best effort, as above
             self._copy_ahead(route, route.block_keys[:-1], known.engine, destinations, now)
 
     def _copy_ahead(self, route: RouteRequest, keys: tuple[BlockKey, ...], source: str,

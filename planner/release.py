@@ -181,12 +181,23 @@ class BatchRelease:
         profile = self._profile_of(first_engine)
         return profile.prefill_time(profile.max_num_batched_tokens)
 
+    def forget_engine(self, engine: str) -> None:
+        """The engine left the pool: its pace no longer sets the interval."""
+        self._step_gap.pop(engine, None)
+        self._last_first_token.pop(engine, None)
+
     def observe_step(self, out: Outstanding, now: float) -> None:
         """Learn the engine's pace from first tokens that arrive while more prefills wait."""
         engine = out.engine
         last = self._last_first_token.get(engine)
+        if last is not None and now - last < self._profile_of(engine).decode_step_time(1, 0):
+            # Closer than the shortest step the engine takes: first tokens of one step, which
+            # reach a live gateway microseconds apart (the virtual driver's share an instant).
+            # Taken as a gap they shrank the interval toward nothing, and the gateway released
+            # its whole buffer back to back.
+            return
         self._last_first_token[engine] = now
-        if last is None or out.load.prefilling <= 0 or now <= last:
+        if last is None or out.load.prefilling <= 0:
             return
         gap = now - last
         old = self._step_gap.get(engine)

@@ -561,3 +561,51 @@ def test_a_call_the_cost_model_cannot_price_is_refused_alone() -> None:
     assert not p.knows("huge")
     p.admit(call("later"), 1.0)
     assert [a.request_id for a in p.release(1.0) if isinstance(a, Dispatch)] == ["later"]
+
+
+def test_a_fan_out_parents_first_token_with_no_healthy_engine_plans_no_prefetch() -> None:
+    """Prefetch planning is best effort: a parent that answers while no engine is healthy
+    (its only engine missed its health checks mid-answer) copies nothing; the event was an
+    exception that cut the parent's own answer."""
+    bs = 16
+    ctx = PolicyContext(profiles={}, default_profile=get_profile("h100-llama3-8b"),
+                        block_size=bs)
+    p = make_planner("kvgate", ctx, engine_block_size=lambda _: bs)
+    p.on_event(EngineJoined("a", True, frozenset({"m"})), 0.0)
+    p.admit(Call(RouteRequest("plan", "m", prompt_tokens=4000, block_keys=tuple(range(250)),
+                              max_tokens=64),
+                 hints=RequestHints(workflow="w", task="plan", expect_children=3),
+                 static_blocks=16), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch) and d.engine == "a"
+    p.on_event(EngineHealth("a", False), 0.5)
+    p.on_event(FirstToken("plan"), 0.6)
+    assert p.state("plan") is RequestState.PREFILLED and not p.release(0.6)
+    p.on_event(Finished("plan", 64), 1.0)
+    assert p.engines["a"].load.in_flight == 0
+
+
+def test_first_tokens_of_one_step_do_not_shrink_the_batch_interval() -> None:
+    """A live gateway reads the first tokens of one engine step microseconds apart: they are
+    no step gap (taken as one, the interval fell to 20 us and the buffer was re-released back
+    to back); the gap to the next step's first token is."""
+    bs = 16
+    profile = get_profile("h100-llama3-8b")
+    ctx = PolicyContext(profiles={}, default_profile=profile, block_size=bs)
+    p = make_planner("kvgate", ctx, engine_block_size=lambda _: bs)
+    p.on_event(EngineJoined("a", True, frozenset({"m"})), 0.0)
+    for i in range(400):
+        keys = tuple(range(i * 10**6, i * 10**6 + 60))
+        p.admit(Call(RouteRequest(f"r{i}", "m", prompt_tokens=960, block_keys=keys,
+                                  max_tokens=128)), 0.0)
+    sent = [a.request_id for a in p.release(0.0) if isinstance(a, Dispatch)]
+    assert len(sent) >= 3 and p.buffered > 0
+    assert p._batch is not None
+    full_step = p._batch.interval("a")
+    for k, rid in enumerate(sent[:2]):
+        p.on_event(FirstToken(rid), 0.05 + k * 20e-6)
+    assert p._batch.interval("a") == full_step  # one step: no gap learnt
+    p.on_event(FirstToken(sent[2]), 0.35)
+    assert p._batch.interval("a") == pytest.approx(0.30)
+    p.on_event(EngineLeft("a"), 0.4)
+    assert p._batch.interval("b") != pytest.approx(0.30)  # its pace left with it
