@@ -672,7 +672,8 @@ class Planner:
         if self._load_changed:
             self._load_changed = False
             if self._held:
-                self._held.release(lambda rid: self._offer(rid, now, actions))
+                self._held.release(lambda rid: self._offer(rid, now, actions),
+                                   lambda rid: self._requests[rid].call.route.model)
         if self._queued:
             queued, self._queued = self._queued, []
             for rid in queued:

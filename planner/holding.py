@@ -3,8 +3,9 @@
 A policy that raises `Hold` from `choose` keeps the request out of every engine for now. The
 driver parks it here with whatever it needs to carry the request on (`token`), and calls
 `release` whenever load changes (a first token, a finish, a metrics scrape). Held requests are
-offered in arrival order; the first one the policy still holds stops the round, so a later
-request never overtakes an earlier one (first come, first served, as Dynamo's router queue).
+offered in arrival order; the first one the policy still holds stops the round for its model,
+so a later request never overtakes an earlier one of the same model (first come, first served,
+as Dynamo's router queue, one per model) while another model's go on.
 """
 
 from __future__ import annotations
@@ -34,14 +35,23 @@ class HoldQueue(Generic[Token]):
         """Forget a held request (its client went away or waited too long); False if absent."""
         return self._held.pop(request_id, None) is not None
 
-    def release(self, offer: Callable[[Token], bool]) -> int:
-        """Offer held requests oldest first until `offer` returns False (the policy holds that
-        one still); those accepted leave the queue. Returns how many left."""
+    def release(self, offer: Callable[[Token], bool],
+                queue_of: Callable[[Token], str] | None = None) -> int:
+        """Offer held requests oldest first; those `offer` accepts leave the queue. The first
+        one the policy holds still (`offer` False) stops the round for its queue: for every
+        request with `queue_of` (a model's own queue, as Dynamo keeps one router per model),
+        others' requests are still offered. Returns how many left."""
         released = 0
-        while self._held:
-            request_id, token = next(iter(self._held.items()))
+        stopped: set[str] = set()
+        for request_id, token in list(self._held.items()):
+            queue = queue_of(token) if queue_of is not None else ""
+            if queue in stopped:
+                continue
             if not offer(token):
-                break
+                stopped.add(queue)
+                if queue_of is None:
+                    break
+                continue
             del self._held[request_id]
             released += 1
         return released

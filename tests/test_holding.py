@@ -9,6 +9,9 @@ from kvgate.bench.virtual import MODEL, Load, PromptBuilder, VirtualRun
 from kvgate.bench.workloads import build_workload
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
+from planner.actions import Dispatch
+from planner.core import Call, RequestState, make_planner
+from planner.events import EngineJoined, Finished, FirstToken
 from planner.holding import HoldQueue
 from planner.policies.dynamo_like import DynamoKvRouter
 from planner.policy import EngineView, Hold, PolicyContext, RouteRequest
@@ -28,6 +31,44 @@ def test_release_offers_oldest_first_and_stops_at_the_first_still_held() -> None
     assert queue.release(offer) == 1
     assert offered == ["r1", "r2"]
     assert len(queue) == 2
+
+
+def test_a_held_request_stops_only_its_own_queue() -> None:
+    """Dynamo keeps a router, and its queue, per model: a held call of one model holds back
+    the later calls of that model only."""
+    queue: HoldQueue[str] = HoldQueue()
+    for rid in ("x1", "x2", "y1", "x3", "y2"):
+        queue.hold(rid, rid)
+    offered: list[str] = []
+
+    def offer(token: str) -> bool:
+        offered.append(token)
+        return token != "x2"
+
+    assert queue.release(offer, lambda token: token[0]) == 3
+    assert offered == ["x1", "x2", "y1", "y2"]
+    assert len(queue) == 2  # x2 and x3 wait, in their order
+
+
+def test_a_held_call_of_one_model_does_not_hold_back_an_idle_engines_model() -> None:
+    bs = 16
+    ctx = PolicyContext(profiles={}, default_profile=get_profile("h100-llama3-8b"),
+                        block_size=bs)
+    p = make_planner("dynamo-like", ctx, engine_block_size=lambda _: bs)
+    p.on_event(EngineJoined("x-engine", True, frozenset({"X"})), 0.0)
+    p.on_event(EngineJoined("y-engine", True, frozenset({"Y"})), 0.0)
+    for n, (rid, model) in enumerate([("x0", "X"), ("x1", "X"), ("y0", "Y"), ("y1", "Y"),
+                                      ("x-held", "X"), ("y-held", "Y")]):
+        keys = tuple(range(n * 10**6, n * 10**6 + 70_000 // bs))
+        p.admit(Call(RouteRequest(rid, model, prompt_tokens=70_000, block_keys=keys)), 0.0)
+        p.release(0.0)
+    assert p.state("x-held") is RequestState.HELD and p.state("y-held") is RequestState.HELD
+    for rid in ("y0", "y1"):  # the Y engine drains; the X engine stays backed up
+        p.on_event(FirstToken(rid), 1.0)
+        p.on_event(Finished(rid, 10), 1.0)
+    sent = [(a.request_id, a.engine) for a in p.release(1.0) if isinstance(a, Dispatch)]
+    assert sent == [("y-held", "y-engine")]
+    assert p.state("x-held") is RequestState.HELD
 
 
 def test_discarded_requests_are_never_offered() -> None:
