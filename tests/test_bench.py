@@ -113,7 +113,7 @@ def test_unknown_workload_argument_is_an_error_that_lists_the_known_ones(
     # Every argument the workload reads is listed, also one read only with another set.
     with pytest.raises(WorkloadError, match=r"it takes: .*worker_static_tokens, worker_types"):
         build_workload("fanout", None, {"widht": "4"}, 1, "m", vocab)
-    with pytest.raises(WorkloadError, match="worker_static_tokens .* needs worker_types"):
+    with pytest.raises(WorkloadError, match=r"worker_static_tokens .* needs worker_types"):
         build_workload("fanout", None, {"worker_static_tokens": "100"}, 1, "m", vocab)
 
 

@@ -418,7 +418,7 @@ def test_an_engine_dying_mid_event_leaves_the_client_whole_events_and_the_error(
 ) -> None:
     """The half event the engine sent before it died is not forwarded: the error event
     begins on an event boundary, so an SSE client reads it (and the openai client raises)."""
-    engine, gw = recorded
+    _, gw = recorded
     req = urllib.request.Request(
         f"{gw.url}/v1/chat/completions", method="POST",
         data=b'{"model": "rec", "messages": [], "stream": true, "die_mid_event": true}',

@@ -181,7 +181,7 @@ async def test_a_probe_whose_index_write_fails_probes_again_and_holds_nothing_ba
         while (index.armed or replayer.requests == 0) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert not index.armed and replayer.requests >= 1  # failed once, then probed again
-        for attempt in range(100):
+        for _ in range(100):
             pub.send_multipart([E.encode(), encode_seq(0), stored(0)])
             await asyncio.sleep(0.05)
             if held(index, 1) == 1:
