@@ -104,6 +104,34 @@ def _normalise_tool_calls(tool_calls: list[Any], where: str) -> list[dict[str, A
     return out
 
 
+_FUNCTION_OPTIONAL = ("strict", "defer_loading")
+"""FunctionDefinition fields vLLM 0.32 dumps only when set (its serializer drops them as None)."""
+
+
+def _normalise_tools(tools: list[Any]) -> list[Any]:
+    """The tools as vLLM renders them: `[tool.model_dump() for tool in request.tools]`
+    (0.32's `renderers/online_renderer.py`). Each is `{"type", "function": {"name",
+    "description", "parameters", ...}}` in that order, None where absent, `strict` and
+    `defer_loading` only when set (a tool-level `defer_loading` moves into the function), and no
+    other key. A template that prints a tool whole (`tojson`: Qwen's, Hermes's) sees exactly
+    that. A tool not of that shape is left as given (vLLM refuses the request)."""
+    out: list[Any] = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            out.append(tool)
+            continue
+        dumped: dict[str, Any] = {"name": fn["name"], "description": fn.get("description"),
+                                  "parameters": fn.get("parameters")}
+        if fn.get("defer_loading") is None and tool.get("defer_loading") is not None:
+            fn = {**fn, "defer_loading": tool["defer_loading"]}
+        for key in _FUNCTION_OPTIONAL:
+            if fn.get(key) is not None:
+                dumped[key] = fn[key]
+        out.append({"type": tool.get("type", "function"), "function": dumped})
+    return out
+
+
 def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Return fresh message dicts in the shape vLLM hands to the chat template."""
     if not isinstance(messages, list) or not messages:
@@ -199,6 +227,8 @@ class Tokenizer:
         conversation = _normalise_messages(messages)
         if tools is not None and not isinstance(tools, list):
             raise TokenizerError("tools must be a list of tool definitions")
+        if tools:
+            tools = _normalise_tools(tools)
         import jinja2
 
         direct = self._direct

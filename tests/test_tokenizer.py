@@ -392,3 +392,40 @@ def test_plain_json_copies_as_transformers_does() -> None:
         got, want = plain(value), _plain_template_data(value)
         assert repr(got).split(" at 0x")[0] == repr(want).split(" at 0x")[0]
         assert type(got) is type(want)
+
+
+TOJSON_TEMPLATE = (
+    "{%- if tools %}<tools>{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n"
+    "</tools>\n{%- endif %}"
+    "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{%- endif %}")
+
+
+def test_tools_render_as_vllm_dumps_them_under_a_template_that_prints_them_whole() -> None:
+    """vLLM renders `[tool.model_dump() for tool in request.tools]` (0.32's online_renderer):
+    the function's name, description and parameters in that order, None where absent,
+    `strict` only when set, other keys dropped. Templates that print a tool whole (`tojson`,
+    Qwen's and Hermes's) see exactly that; the dumps below are what vLLM 0.32's
+    ChatCompletionToolsParam(**tool).model_dump() gave for each request tool."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    hf.chat_template = TOJSON_TEMPLATE
+    tok = Tokenizer(hf, "tojson")
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"type": "function", "function": {"name": "run_tests"}},
+         {"type": "function", "function": {"name": "run_tests", "description": None,
+                                           "parameters": None}}),
+        ({"type": "function", "x_tool": 2, "function": {
+            "parameters": {"type": "object"}, "name": "f", "description": "d", "x_extra": 1}},
+         {"type": "function", "function": {"name": "f", "description": "d",
+                                           "parameters": {"type": "object"}}}),
+        ({"type": "function", "function": {"name": "g", "strict": True}},
+         {"type": "function", "function": {"name": "g", "description": None,
+                                           "parameters": None, "strict": True}}),
+    ]
+    for raw, dumped in cases:
+        text = tok.render_chat(msgs, tools=[raw])
+        assert text == tok.render_chat(msgs, tools=[dumped]), raw
+        assert json.dumps(dumped) in text
