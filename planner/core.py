@@ -409,6 +409,9 @@ class Planner:
         """Requests paced by their engine: the move (`PACE_IN_ENGINE`) their prompt stands
         for until its first token."""
         self._pace_due: dict[str, float] = {}
+        self._wakeup_moved = False
+        """A paced piece fell due at a new time since the last `release`: the driver must
+        look at `next_wakeup` again (through `pending`), or the piece waits for an event."""
         """Paced requests whose next piece goes out ahead at this time (`PACE_AHEAD_S`)."""
         self.static_demand = StaticDemand()
         self._static_of: dict[str, dict[str, str]] = {}
@@ -473,7 +476,7 @@ class Planner:
     @property
     def pending(self) -> bool:
         """`release` may have something to do."""
-        return (bool(self._queued) or bool(self._ready)
+        return (bool(self._queued) or bool(self._ready) or self._wakeup_moved
                 or (self._load_changed and bool(self._held or self.buffered)))
 
     @property
@@ -667,8 +670,10 @@ class Planner:
                 del self._pace_due[rid]
                 self._pace_ahead(rid, now, ready)
         if self._batch is not None:
-            return ready + self._release_batch(self._batch, now)
-        actions: list[Action] = ready
+            actions = ready + self._release_batch(self._batch, now)
+            self._wakeup_moved = False  # the driver reads `next_wakeup` after each release
+            return actions
+        actions = ready
         if self._load_changed:
             self._load_changed = False
             if self._held:
@@ -680,6 +685,7 @@ class Planner:
                 if not self._offer(rid, now, actions):
                     self._requests[rid].move(RequestState.HELD)
                     self._held.hold(rid, rid)
+        self._wakeup_moved = False
         return actions
 
     def next_wakeup(self) -> float | None:
@@ -844,6 +850,7 @@ class Planner:
             if wait.action.reason == PACE:
                 # Its engine begins the piece's step within a step from now.
                 self._pace_due[rid] = wait.eta + PACE_AHEAD_S
+                self._wakeup_moved = True
         else:
             req.move(RequestState.DISPATCHED)
             actions.append(dispatch)
@@ -1169,10 +1176,12 @@ class Planner:
                     # after this one: the one after it can go out.
                     following: MoveRecord | None = ahead
                     self._pace_due[rid] = now + PACE_AHEAD_S
+                    self._wakeup_moved = True
                 else:
                     following = self._pace(rid, route, record.destination, held, now, actions)
                     if following is not None:
                         self._pace_due[rid] = following.eta + PACE_AHEAD_S
+                        self._wakeup_moved = True
                 if following is not None:
                     following.waiters.append(rid)
                     req.move_id = following.action.move_id

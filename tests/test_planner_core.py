@@ -609,3 +609,36 @@ def test_first_tokens_of_one_step_do_not_shrink_the_batch_interval() -> None:
     assert p._batch.interval("a") == pytest.approx(0.30)
     p.on_event(EngineLeft("a"), 0.4)
     assert p._batch.interval("b") != pytest.approx(0.30)  # its pace left with it
+
+
+def test_a_paced_piece_falling_due_makes_the_planner_pending() -> None:
+    """A paced prompt's next piece falls due `PACE_AHEAD_S` after the one before reached the
+    engine: the drivers read `next_wakeup` only when `pending` says so, and it did not for
+    this, so the piece waited for an unrelated event (every other piece set off only when the
+    one before answered: half the pace)."""
+    from planner.actions import Warm
+    from planner.core import PACE_AHEAD_S
+    from planner.events import TransferDone
+    from planner.transfer import TransferLink
+
+    bs = 16
+    ctx = PolicyContext(profiles={}, default_profile=get_profile("h100-llama3-8b"),
+                        block_size=bs, link=TransferLink())
+    p = make_planner("kvgate", ctx, engine_block_size=lambda _: bs)
+    p.on_event(EngineJoined("a", healthy=True, models=frozenset({"m"})), 0.0)
+    p.on_event(EngineScraped("a", 20, 0, 0.3), 0.0)  # a decode batch to pace beside
+    p.admit(Call(RouteRequest("r", "m", prompt_tokens=1000 * bs,
+                              block_keys=tuple(range(1000)), max_tokens=64)), 0.0)
+    (first,) = [a for a in p.release(0.0) if isinstance(a, Warm)]
+    ahead_at = p.next_wakeup()
+    assert ahead_at is not None
+    (second,) = [a for a in p.release(ahead_at) if isinstance(a, Warm)]  # sent ahead
+    assert not p.pending
+    now = ahead_at + 0.01
+    p.on_event(TransferDone(first.move_id), now)  # the second is at the engine: the third
+    assert p.pending  # falls due PACE_AHEAD_S on, so the driver must look again
+    assert not p.release(now) and not p.pending
+    wake = p.next_wakeup()
+    assert wake is not None and now < wake <= now + PACE_AHEAD_S + 1e-9
+    (third,) = [a for a in p.release(wake) if isinstance(a, Warm)]
+    assert third.move_id not in (first.move_id, second.move_id)
