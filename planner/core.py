@@ -303,6 +303,10 @@ LINEAGE_WORKFLOWS = 10_000
 """Workflows whose calls the planner remembers for segment tagging (least recent forgotten)."""
 LINEAGE_HINT_TASKS = 256
 """Calls of a hint-mode workflow it remembers (the latest; each holds its prompt's keys)."""
+LINEAGE_HINT_BLOCKS = 2_000_000
+"""Prompt block keys the hint-mode workflows' remembered calls may hold together (about 90 MB;
+the least recently called workflows are forgotten past it). Hint-mode workflows never end:
+an agent's long session alone, 256 calls of 3,000-block prompts, holds 768,000."""
 
 
 @dataclass
@@ -372,6 +376,10 @@ class Planner:
         self._groups_at: dict[str, dict[str, int]] = {}
         """Per engine, its calls in flight per sibling group."""
         self._lineage: OrderedDict[str, dict[str, _Lineage]] = OrderedDict()
+        self._lineage_size: dict[str, int] = {}
+        """Block keys each hint-mode workflow's remembered calls hold."""
+        self._hint_blocks = 0
+        """Their sum (at most LINEAGE_HINT_BLOCKS, but for the workflow called last)."""
         """Per workflow (most recent last), each task's prompt keys and children: what segment
         tagging needs of a call's parents."""
         self._submitted: set[str] = set()
@@ -617,7 +625,7 @@ class Planner:
                 self._started.pop(wf, None)
                 if self._static_of.pop(wf, None) is not None:
                     self.static_demand.forget(wf)
-                self._lineage.pop(wf, None)
+                self._forget_lineage(wf)
                 self._submitted.discard(wf)
                 if self.priorities is not None:
                     self.priorities.forget(wf)
@@ -1234,22 +1242,35 @@ class Planner:
         keys = call.route.block_keys
         lineage = None
         if hints.workflow is not None and hints.task is not None:
-            lineage = self._lineage.get(hints.workflow)
+            wf = hints.workflow
+            lineage = self._lineage.get(wf)
             if lineage is None:
-                lineage = self._lineage[hints.workflow] = {}
+                lineage = self._lineage[wf] = {}
                 if len(self._lineage) > LINEAGE_WORKFLOWS:
-                    self._lineage.popitem(last=False)
+                    self._forget_lineage(next(iter(self._lineage)))
             else:
-                self._lineage.move_to_end(hints.workflow)
+                self._lineage.move_to_end(wf)
             for parent in hints.after:
                 known = lineage.get(parent)
                 if known is not None:
                     known.children += 1
                     lineage[parent] = lineage.pop(parent)  # named again: the last to forget
+            old = lineage.get(hints.task)
             lineage[hints.task] = _Lineage(keys, hints.expect_children or 0)
-            if len(lineage) > LINEAGE_HINT_TASKS and hints.workflow not in self._submitted:
-                # A hint-mode workflow never ends: its calls' parents are its recently named.
-                del lineage[next(iter(lineage))]
+            if wf not in self._submitted:
+                # A hint-mode workflow never ends: its calls' parents are its recently named,
+                # and all of them together hold at most LINEAGE_HINT_BLOCKS keys.
+                grown = len(keys) - (len(old.keys) if old is not None else 0)
+                if len(lineage) > LINEAGE_HINT_TASKS:
+                    grown -= len(lineage.pop(next(iter(lineage))).keys)
+                self._lineage_size[wf] = self._lineage_size.get(wf, 0) + grown
+                self._hint_blocks += grown
+                while self._hint_blocks > LINEAGE_HINT_BLOCKS:
+                    oldest = next((w for w in self._lineage if w in self._lineage_size
+                                   and w != wf), None)
+                    if oldest is None:
+                        break
+                    self._forget_lineage(oldest)
         if call.segments is not None:
             return call.segments
         if hints.workflow is not None and hints.task is not None:
@@ -1269,6 +1290,11 @@ class Planner:
                     context = n
                 shared = shared or known.expect_children > 1 or known.children > 1
         return tag_blocks(len(keys), call.static_blocks, context, shared)
+
+    def _forget_lineage(self, workflow: str) -> None:
+        """Forget what the workflow's calls said (for segment tagging and join prefetch)."""
+        self._lineage.pop(workflow, None)
+        self._hint_blocks -= self._lineage_size.pop(workflow, 0)
 
     def _home(self, workflow: str, engine: str, now: float) -> None:
         """The workflow's latest call went to `engine`."""

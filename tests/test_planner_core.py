@@ -642,3 +642,40 @@ def test_a_paced_piece_falling_due_makes_the_planner_pending() -> None:
     assert wake is not None and now < wake <= now + PACE_AHEAD_S + 1e-9
     (third,) = [a for a in p.release(wake) if isinstance(a, Warm)]
     assert third.move_id not in (first.move_id, second.move_id)
+
+
+def test_hint_mode_lineage_holds_a_bounded_number_of_prompt_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hint-mode workflows never end, and each remembered call holds its prompt's keys: all
+    of them together hold at most LINEAGE_HINT_BLOCKS (the least recently called forgotten),
+    while a submitted workflow keeps its calls until it is over."""
+    import planner.core as core
+
+    monkeypatch.setattr(core, "LINEAGE_HINT_BLOCKS", 1000)
+    bs = 16
+    ctx = PolicyContext(profiles={}, default_profile=get_profile("h100-llama3-8b"),
+                        block_size=bs)
+    p = make_planner("kvgate", ctx, engine_block_size=lambda _: bs)
+    p.on_event(EngineJoined("a", True, frozenset({"m"})), 0.0)
+    p.on_event(WorkflowSubmitted("dag", ()), 0.0)
+    n = 0
+
+    def call(workflow: str, task: str, blocks: int) -> None:
+        nonlocal n
+        n += 1
+        keys = tuple(range(n * 10**6, n * 10**6 + blocks))
+        p.admit(Call(RouteRequest(f"r{n}", "m", prompt_tokens=blocks * bs, block_keys=keys),
+                     hints=RequestHints(workflow=workflow, task=task)), 0.0)
+        p.release(0.0)
+        p.on_event(FirstToken(f"r{n}"), 0.0)
+        p.on_event(Finished(f"r{n}", 1), 0.0)
+
+    call("dag", "t0", 600)
+    for session in range(6):
+        for turn in range(2):
+            call(f"s{session}", f"t{turn}", 150)
+    assert p._hint_blocks <= 1000 and p._hint_blocks == sum(p._lineage_size.values())
+    assert "s0" not in p._lineage and "s5" in p._lineage and len(p._lineage["s5"]) == 2
+    assert len(p._lineage["dag"]) == 1  # submitted: not the budget's to forget
+    p.on_event(WorkflowOver("s5"), 0.0)
+    assert "s5" not in p._lineage and p._hint_blocks == sum(p._lineage_size.values())
