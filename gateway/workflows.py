@@ -39,7 +39,9 @@ from planner.events import Event, WorkflowOver, WorkflowSubmitted
 from planner.hints import (
     AFTER_HEADER,
     BODY_FIELD,
+    DEADLINE_HEADER,
     MAX_AFTER_HEADER,
+    PRIORITY_HEADER,
     TASK_HEADER,
     WORKFLOW_HEADER,
 )
@@ -97,6 +99,9 @@ class WorkflowStoreUnavailable(GatewayError):
     err_type = "server_error"
     code = "workflow_store_unavailable"
 
+
+MIN_DEADLINE_S = 0.001
+"""What a task's call carries as its deadline once its workflow's has passed (the soonest)."""
 
 STORE_ERRORS: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError,
                                                  TimeoutError)
@@ -1040,6 +1045,13 @@ class WorkflowService:
         after = ",".join(parents)
         headers = {**run.headers, WORKFLOW_HEADER: run.id, TASK_HEADER: task,
                    "x-request-id": f"{run.id}/{task}", **self.tracing.task_headers(run.id, task)}
+        priority = spec.task(task).priority
+        if priority:
+            headers[PRIORITY_HEADER] = str(priority)
+        if spec.deadline_s is not None:
+            # The workflow's deadline as what is left of it when this task's call goes out.
+            left = spec.deadline_s - (self.clock() - float(run.workflow["created_s"]))
+            headers[DEADLINE_HEADER] = repr(max(left, MIN_DEADLINE_S))
         if len(after) > MAX_AFTER_HEADER:
             # A wide join's parents overflow a header (aiohttp takes 8,190 bytes): the body's
             # `kvgate` field says the same, and is stripped before the engine sees it.

@@ -5,9 +5,11 @@ estimated seconds until it could finish at best, if every remaining task ran the
 Serving the workflow closest to done first is shortest-remaining-time-first at the level the
 client waits on (its job completion time); within one workflow, the task with the longest path
 below it goes first (critical path first). A workflow known only from hints has no future to
-read, so it is ranked by least attained service (the output tokens it has been served), which
-favours short programs without knowing their length. An explicit `priority` hint (vLLM's
-convention: lower first) outranks both.
+read, so it is ranked by least attained service (the output tokens it has been served, as the
+seconds one sequence takes to decode them, so the two kinds of rank compare), which favours
+short programs without knowing their length. A call with a deadline (`deadline_s`) ranks as a
+workflow with at most that many seconds left. An explicit `priority` hint (vLLM's convention:
+lower first) outranks all of these.
 
 The rank is also handed to engines running `--scheduling-policy priority` as vLLM's integer
 `priority`, so the engine's own queue keeps the same order.
@@ -112,20 +114,28 @@ class WorkflowPriorities:
         self._hinted.pop(workflow, None)
 
     def rank(self, hints: RequestHints) -> tuple[int, float, float]:
-        """Sort key, smallest first: (explicit priority, workflow rank, -task path)."""
+        """Sort key, smallest first: (explicit priority, workflow rank in seconds, -task
+        path)."""
         explicit = hints.priority if hints.priority is not None else 0
-        if hints.workflow is None:
-            return (explicit, 0.0, 0.0)
-        wf = self._workflows.get(hints.workflow)
-        if wf is None:
-            return (explicit, float(self._hinted.get(hints.workflow, 0)), 0.0)
-        task_path = wf.path_s.get(hints.task or "", 0.0)
-        return (explicit, wf.remaining_s, -task_path)
+        rank, task_path = 0.0, 0.0
+        if hints.workflow is not None:
+            wf = self._workflows.get(hints.workflow)
+            if wf is None:
+                rank = self._hinted.get(hints.workflow, 0) * self._token_s
+            else:
+                rank = wf.remaining_s
+                task_path = wf.path_s.get(hints.task or "", 0.0)
+        if hints.deadline_s is not None and hints.deadline_s < rank:
+            rank = hints.deadline_s
+        return (explicit, rank, -task_path)
+
+    @property
+    def _token_s(self) -> float:
+        """Seconds one sequence alone takes per output token (attained service in time)."""
+        return self.profile.decode_step_time(1, 0)
 
     def engine_priority(self, hints: RequestHints) -> int:
         """The rank as vLLM's integer `priority` (lower runs first)."""
         explicit, rank, _ = self.rank(hints)
         rank = rank if rank < MAX_RANK_S else MAX_RANK_S  # also NaN: an integer for vLLM
-        if hints.workflow is not None and hints.workflow in self._workflows:
-            return explicit * 1_000_000 + int(rank / PRIORITY_SCALE_S)
-        return explicit * 1_000_000 + int(rank)
+        return explicit * 1_000_000 + int(rank / PRIORITY_SCALE_S)

@@ -306,8 +306,32 @@ def test_hint_mode_service_is_remembered_for_the_most_recently_served_only(
         pr.task_done(wf, "t", 100)
     pr.task_done("w1", "t", 100)  # served again: the most recent now
     pr.task_done("w4", "t", 100)  # past the cap: w2, the least recently served, goes
+    token_s = PROFILE.decode_step_time(1, 0)  # service as seconds of one sequence's decode
     assert {wf: pr.rank(RequestHints(workflow=wf))[1] for wf in ("w1", "w2", "w3", "w4")} == {
-        "w1": 200.0, "w2": 0.0, "w3": 100.0, "w4": 100.0}
+        "w1": 200 * token_s, "w2": 0.0, "w3": 100 * token_s, "w4": 100 * token_s}
+
+
+def test_hint_mode_and_submitted_workflows_rank_on_one_scale_and_a_deadline_caps_a_rank(
+) -> None:
+    """Attained service counts as seconds of decode, as a DAG's remaining path counts
+    seconds: an agent served 300 tokens (about 2 s) goes before a DAG with 3 s left, in the
+    gateway's buffer and in the engine's queue alike (it compared 300 with 3.3 and waited
+    behind every DAG, while engines ran it first)."""
+    from planner.priorities import WorkflowPriorities
+
+    pr = WorkflowPriorities(PROFILE)
+    pr.task_done("agent", "t1", 300)
+    token_s = PROFILE.decode_step_time(1, 0)
+    tasks = round(3.0 / token_s)  # a DAG of one task decoding about 3 s alone
+    pr.submit("dag", (TaskSpec("a", (), 0, tasks),))
+    agent, dag = RequestHints(workflow="agent", task="t2"), RequestHints(workflow="dag",
+                                                                         task="a")
+    assert pr.rank(agent) < pr.rank(dag)
+    assert pr.engine_priority(agent) < pr.engine_priority(dag)
+    # A deadline ranks the call as a workflow with that long left, no longer.
+    tight = RequestHints(workflow="dag", task="a", deadline_s=0.5)
+    assert pr.rank(tight) < pr.rank(agent) and pr.engine_priority(tight) == 500
+    assert pr.rank(RequestHints(workflow="dag", task="a", deadline_s=60.0)) == pr.rank(dag)
 
 
 def test_a_hint_mode_workflow_remembers_its_latest_calls_only() -> None:

@@ -524,3 +524,33 @@ async def test_an_answer_that_is_no_chat_completion_fails_its_task() -> None:
         assert "no choices[0].message" in outcome.error
     odd_usage = _outcome(200, {"choices": [{"message": {"content": "hi"}}], "usage": [1]}, None)
     assert odd_usage.ok and odd_usage.output == "hi" and odd_usage.usage("prompt_tokens") is None
+
+
+async def test_a_tasks_priority_and_the_workflows_deadline_go_with_its_call() -> None:
+    """A task's `priority` and what is left of the workflow's `deadline_s` are sent as the
+    call's hints (`X-KVGate-Priority`, `X-KVGate-Deadline`), which rank it in the buffer and
+    at engines that schedule by priority."""
+    from planner.hints import DEADLINE_HEADER, PRIORITY_HEADER
+
+    class Headers(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.headers: dict[str, Mapping[str, str]] = {}
+
+        async def execute(self, body: dict[str, Any], headers: Mapping[str, str]
+                          ) -> TaskOutcome:
+            self.headers[headers[TASK_HEADER]] = dict(headers)
+            return await super().execute(body, headers)
+
+    executor = Headers()
+    service = WorkflowService(WorkflowSettings(), MemoryWorkflowStore(), executor, replica="a")
+    spec = {**chain(), "deadline_s": 30}
+    spec["tasks"][0]["priority"] = 5
+    try:
+        wf = (await service.submit(spec))["id"]
+        await asyncio.wait_for(service._runs[wf].over.wait(), 10)
+    finally:
+        await service.stop()
+    first, last = executor.headers["first"], executor.headers["last"]
+    assert first[PRIORITY_HEADER] == "5" and PRIORITY_HEADER not in last
+    assert 0 < float(last[DEADLINE_HEADER]) <= float(first[DEADLINE_HEADER]) <= 30
