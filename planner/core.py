@@ -882,7 +882,7 @@ class Planner:
         if pull is not None and self.link.enabled and pull.source != engine:
             blocks = min(len(route.block_keys), pull.tokens // max(1, route.block_size))
             if blocks > held_blocks:
-                record = self.moves.covering(engine, route.block_keys, blocks)
+                record = self.moves.covering(engine, route.block_keys, blocks, now)
                 if record is not None:
                     return record
                 keys = route.block_keys[:blocks]
@@ -901,7 +901,7 @@ class Planner:
                 return record
         arriving = route.arriving.get(engine)
         if arriving is not None and arriving[0] > held_blocks:
-            return self.moves.covering(engine, route.block_keys, arriving[0])
+            return self.moves.covering(engine, route.block_keys, arriving[0], now)
         return None
 
     def _start_transfer(self, source: str, destination: str, origin: str,
@@ -986,7 +986,7 @@ class Planner:
                 continue
             held = route.matches.get(dest)
             held_blocks = held.blocks if held is not None else 0
-            if held_blocks >= len(keys) or self.moves.covering(dest, keys, len(keys)):
+            if held_blocks >= len(keys) or self.moves.covering(dest, keys, len(keys), now):
                 continue
             if self.link.enabled:
                 self._start_transfer(source, dest, route.request_id, keys, bs, held_blocks,

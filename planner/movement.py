@@ -127,11 +127,15 @@ class Moves:
 
     def arriving(self, keys: Sequence[BlockKey], now: float) -> dict[str, tuple[int, float]]:
         """Per destination, the longest prefix of `keys` a move in flight brings there, and
-        the seconds until it lands."""
+        the seconds until it lands. A move past its deadline brings nothing: its waiters gave
+        it up, and a new call priced as finding it there would be booked as holding a prefix
+        that may never come (the driver reports such a move's end late, or never)."""
         out: dict[str, tuple[int, float]] = {}
         if not keys:
             return out
         for record in self._moves.values():
+            if now >= record.deadline():
+                continue
             n = common_prefix(keys, record.keys)
             if n <= 0:
                 continue
@@ -142,11 +146,13 @@ class Moves:
                 out[dest] = (n, wait)
         return out
 
-    def covering(self, destination: str, keys: Sequence[BlockKey], blocks: int
+    def covering(self, destination: str, keys: Sequence[BlockKey], blocks: int, now: float
                  ) -> MoveRecord | None:
-        """A move in flight to `destination` that brings at least `blocks` of `keys`."""
+        """A move in flight to `destination`, not past its deadline, that brings at least
+        `blocks` of `keys`."""
         for record in self._moves.values():
-            if record.destination == destination and common_prefix(keys, record.keys) >= blocks:
+            if (record.destination == destination and now < record.deadline()
+                    and common_prefix(keys, record.keys) >= blocks):
                 return record
         return None
 

@@ -669,3 +669,27 @@ def test_kvgate_moves_kv_ahead_of_need_only_and_kvgate_pulls_also_on_placement()
     assert (pulled.engine, pulled.pull) == ("b", Pull("a", blocks * 16 - 16, "pull"))
     plain = placement("kvgate")
     assert plain.pull is None and plain.cost is not None and plain.cost.transfer_s == 0.0
+
+
+def test_a_move_past_its_deadline_is_not_offered_as_arriving() -> None:
+    """A prefetch whose end is never reported (a hung transfer leg) is given up at its
+    deadline: a call placed later does not wait for it, nor is booked as finding the prefix
+    there (it was dispatched at once with the whole prefix counted as cached)."""
+    p = kvgate_planner(NAMED_LINKS["rdma"])
+    fanout_parent(p)
+    (d,) = p.release(0.0)
+    p.on_event(FirstToken("w/plan"), 0.5)
+    moves = [a for a in p.release(0.5) if isinstance(a, Transfer)]
+    record = p.moves.get(moves[0].move_id)
+    assert record is not None
+    late = record.deadline() + 5.0
+    route = RouteRequest("w/r0", "m", prompt_tokens=4560,
+                         block_keys=tuple(range(259)) + tuple(range(10**6, 10**6 + 26)),
+                         matches={d.engine: EngineMatch(d.engine, 259, 259, 259.0)},
+                         max_tokens=128)
+    assert not p.moves.arriving(route.block_keys, late)
+    p.admit(Call(route, hints=RequestHints(workflow="w", task="r0", after=("plan",))), late)
+    sent = [a for a in p.release(late) if isinstance(a, Dispatch)]
+    assert p.state("w/r0") is RequestState.DISPATCHED
+    assert [(a.kv_move, a.cached_tokens) for a in sent if a.engine == moves[0].destination] \
+        in ([], [(None, 0)])
