@@ -376,12 +376,12 @@ class Planner:
         self._groups_at: dict[str, dict[str, int]] = {}
         """Per engine, its calls in flight per sibling group."""
         self._lineage: OrderedDict[str, dict[str, _Lineage]] = OrderedDict()
+        """Per workflow (most recent last), each task's prompt keys and children: what segment
+        tagging needs of a call's parents."""
         self._lineage_size: dict[str, int] = {}
         """Block keys each hint-mode workflow's remembered calls hold."""
         self._hint_blocks = 0
         """Their sum (at most LINEAGE_HINT_BLOCKS, but for the workflow called last)."""
-        """Per workflow (most recent last), each task's prompt keys and children: what segment
-        tagging needs of a call's parents."""
         self._submitted: set[str] = set()
         """Workflows submitted whole (`WorkflowSubmitted`, until `WorkflowOver`): their task
         count is the spec's; a hint-mode workflow's grows with every call."""
@@ -417,10 +417,10 @@ class Planner:
         """Requests paced by their engine: the move (`PACE_IN_ENGINE`) their prompt stands
         for until its first token."""
         self._pace_due: dict[str, float] = {}
+        """Paced requests whose next piece goes out ahead at this time (`PACE_AHEAD_S`)."""
         self._wakeup_moved = False
         """A paced piece fell due at a new time since the last `release`: the driver must
         look at `next_wakeup` again (through `pending`), or the piece waits for an event."""
-        """Paced requests whose next piece goes out ahead at this time (`PACE_AHEAD_S`)."""
         self.static_demand = StaticDemand()
         self._static_of: dict[str, dict[str, str]] = {}
         """Per submitted workflow, its tasks' static segment names (replication demand)."""
