@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from adapters.vllm.http import engine_connector
 from gateway.config import EngineEntry, GatewayConfig
 from gateway.kv_events import EventSource, KVEventListener
 from gateway.later import Later
@@ -106,7 +107,7 @@ class GatewayState:
             self.index, self.ingestor, [event_source(e) for e in c.engines], c.kv_events_bind
         )
         await self.listener.start()
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        connector = engine_connector(limit=0, ttl_dns_cache=300)
         # Bodies pass through untouched, so never ask engines for a compressed encoding.
         # The gateway's own calls to engines (health checks, /v1/models, KV moves) carry the
         # engines' key when they run with vLLM's --api-key.

@@ -44,6 +44,7 @@ import aiohttp
 import numpy as np
 
 from adapters.vllm.dev import reset_done
+from adapters.vllm.http import engine_connector
 from planner.profiles import EngineProfile
 
 PREFILL_LENGTHS = (16, 512, 1024, 2048, 3072)
@@ -457,7 +458,7 @@ async def measure(url: str, model: str, *, prefill_lengths: Sequence[int] =
                   decode_tokens: int = DECODE_TOKENS, repeats: int = REPEATS) -> Measurements:
     """Run every probe against the engine at `url`."""
     timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=engine_connector()) as session:
         p = Prober(session, url, model)
         try:
             limit = await max_model_len(session, url, model)

@@ -28,6 +28,7 @@ from typing import Any
 import aiohttp
 
 from adapters.vllm.dev import reset_done
+from adapters.vllm.http import engine_connector
 from kvgate.bench.options import BenchOptions, Prepared, progress_bar
 from kvgate.bench.prompts import ChatMessage
 from kvgate.bench.virtual import MODEL, RequestRecord, RunResult, WorkflowRecord
@@ -114,7 +115,7 @@ class LiveClient:
         """Every workflow, by arrival times or as a closed loop."""
         p = self.prepared
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600)
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = engine_connector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             self.t0 = time.monotonic()
             if p.load.arrivals is not None:
