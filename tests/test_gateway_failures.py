@@ -405,6 +405,26 @@ def test_stream_chunks_are_forwarded_before_the_stream_ends(
     assert b'"released": true' in rest
 
 
+def raw_chat(gw: Child, body: bytes, timeout: float) -> socket.socket:
+    """A socket that has sent `body` to the gateway's chat route (its answer is the caller's
+    to read)."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
+    return sock
+
+
+def read_until(sock: socket.socket, marker: bytes, got: bytes = b"") -> bytes:
+    """What the socket gave until `marker` arrived (after `got`, read before)."""
+    while marker not in got:
+        chunk = sock.recv(65536)
+        assert chunk, f"the stream ended before {marker!r}: {got!r}"
+        got += chunk
+    return got
+
+
 def _request_counts(url: str, route: str = "/v1/chat/completions") -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -433,20 +453,10 @@ def test_events_that_end_in_crlf_are_forwarded_as_they_come(
     recorded: tuple[RecordingEngine, Child],
 ) -> None:
     engine, gw = recorded  # the engine holds its second event until `release`
-    host, port = gw.url.removeprefix("http://").split(":")
-    body = b'{"model": "rec", "stream": true, "crlf": true}'
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(body), body))
-        got = b""
-        while b'data: {"n": 1}\r\n\r\n' not in got:
-            chunk = sock.recv(65536)
-            assert chunk, f"the stream ended early: {got!r}"
-            got += chunk
+    with raw_chat(gw, b'{"model": "rec", "stream": true, "crlf": true}', 10) as sock:
+        got = read_until(sock, b'data: {"n": 1}\r\n\r\n')
         engine.release.set()
-        while b"data: [DONE]" not in got:
-            got += sock.recv(65536)
+        read_until(sock, b"data: [DONE]", got)
 
 
 def test_every_answer_is_counted_once_by_its_route(
@@ -489,17 +499,8 @@ def test_client_hanging_up_after_the_last_event_is_no_499(
     frame (httpx-based clients such as guidellm do) had the whole answer: a 200, not a 499."""
     engine, gw = recorded
     engine.release.set()
-    host, port = gw.url.removeprefix("http://").split(":")
-    body = b'{"model": "rec", "stream": true, "linger_s": 1.0}'
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(body), body))
-        got = b""
-        while b"data: [DONE]" not in got:
-            chunk = sock.recv(65536)
-            assert chunk, f"the stream ended before its last event: {got!r}"
-            got += chunk
+    with raw_chat(gw, b'{"model": "rec", "stream": true, "linger_s": 1.0}', 30) as sock:
+        read_until(sock, b"data: [DONE]")
         # Hang up at once, with a reset, while the gateway still waits for the engine's end.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     deadline = time.monotonic() + 20
