@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 
 ENGINE_KEEP_ALIVE_S = 5.0
@@ -14,6 +16,6 @@ never reused just as the engine closes it (aiohttp keeps one 15 s by default, an
 sent on a connection the server closed fails with ServerDisconnectedError)."""
 
 
-def engine_connector(**kwargs: object) -> aiohttp.TCPConnector:
+def engine_connector(**kwargs: Any) -> aiohttp.TCPConnector:
     """An aiohttp connector for calls to vLLM engines (`kwargs` go to it as well)."""
-    return aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEP_ALIVE_S, **kwargs)  # type: ignore[arg-type]
+    return aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEP_ALIVE_S, **kwargs)

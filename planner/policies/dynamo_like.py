@@ -37,10 +37,13 @@ and no queue before that): while *every* worker's active prefill tokens exceed t
 parks it in a `planner.holding.HoldQueue`). Upstream drains its queue on each prefill completion
 and each finish, oldest first (FCFS), scheduling while some worker is under the threshold: the
 drivers offer held requests again on the same events (and on metrics scrapes), oldest first,
-stopping at the first one held still. A new arrival that finds a worker under the threshold is
-scheduled at once, as upstream. Active prefill tokens are `EngineView.queued_prefill_tokens`, as in
-the cost above; `max_num_batched_tokens` comes from the engine's profile. `queue_threshold=None`
-turns the queue off.
+stopping at the first one held still, for that request's model only: the frontend keeps one
+KvRouter, and so one queue, per model (`ModelManager::kv_chooser_for` in
+`lib/llm/src/discovery/model_manager.rs`, keyed by the model's endpoint in the releases read,
+by its name in earlier ones), so another model's requests are still offered. A new arrival
+that finds a worker under the threshold is scheduled at once, as upstream. Active prefill
+tokens are `EngineView.queued_prefill_tokens`, as in the cost above; `max_num_batched_tokens`
+comes from the engine's profile. `queue_threshold=None` turns the queue off.
 """
 
 from __future__ import annotations
