@@ -531,7 +531,7 @@ class Planner:
                     if self.prefetch:
                         self._plan_prefetch(req, now)
                         self._plan_join_prefetch(req, now)
-            case Finished(request_id=rid, output_tokens=tokens):
+            case Finished(request_id=rid, output_tokens=tokens, error=error):
                 if self._paced_in_engine:
                     self._paced_over(rid, False, now)
                 req = self._requests.pop(rid, None)
@@ -544,8 +544,11 @@ class Planner:
                 req.move(RequestState.FINISHED)
                 self._leave_group(rid)
                 if self.priorities is not None:
+                    # A failed attempt's tokens are service the workflow had, but its task is
+                    # not done: it may be retried, and its path still lies ahead.
                     hints = req.call.hints
-                    self.priorities.task_done(hints.workflow, hints.task, tokens)
+                    self.priorities.task_done(hints.workflow,
+                                              hints.task if error is None else None, tokens)
                 if close_dispatch(req.outstanding):
                     rec = self.engines.get(req.outstanding.engine)
                     if rec is not None and rec.load is req.outstanding.load:

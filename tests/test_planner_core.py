@@ -278,6 +278,23 @@ def test_buffer_releases_the_workflow_closest_to_done_first() -> None:
     p.on_event(WorkflowOver("short"), 3.0)
 
 
+def test_a_failed_attempt_leaves_its_task_on_the_critical_path() -> None:
+    p = batch_planner(engines=("a",))
+    p.on_event(WorkflowSubmitted("w", (TaskSpec("t", (), 1000, 16),
+                                       TaskSpec("u", ("t",), 1000, 2000))), 0.0)
+    assert p.priorities is not None
+    before = p.priorities.rank(RequestHints(workflow="w", task="t"))
+    p.admit(long_call("t1", "w", "t"), 0.0)
+    p.release(0.0)
+    p.on_event(Finished("t1", 3, error="engine a failed before answering"), 0.5)
+    # The retry ranks as the task did: nothing of the workflow's path is done.
+    assert p.priorities.rank(RequestHints(workflow="w", task="t")) == before
+    p.admit(long_call("t2", "w", "t"), 0.6)
+    p.release(0.6)
+    p.on_event(Finished("t2", 16), 1.0)
+    assert p.priorities.rank(RequestHints(workflow="w", task="u"))[1] < before[1]
+
+
 def test_priorities_follow_the_critical_path_as_tasks_finish() -> None:
     from planner.priorities import WorkflowPriorities
 
