@@ -640,6 +640,11 @@ class Planner:
                 self._load_changed = True
             case EngineLeft(engine=name):
                 self.engines.pop(name, None)
+                # Workflows last sent there have no home now (one that rejoins under the name
+                # starts with none homed on it).
+                for wf in [w for w, (e, _) in self._homes.items() if e == name]:
+                    self._unhome(wf)
+                self._homed.pop(name, None)
                 if self._batch is not None:
                     self._batch.forget_engine(name)
                 self._load_changed = True

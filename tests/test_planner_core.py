@@ -295,6 +295,23 @@ def test_a_failed_attempt_leaves_its_task_on_the_critical_path() -> None:
     assert p.priorities.rank(RequestHints(workflow="w", task="u"))[1] < before[1]
 
 
+def test_an_engine_that_leaves_takes_its_workflow_homes_with_it() -> None:
+    p = batch_planner()
+    p.admit(long_call("w1", "w", "t"), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch)
+    assert {v.name: v.homed_workflows for v in p.views()}[d.engine] == 1
+    p.on_event(EngineLeft(d.engine), 0.1)
+    p.on_event(EngineJoined(d.engine, healthy=True, models=frozenset({"m"})), 0.2)
+    assert {v.name: v.homed_workflows for v in p.views()}[d.engine] == 0
+    p.on_event(Finished("w1", 16, error="engine left"), 0.3)
+    # The workflow's next call is a root again: nothing of it is where it was sent.
+    p.admit(long_call("w2", "w", "u"), 0.4)
+    (d2,) = p.release(0.4)
+    assert isinstance(d2, Dispatch)
+    assert sum(v.homed_workflows for v in p.views()) == 1
+
+
 def test_priorities_follow_the_critical_path_as_tasks_finish() -> None:
     from planner.priorities import WorkflowPriorities
 
