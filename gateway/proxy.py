@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Coroutine
@@ -211,6 +212,11 @@ class _Flight:
     dispatch: Dispatch
     streamed_tokens: int = 0
     """Output events seen in the stream."""
+    usage_tokens: int | None = None
+    """`completion_tokens` of the engine's own usage (a JSON answer's; a stream's last usage
+    event, when its client asked for one): exact, where a stream's events may each carry
+    several tokens (vLLM merges the ones its API server had not yet sent, and
+    `--stream-interval` sends every n-th)."""
     first_token: bool = False
     recorder: _Recorder | None = None
     """Where a call that names a workflow reports its progress (hint mode)."""
@@ -225,6 +231,11 @@ class _Flight:
     """This attempt's span (tracing on)."""
     gone: bool = False
     """The client went away before its answer was complete."""
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens the engine generated, as its usage says, else as the stream's events count."""
+        return self.usage_tokens if self.usage_tokens is not None else self.streamed_tokens
 
 
 CLIENT_GONE = "the client went away"
@@ -598,11 +609,11 @@ class Proxy:
         (with the streamed token count)."""
         state = self.state
         state.later(state.metrics.finished, flight.dispatch.engine)
-        state.notify(Finished(flight.route.request_id, flight.streamed_tokens, error))
+        state.notify(Finished(flight.route.request_id, flight.output_tokens, error))
         if flight.recorder is not None and flight.status != RETRYING:
             flight.recorder.finished(flight, error, cancelled=flight.gone and error is not None)
         if flight.trace is not None:
-            state.later(flight.trace.end, max(flight.status, 0), flight.streamed_tokens or None,
+            state.later(flight.trace.end, max(flight.status, 0), flight.output_tokens or None,
                         "the engine was unreachable; the call is sent elsewhere"
                         if flight.status == RETRYING else error, flight.answer, time.time_ns())
 
@@ -696,6 +707,7 @@ class Proxy:
             except UpstreamError as e:
                 raise self._engine_failure(engine, e) from None
             flight.status = upstream.status
+            flight.usage_tokens = completion_tokens(body)
             if flight.recorder is not None or flight.trace is not None:
                 flight.answer = body
             answer = web.Response(status=upstream.status, body=body, headers=out_headers)
@@ -737,8 +749,11 @@ class Proxy:
                     if not chunk:
                         continue
                     flight.streamed_tokens += _token_events(chunk)
-                    if flight.recorder is not None and b'"usage":{' in chunk:
-                        flight.usage_event = _usage_event(chunk) or flight.usage_event
+                    if b'"usage":{' in chunk:
+                        usage = _usage_event(chunk)
+                        if usage is not None:
+                            flight.usage_event = usage
+                            flight.usage_tokens = completion_tokens(usage)
                     if b"data: [DONE]" in chunk:
                         # vLLM's last event: the answer is whole once it is written, even if
                         # the client hangs up right after reading it (as the openai client may,
@@ -836,6 +851,20 @@ def _token_events(events: bytes) -> int:
         b'"content":""') - events.count(b'"text":""')
 
 
+def completion_tokens(answer: bytes) -> int | None:
+    """`usage.completion_tokens` of a JSON answer or event, found from its end (vLLM writes
+    usage after the choices; a key inside a string value would have its quotes escaped), or
+    None."""
+    at = answer.rfind(b'"completion_tokens"')
+    if at < 0:
+        return None
+    match = _COUNT.match(answer, at + len(b'"completion_tokens"'))
+    return int(match.group(1)) if match else None
+
+
+_COUNT = re.compile(rb"\s*:\s*(\d{1,12})")
+
+
 def _usage_event(events: bytes) -> bytes | None:
     """The JSON of the last event in whole SSE events that carries a `usage` object."""
     for event in reversed(events.split(b"\n\n")):
@@ -930,7 +959,7 @@ class _Recorder:
         if self.unrecorded:
             return
         output = None
-        output_tokens = flight.streamed_tokens if flight is not None else None
+        output_tokens = flight.output_tokens if flight is not None else None
         cached = None
         if flight is not None and flight.answer is None and flight.usage_event is not None:
             with contextlib.suppress(ValueError, TypeError, AttributeError):
