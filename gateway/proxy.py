@@ -341,6 +341,12 @@ class Proxy:
                                  ":ev or :lease)", param="kvgate")
         tenant = caller(request)
         if tenant is not None:
+            if "kv_transfer_params" in body:
+                # They name engines' blocks and the host a NIXL read goes to: a tenant's call
+                # would pin blocks, learn engines' addresses, or read KV not its own.
+                raise InvalidRequest("`kv_transfer_params` is the gateway's to set (it moves KV "
+                                     "between engines itself); a tenant's call may not carry "
+                                     "it", param="kv_transfer_params")
             # The tenant's salt, whatever the client sent: tenants are cached apart.
             stripped = {**(stripped or body), "cache_salt": tenant.salt}
             if hints.workflow is not None and state.workflows is not None:

@@ -271,9 +271,10 @@ WORKFLOW_ID = re.compile(r"[!-.0-~]([ -.0-~]{0,126}[!-.0-~])?")
 strips) and in `/v1/workflows/{id}` paths (no `/`)."""
 
 RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n",
-                             "kvgate", "cache_salt"})
+                             "kvgate", "cache_salt", "kv_transfer_params"})
 """Request fields the spec itself decides; a task's `params` may not set them (`cache_salt`:
-the workflow's `tenant` is its calls' salt, and no task runs outside it)."""
+the workflow's `tenant` is its calls' salt, and no task runs outside it; `kv_transfer_params`:
+the gateway moves KV between engines itself)."""
 
 
 def runnable_problems(wf: Workflow) -> list[str]:

@@ -100,6 +100,27 @@ def test_a_tenants_calls_carry_the_gateways_salt_for_it(
     assert salts[BETA] == "kvgate-tenant:beta"
 
 
+def test_a_tenants_call_may_not_drive_kv_transfers(
+        recorded: tuple[RecordingEngine, Child]) -> None:
+    # A consumer leg names another engine's blocks and the host its NIXL read goes to; a
+    # producer leg pins blocks and answers with the engine's address.
+    engine, gw = recorded
+    sent = len(engine.requests)
+    for params in ({"do_remote_decode": True},
+                   {"do_remote_prefill": True, "remote_block_ids": [[0, 1, 2]],
+                    "remote_host": "127.0.0.1", "remote_port": 9}):
+        status, answer = chat(gw, BETA, {"kv_transfer_params": params})
+        assert status == 400, answer
+        assert answer["error"]["param"] == "kv_transfer_params"
+        assert "gateway's to set" in answer["error"]["message"]
+    assert len(engine.requests) == sent
+    status, _, answer = call("POST", f"{gw.url}/v1/workflows", {
+        **spec("wf-nixl"), "tasks": [{**spec("x")["tasks"][0],
+                                      "params": {"kv_transfer_params": {}}}]},
+        headers=auth(BETA))
+    assert status == 400 and "params may not set kv_transfer_params" in str(answer)
+
+
 def test_a_tenants_workflows_are_its_own(served: Child) -> None:
     gw = served
     url = f"{gw.url}/v1/workflows"
