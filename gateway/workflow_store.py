@@ -389,6 +389,11 @@ INDEX_LIMIT = 10_000
 snapshots stay readable by id until they expire."""
 
 
+READ_TIMEOUT_S = 5.0
+"""How long a Redis reply may take (redis-py's own default): past it the store is away. A
+blocking read of the events waits less than this at a time."""
+
+
 class RedisWorkflowStore:
     """Workflows shared by gateway replicas through one Redis.
 
@@ -416,7 +421,7 @@ class RedisWorkflowStore:
     @classmethod
     def from_url(cls, url: str, namespace: str = "kvgate") -> RedisWorkflowStore:
         """A store on a fresh connection pool to `url`."""
-        return cls(aioredis.Redis.from_url(url), namespace)
+        return cls(aioredis.Redis.from_url(url, socket_timeout=READ_TIMEOUT_S), namespace)
 
     def _key(self, workflow_id: str) -> str:
         return f"{self.ns}:wf:{workflow_id}"
@@ -505,6 +510,12 @@ class RedisWorkflowStore:
     async def events(self, workflow_id: str, after: str = START,
                      wait_s: float = 0.0) -> list[tuple[str, Json]]:
         """See `WorkflowStore.events`."""
+        timeout = self.r.connection_pool.connection_kwargs.get("socket_timeout",
+                                                               READ_TIMEOUT_S)
+        if timeout is not None:
+            # Under the client's read timeout, which a longer block would trip with a
+            # TimeoutError though the store is well.
+            wait_s = min(wait_s, max(0.1, 0.8 * timeout))
         block = max(1, int(wait_s * 1000)) if wait_s > 0 else None
         reply: Any = await self.r.xread({self._events_key(workflow_id): after}, block=block)
         out: list[tuple[str, Json]] = []

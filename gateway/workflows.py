@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -800,8 +801,8 @@ class WorkflowService:
                                      f"leave it out", param="tenant")
             body = {**body, "tenant": viewer.name}
         snap = await self.submit(body, forward, trace)
-        return web.json_response(snap, status=201,
-                                 headers={"Location": f"/v1/workflows/{snap['id']}"})
+        return web.json_response(snap, status=201, headers={
+            "Location": f"/v1/workflows/{urllib.parse.quote(snap['id'], safe='')}"})
 
     async def handle_list(self, request: web.Request) -> web.Response:
         """GET /v1/workflows[?limit=N]: the newest workflows first, as summaries."""
@@ -840,31 +841,46 @@ class WorkflowService:
                                            "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        while True:
-            try:
-                batch = await self.store.events(wf_id, last, wait_s=SSE_KEEPALIVE_S)
-                gone = not batch and await self.store.get(wf_id) is None
-            except STORE_ERRORS as e:
-                # Mid-stream there is no status to give: an error event, then the end. The
-                # client reconnects with the last id it read (`Last-Event-ID`).
-                error = {"type": "error", "error": {
-                    "message": f"the workflow store could not be reached "
-                               f"({type(e).__name__}); reconnect with Last-Event-ID",
-                    "code": WorkflowStoreUnavailable.code}}
-                await resp.write(f"data: {json.dumps(error)}\n\n".encode())
-                break
-            for event_id, event in batch:
-                data = json.dumps(event, separators=(",", ":"))
-                await resp.write(f"id: {event_id}\ndata: {data}\n\n".encode())
-                last = event_id
-                if event["type"] == "workflow":
-                    await resp.write_eof()
-                    return resp
-            if not batch:
-                if gone:
+        quiet_since = time.monotonic()
+        try:
+            while True:
+                try:
+                    batch = await self.store.events(wf_id, last, wait_s=SSE_KEEPALIVE_S)
+                    snap = None if batch else await self.store.get(wf_id)
+                    if snap is not None and snap.get("source") == "api" \
+                            and snap.get("state") != "running":
+                        # Over, and its final event already read (a client resuming at or
+                        # after it): what the store appended with the final state, then the
+                        # end. (A hint-mode workflow is never over: its next call goes on.)
+                        batch = await self.store.events(wf_id, last)
+                except STORE_ERRORS as e:
+                    # Mid-stream there is no status to give: an error event, then the end.
+                    # The client reconnects with the last id it read (`Last-Event-ID`).
+                    error = {"type": "error", "error": {
+                        "message": f"the workflow store could not be reached "
+                                   f"({type(e).__name__}); reconnect with Last-Event-ID",
+                        "code": WorkflowStoreUnavailable.code}}
+                    await resp.write(f"data: {json.dumps(error)}\n\n".encode())
+                    break
+                for event_id, event in batch:
+                    data = json.dumps(event, separators=(",", ":"))
+                    await resp.write(f"id: {event_id}\ndata: {data}\n\n".encode())
+                    last = event_id
+                    if event["type"] == "workflow":
+                        await resp.write_eof()
+                        return resp
+                if batch:
+                    quiet_since = time.monotonic()
+                elif snap is None:
                     break  # expired while we waited
-                await resp.write(b": keep-alive\n\n")
-        await resp.write_eof()
+                elif snap.get("source") == "api" and snap.get("state") != "running":
+                    break
+                elif time.monotonic() - quiet_since >= SSE_KEEPALIVE_S * 0.9:
+                    await resp.write(b": keep-alive\n\n")
+                    quiet_since = time.monotonic()
+            await resp.write_eof()
+        except ConnectionResetError:
+            pass  # the client stopped reading: its stream ends here, as it wished
         return resp
 
     # -- running ------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -206,6 +208,53 @@ def test_a_late_subscriber_gets_the_whole_history(replicas: tuple[Child, Child])
     assert [e["state"] for e in events if e.get("task") == "plan"] == [
         "thinking", "ready", "running", "done"]
     assert events[-1]["type"] == "workflow" and len(events) == 4 * 4 + 1
+
+
+def test_a_reader_resuming_after_the_final_event_gets_the_end_at_once(
+    replicas: tuple[Child, Child],
+) -> None:
+    a, b = replicas
+    wf = submit(a, fanout(workers=1))["id"]
+    wait_for(lambda: read(a, wf)["state"] == "done")
+    with urllib.request.urlopen(f"{a.url}/v1/workflows/{wf}/events", timeout=30) as r:
+        ids = [line[3:].strip().decode() for line in r if line.startswith(b"id:")]
+    for last in (ids[-1], ids[-2]):
+        req = urllib.request.Request(f"{b.url}/v1/workflows/{wf}/events",
+                                     headers={"Last-Event-ID": last})
+        # It used to wait for an event that would never come (until the workflow expired).
+        with urllib.request.urlopen(req, timeout=10) as r:
+            rest = [json.loads(line[6:]) for line in r if line.startswith(b"data: ")]
+        assert [e["type"] for e in rest] == ([] if last == ids[-1] else ["workflow"]), rest
+
+
+def test_a_reader_that_leaves_early_ends_its_stream_quietly(
+    replicas: tuple[Child, Child],
+) -> None:
+    a, _ = replicas
+    spec = fanout(workers=1)
+    spec["tasks"][-1]["think_time_s"] = 1.0  # the stream is still being written after we go
+    wf = submit(a, spec)["id"]
+    host, port = a.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"GET /v1/workflows/{wf}/events HTTP/1.1\r\nHost: gw\r\n\r\n".encode())
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    wait_for(lambda: read(a, wf)["state"] == "done")
+    time.sleep(0.5)
+    with urllib.request.urlopen(f"{a.url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert 'route="/v1/workflows/{id}/events",status="500"' not in metrics
+    assert "unhandled error" not in a.log_tail(400)
+
+
+def test_the_location_of_a_workflow_is_a_path_to_it(replicas: tuple[Child, Child]) -> None:
+    a, _ = replicas
+    spec = {**fanout(workers=1), "id": "q?x#y"}
+    status, headers, snap = call("POST", f"{a.url}/v1/workflows", spec)
+    assert status == 201
+    assert headers["Location"] == "/v1/workflows/" + urllib.parse.quote(snap["id"], safe="")
+    status, _, again = call("GET", a.url + headers["Location"])
+    assert status == 200 and again["id"] == snap["id"]
+    wait_for(lambda: read(a, urllib.parse.quote(snap["id"], safe=""))["state"] == "done")
 
 
 def test_a_failing_task_skips_its_dependents_and_fails_the_workflow(

@@ -97,6 +97,20 @@ async def test_a_waiting_reader_gets_an_event_appended_meanwhile(store: Workflow
     assert [e for _, e in await asyncio.wait_for(reader, 30)] == [{"n": 2}]
 
 
+async def test_a_quiet_wait_past_the_clients_read_timeout_is_no_error(redis_url: str) -> None:
+    # redis-py reads with a 5 s timeout by default: a longer XREAD BLOCK tripped it, and the
+    # gateway's /events ended every quiet stream after 5 s with "store unreachable".
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=0.5)
+    store = RedisWorkflowStore(client, fresh_namespace())
+    try:
+        await store.create(meta(), {})
+        assert await store.events("wf-1", wait_s=1.5) == []
+    finally:
+        await client.aclose()
+
+
 async def test_a_workflow_expires_after_its_ttl(store: WorkflowStore) -> None:
     await store.create(meta(), {"a": task_record([])})
     await store.update("wf-1", events=[{"n": 1}], ttl_s=0.1)
