@@ -589,6 +589,43 @@ async def test_another_http_client_sends_the_hints_of_start_call(recorder: Recor
     assert recorder.hints() == [("raw-1", "call-1", None), ("raw-1", "call-2", "call-1")]
 
 
+class _CountingUnits(dict[int, Any]):
+    """A scope's units, counting the lookups the search for parents makes."""
+
+    reads = 0
+
+    def __getitem__(self, key: int) -> Any:
+        _CountingUnits.reads += 1
+        return super().__getitem__(key)
+
+
+async def test_the_parents_of_a_call_after_wide_fan_outs_cost_about_one_fan_out() -> None:
+    # Each round's 60 tasks extend the 60 of the round before: testing each unit against
+    # every later sibling's parents made one call's search cubic in the width (a third round
+    # of 200 took 35 s); the walk now takes each shared parent set once.
+    from kvgate.sdk.context import _here
+
+    async def ask(i: int) -> int:
+        call = start_call()
+        assert call is not None
+        await asyncio.sleep(0)
+        call.finished()
+        return i
+
+    async with workflow("wide", id="wide-1"):
+        here = _here()
+        assert here is not None
+        scope = here[0]
+        scope.units = _CountingUnits(scope.units)
+        for _ in range(3):
+            await asyncio.gather(*(task("w")(ask)(i) for i in range(60)))
+        _CountingUnits.reads = 0
+        call = start_call()
+        assert call is not None
+        assert len(call.after) == 60
+        assert _CountingUnits.reads <= 4 * 60
+
+
 def test_a_negative_expect_children_is_refused() -> None:
     with pytest.raises(ValueError, match="expect_children"):
         task("t", expect_children=-1)

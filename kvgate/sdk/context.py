@@ -247,29 +247,38 @@ class _Scope:
                 stack.append(seqs[i - 1])
             ext_times, ext_seqs = self._external[unit.lane]
             stack.extend(ext_seqs[bisect.bisect_left(ext_times, t):])
-        leaves = [u for u in found if not self._extended_by_any(u, found)]
+        leaves = self._unextended(found)
         if not leaves:
             return self.base, frozenset()
         leaves.sort(key=lambda u: u.seq)
         ends = tuple(dict.fromkeys(e for u in leaves for e in u.ends))
         return ends, frozenset(u.seq for u in leaves)
 
-    def _extended_by_any(self, unit: _Unit, others: list[_Unit]) -> bool:
-        """Some unit of `others` extends `unit`, directly or not (a unit finished before
-        `unit` cannot, which bounds the search)."""
-        stack = [o.seq for o in others if o is not unit and o.finished_at > unit.finished_at]
-        seen: set[int] = set()
+    def _unextended(self, found: list[_Unit]) -> list[_Unit]:
+        """The units of `found` that no other unit of it extends, directly or not: one walk
+        down from all of them together (each unit and each distinct parent set once), which a
+        unit finished before all of them ends (it extends only earlier ones). A fan-out's
+        siblings each extend the same parents: the walk takes that set once, not once per
+        sibling and again per unit tested, which made wide fan-outs cubic."""
+        if len(found) < 2:
+            return found
+        floor = min(u.finished_at for u in found)
+        reached: set[int] = set()
+        walked: set[frozenset[int]] = set()
+        stack = [u.extends for u in found]
         while stack:
-            seq = stack.pop()
-            if seq in seen:
+            extends = stack.pop()
+            if extends in walked:
                 continue
-            seen.add(seq)
-            for below in self.units[seq].extends:
-                if below == unit.seq:
-                    return True
-                if self.units[below].finished_at > unit.finished_at:
-                    stack.append(below)
-        return False
+            walked.add(extends)
+            for seq in extends:
+                if seq in reached:
+                    continue
+                reached.add(seq)
+                below = self.units[seq]
+                if below.finished_at > floor and below.extends:
+                    stack.append(below.extends)
+        return [u for u in found if u.seq not in reached]
 
     def finish(self, ends: tuple[str, ...], extends: frozenset[int], lane: _Lane) -> None:
         """Work in `lane` that extended `extends` finished; its result is in `ends`."""
