@@ -45,13 +45,19 @@ from gateway.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from gateway.workflow_store import names_a_store_key
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
 from planner.actions import Dispatch, Reject, Transfer, Warm
 from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
-from planner.hints import MAX_TOKENS, NO_HINTS, HintError, RequestHints, parse_hints
+from planner.hints import (
+    MAX_TOKENS,
+    NO_HINTS,
+    HintError,
+    RequestHints,
+    names_a_store_key,
+    parse_hints,
+)
 from planner.policy import RouteRequest
 from planner.segments import KINDS, static_lead
 

@@ -36,12 +36,6 @@ START = "0"
 """The event id before the first event: `events(wf, START)` replays from the beginning."""
 
 
-def names_a_store_key(workflow_id: str) -> bool:
-    """The id would name one of the Redis store's own keys (`{ns}:wf:index`, `:running`, a
-    workflow's `:ev` stream or `:lease`), so no workflow may have it, in either store."""
-    return workflow_id in ("index", "running") or workflow_id.endswith((":ev", ":lease"))
-
-
 class WorkflowStore(Protocol):
     """Workflow snapshots and event logs, shared by every replica that uses the same backend."""
 

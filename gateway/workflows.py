@@ -34,7 +34,7 @@ from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import ENGINE_HEADER, read_json
 from gateway.tenants import Tenant, caller
 from gateway.tracing import TRACEPARENT, Tracing, trace_hex, workflow_trace_id
-from gateway.workflow_store import START, Json, WorkflowStore, names_a_store_key
+from gateway.workflow_store import START, Json, WorkflowStore
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
 from planner.events import Event, WorkflowOver, WorkflowSubmitted
 from planner.hints import (
@@ -45,6 +45,7 @@ from planner.hints import (
     PRIORITY_HEADER,
     TASK_HEADER,
     WORKFLOW_HEADER,
+    names_a_store_key,
 )
 from planner.workflow import (
     Workflow,

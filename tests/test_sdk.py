@@ -5,6 +5,7 @@ workflow shows up with those tasks; a static DAG is submitted whole and followed
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import re
@@ -624,6 +625,32 @@ async def test_the_parents_of_a_call_after_wide_fan_outs_cost_about_one_fan_out(
         assert call is not None
         assert len(call.after) == 60
         assert _CountingUnits.reads <= 4 * 60
+
+
+async def test_objects_with_an_async_call_and_partials_are_decorated_by_their_names(
+        recorder: Recorder) -> None:
+    client = instrument(openai.AsyncOpenAI(base_url=f"{recorder.url}/v1", api_key="k"))
+
+    class Researcher:
+        async def __call__(self, topic: str) -> str:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": topic}])
+            return topic
+
+    async def ask(prefix: str, topic: str) -> str:
+        return await Researcher()(prefix + topic)
+
+    out = await workflow(task(functools.partial(ask, "on ")))("rivers")
+    assert out == "on rivers"
+    (wf, call, _), = recorder.hints()
+    assert wf.startswith("ask-") and call == "ask-1"
+    assert await workflow(Researcher())("lakes") == "lakes"
+    assert recorder.hints()[-1][0].startswith("Researcher-")
+    with pytest.raises(TypeError, match="<lambda> is not one"):
+        task(lambda: 1)
+    for reserved in ("running", "index", "w:ev", "w:lease"):
+        with pytest.raises(ValueError, match="reserved"):
+            workflow("x", id=reserved)
 
 
 def test_a_negative_expect_children_is_refused() -> None:

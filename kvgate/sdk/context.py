@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
-from planner.hints import MAX_AFTER_HEADER, MAX_TOKENS, PRIORITY_LIMIT
+from planner.hints import MAX_AFTER_HEADER, MAX_TOKENS, PRIORITY_LIMIT, names_a_store_key
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -364,6 +364,10 @@ def _check_name(name: str | None, what: str) -> None:
         raise ValueError(f"a {what} name must be a non-empty printable ASCII string without "
                          f"commas or surrounding spaces, at most {MAX_NAME} characters, got "
                          f"{name!r}")
+    if what == "workflow id" and name is not None and names_a_store_key(name):
+        raise ValueError(f"the workflow id {name!r} is reserved (it would name a key of the "
+                         "gateway's workflow store: index, running, or one ending in :ev or "
+                         ":lease)")
     if what == "task" and name == LOOSE_CALL:
         raise ValueError(f"the task name {LOOSE_CALL!r} is reserved: calls made outside any "
                          f"task are {LOOSE_CALL}-1, {LOOSE_CALL}-2, ...")
@@ -515,8 +519,18 @@ TaskFunction = Callable[P, Coroutine[Any, Any, R]]
 
 
 def _check_async(fn: Callable[..., Any], what: str) -> None:
-    if not inspect.iscoroutinefunction(fn):
-        raise TypeError(f"@{what} decorates async functions; {fn.__qualname__} is not one")
+    if not inspect.iscoroutinefunction(fn) and not inspect.iscoroutinefunction(
+            inspect.getattr_static(type(fn), "__call__", None)):
+        raise TypeError(f"@{what} decorates async functions (or objects with an async "
+                        f"__call__); {_fn_name(fn)} is not one")
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    """The name a decorated callable gives its workflow or task: a function's own, a partial's
+    function's, else its class's (an object with an async `__call__`)."""
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(inner, "__name__", None)
+    return name if isinstance(name, str) else type(inner).__name__
 
 
 class _Workflow:
@@ -574,7 +588,7 @@ class WorkflowScope:
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> WorkflowFunction[P, R]:
         """Decorate an async function: each call runs as a new workflow."""
         _check_async(fn, "workflow")
-        name = self.name or fn.__name__
+        name = self.name or _fn_name(fn)
         fixed = self.workflow_id
 
         return cast(WorkflowFunction[P, R], _Workflow(fn, name, fixed))
@@ -615,7 +629,7 @@ class TaskScope:
     def __call__(self, fn: Callable[P, Awaitable[R]]) -> TaskFunction[P, R]:
         """Decorate an async function: each call runs as a new task."""
         _check_async(fn, "task")
-        name = self.name or fn.__name__
+        name = self.name or _fn_name(fn)
         _check_name(name, "task")
         expect = self.expect_children
 
@@ -624,6 +638,9 @@ class TaskScope:
             async with TaskScope(name, expect):
                 return await fn(*args, **kwargs)
 
+        if not isinstance(getattr(fn, "__name__", None), str):
+            # A partial or a callable object: named as its task is (`@workflow` over it too).
+            call.__name__ = call.__qualname__ = _fn_name(fn)
         return call
 
     async def __aenter__(self) -> str | None:
