@@ -653,6 +653,47 @@ async def test_objects_with_an_async_call_and_partials_are_decorated_by_their_na
             workflow("x", id=reserved)
 
 
+async def test_events_resume_after_the_stream_breaks_off_and_take_long_events() -> None:
+    # The gateway ends a stream with an error event when its store is away for a moment, for
+    # the client to resume with Last-Event-ID; a task's output can be a line of megabytes.
+    asked: list[str | None] = []
+    long_output = "x" * 2_000_000
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        asked.append(request.headers.get("Last-Event-ID"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if len(asked) == 1:
+            for n in (1, 2):
+                await resp.write(f'id: {n}\ndata: {{"type": "task", "n": {n}}}\n\n'.encode())
+            await resp.write(b'data: {"type": "error", "error": {"message": "store away", '
+                             b'"code": "workflow_store_unavailable"}}\n\n')
+        elif len(asked) == 2:
+            await resp.write(b": keep-alive\n\n")  # and the connection drops
+        else:
+            task = json.dumps({"type": "task", "n": 3, "output": long_output})
+            await resp.write(f"id: 3\ndata: {task}\n\n".encode())
+            await resp.write(b'id: 4\ndata: {"type": "workflow", "state": "done"}\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/workflows/{id}/events", events)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    client = Client(f"http://127.0.0.1:{port}")
+    try:
+        got = [e async for e in client.events("wf-1")]
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+    assert asked == [None, "2", "2"]
+    assert [(e["event_id"], e.get("n")) for e in got] == [("1", 1), ("2", 2), ("3", 3),
+                                                         ("4", None)]
+    assert got[2]["output"] == long_output and got[-1]["type"] == "workflow"
+
+
 def test_a_negative_expect_children_is_refused() -> None:
     with pytest.raises(ValueError, match="expect_children"):
         task("t", expect_children=-1)

@@ -182,32 +182,42 @@ class Client:
                      last_event_id: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """Follow `GET /v1/workflows/{id}/events`: every task transition from the start (or
         after `last_event_id`), ending with the `{"type": "workflow"}` event. Each event also
-        has its stream id under `event_id` (pass it as `last_event_id` to resume)."""
-        headers = self._headers()
-        if last_event_id is not None:
-            headers["Last-Event-ID"] = last_event_id
+        has its stream id under `event_id` (pass it as `last_event_id` to resume). A stream
+        that breaks off (the gateway's store away for a moment, which it says with an error
+        event; a replica restarting) is resumed after the last event read, up to
+        `EVENTS_RESUMES` times in a row, then the error is raised."""
         timeout = aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s)
         url = f"{self.base_url}{_workflow_path(workflow_id)}/events"
-        try:
-            async with self._client().get(url, headers=headers, timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise _error(resp.status, await resp.read())
-                data: list[str] = []
-                event_id: str | None = None
-                async for raw in resp.content:
-                    line = raw.decode().rstrip("\r\n")
-                    if line.startswith("data:"):
-                        data.append(line[5:].strip())
-                    elif line.startswith("id:"):
-                        event_id = line[3:].strip()
-                    elif not line and data:
-                        event = {**json.loads("\n".join(data)), "event_id": event_id}
-                        data = []
+        failures = 0
+        while True:
+            headers = self._headers()
+            if last_event_id is not None:
+                headers["Last-Event-ID"] = last_event_id
+            try:
+                async with self._client().get(url, headers=headers, timeout=timeout) as resp:
+                    if resp.status != 200:
+                        raise _error(resp.status, await resp.read())
+                    async for event_id, data in _sse(resp.content):
+                        event = {**json.loads(data), "event_id": event_id}
+                        if event.get("type") == "error":
+                            error = event.get("error") or {}
+                            problem: KVGateError = KVGateError(
+                                str(error.get("message") or data), 503, error.get("code"))
+                            break
+                        failures = 0
+                        last_event_id = event_id or last_event_id
                         yield event
                         if event.get("type") == "workflow":
                             return
-        except (aiohttp.ClientError, TimeoutError) as e:
-            raise GatewayUnreachable(f"{url}: {type(e).__name__}: {e}") from e
+                    else:
+                        problem = GatewayUnreachable(f"{url}: the stream ended before the "
+                                                     "workflow's final event")
+            except (aiohttp.ClientError, TimeoutError) as e:
+                problem = GatewayUnreachable(f"{url}: {type(e).__name__}: {e}")
+            failures += 1
+            if failures > EVENTS_RESUMES:
+                raise problem
+            await asyncio.sleep(min(EVENTS_RESUME_S * 2 ** (failures - 1), 2.0))
 
     async def wait(self, workflow_id: str, timeout_s: float | None = None,
                    poll_s: float = 0.2) -> WorkflowSnapshot:
@@ -257,6 +267,36 @@ class Client:
         if not isinstance(doc, dict):
             raise KVGateError(f"{method} {url}: expected a JSON object", status, body=doc)
         return doc
+
+
+EVENTS_RESUMES = 5
+"""How many times in a row `Client.events` resumes a stream that broke off."""
+EVENTS_RESUME_S = 0.2
+"""Its first wait before resuming (doubled each time, at most 2 s)."""
+
+
+async def _sse(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str | None, str]]:
+    """Each server-sent event's id and data, read in chunks (a line, as an event carrying a
+    task's long output, may be longer than aiohttp's line reader takes)."""
+    pending: list[bytes] = []
+    data: list[str] = []
+    event_id: str | None = None
+    async for chunk in content.iter_any():
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            pending.append(chunk[start:end])
+            start = end + 1
+            line = b"".join(pending).decode().rstrip("\r")
+            pending = []
+            if line.startswith("data:"):
+                data.append(line[5:].strip())
+            elif line.startswith("id:"):
+                event_id = line[3:].strip()
+            elif not line and data:
+                yield event_id, "\n".join(data)
+                data = []
+        if start < len(chunk):
+            pending.append(chunk[start:])
 
 
 def _error(status: int, raw: bytes) -> KVGateError:
