@@ -295,7 +295,10 @@ GATEWAY_LIST_MAX = 500
 async def from_gateway(url: str, api_key: str | None, limit: int) -> list[Json]:
     """The newest `limit` workflows a gateway lists (`GET /v1/workflows?limit=N`, at most
     `GATEWAY_LIST_MAX`), each read whole (`GET /v1/workflows/{id}`)."""
+    import urllib.parse
+
     import aiohttp
+    import yarl
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = url.rstrip("/")
@@ -323,15 +326,22 @@ async def from_gateway(url: str, api_key: str | None, limit: int) -> list[Json]:
                 if not isinstance(wf_id, str):
                     raise ExportError(f"GET {base}/v1/workflows listed an item without an id: "
                                       f"{item!r}"[:300])
-                async with s.get(f"{base}/v1/workflows/{wf_id}") as r:
+                # Quoted whole: an id is the client's text (a hint-mode id may hold `/`, `?`
+                # or `..`), never a path of its own.
+                path = f"/v1/workflows/{urllib.parse.quote(wf_id, safe='')}"
+                async with s.get(yarl.URL(base + path, encoded=True)) as r:
                     if r.status == 404:
                         continue  # expired since it was listed
                     if r.status != 200:
-                        raise ExportError(f"GET {base}/v1/workflows/{wf_id} answered "
-                                          f"{r.status}")
-                    out.append(await r.json())
+                        raise ExportError(f"GET {base}{path} answered {r.status}")
+                    try:
+                        out.append(json.loads(await r.read()))
+                    except ValueError:
+                        raise ExportError(f"GET {base}{path} did not answer JSON") from None
     except (aiohttp.ClientError, TimeoutError) as e:
-        raise ExportError(f"cannot reach {base}: {e!r}") from None
+        # The error's own text, not its repr: that would show the request's headers, the
+        # admin key among them.
+        raise ExportError(f"cannot reach {base}: {type(e).__name__}: {e}") from None
     return out
 
 

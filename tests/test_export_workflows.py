@@ -13,12 +13,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from aiohttp import web
 
 from kvgate.bench.prompts import ChatRenderer, Vocabulary
 from kvgate.bench.virtual import PromptBuilder
@@ -27,7 +28,7 @@ from kvgate.export import export
 from kvgate.procs import Child, free_port, spawn, start_sim, wait_healthy
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
-from tests.conftest import MODEL
+from tests.conftest import MODEL, ThreadedServer
 from tests.redis_server import RedisServer, redis_server_available
 
 NAMESPACE = "export-test"
@@ -232,6 +233,44 @@ def test_export_through_the_gateway_list_endpoint(served: dict[str, Any],
     assert done.returncode == 0, done.stderr
     ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
     assert ids == served["ids"]
+
+
+def test_a_listed_id_is_read_as_an_id_and_errors_never_show_the_key(
+    threaded_server: Callable[[web.Application], ThreadedServer], tmp_path: Path,
+) -> None:
+    # A hint-mode id is the client's text: unquoted, this one made the exporter read
+    # /metrics, and the JSON error it then printed showed the request's Authorization header.
+    key = "admin-" + "k" * 26
+    odd = "x/../../../metrics"
+    seen: list[str] = []
+
+    async def listing(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": odd}]})
+
+    async def one(request: web.Request) -> web.Response:
+        seen.append(request.raw_path)
+        return web.json_response({**snapshot(), "id": request.match_info["id"]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="# not a workflow")
+
+    app = web.Application()
+    app.router.add_get("/v1/workflows", listing)
+    app.router.add_get("/v1/workflows/{id}", one)
+    app.router.add_get("/metrics", metrics)
+    gw = threaded_server(app)
+    out = tmp_path / "odd.jsonl"
+    done = run_cli("export-workflows", "--gateway", gw.url, "--api-key", key, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert seen == ["/v1/workflows/x%2F..%2F..%2F..%2Fmetrics"]
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [odd]
+    app2 = web.Application()
+    app2.router.add_get("/v1/workflows", listing)
+    app2.router.add_get("/v1/workflows/{id}", metrics)
+    done = run_cli("export-workflows", "--gateway", threaded_server(app2).url, "--api-key", key,
+                   "-o", str(out))
+    assert done.returncode == 2 and "did not answer JSON" in done.stderr
+    assert key not in done.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
