@@ -37,7 +37,7 @@ from gateway.errors import (
     NoHealthyEngine,
 )
 from gateway.state import GatewayState
-from gateway.tenants import Tenant, caller
+from gateway.tenants import Tenant, caller, salt_label
 from gateway.tracing import NO_CALL, CallTrace, EngineCallTrace, NoCall
 from gateway.upstream import (
     UpstreamConnectError,
@@ -933,7 +933,7 @@ class _Recorder:
         if tenant is not None:
             return cls(proxy, hints, route, tenant.name, owned=True)
         salt = body.get("cache_salt")
-        return cls(proxy, hints, route, salt if isinstance(salt, str) else None)
+        return cls(proxy, hints, route, salt_label(salt) if isinstance(salt, str) else None)
 
     async def started(self) -> None:
         workflows = self.proxy.state.workflows

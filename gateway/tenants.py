@@ -102,6 +102,13 @@ class Tenancy:
         return tenant
 
 
+def salt_label(salt: str) -> str:
+    """What a workflow record shows for a client's own `cache_salt` (no tenants configured,
+    where every record is readable): equal salts, equal labels, and not the salt, which would
+    let any reader share that client's cache."""
+    return "salt:" + hashlib.sha256(salt.encode()).hexdigest()[:16]
+
+
 def _digest(key: str) -> bytes:
     # Keys are looked up by digest, so neither a dict probe nor a comparison runs over them.
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()

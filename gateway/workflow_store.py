@@ -509,7 +509,7 @@ class RedisWorkflowStore:
         if timeout is not None:
             # Under the client's read timeout, which a longer block would trip with a
             # TimeoutError though the store is well.
-            wait_s = min(wait_s, max(0.1, 0.8 * timeout))
+            wait_s = min(wait_s, max(0.1, timeout - max(1.0, 0.2 * timeout)))
         block = max(1, int(wait_s * 1000)) if wait_s > 0 else None
         reply: Any = await self.r.xread({self._events_key(workflow_id): after}, block=block)
         out: list[tuple[str, Json]] = []

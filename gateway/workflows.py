@@ -32,7 +32,7 @@ from aiohttp import web
 from gateway.config import WorkflowSettings
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.proxy import ENGINE_HEADER, read_json
-from gateway.tenants import Tenant, caller
+from gateway.tenants import Tenant, caller, salt_label
 from gateway.tracing import TRACEPARENT, Tracing, trace_hex, workflow_trace_id
 from gateway.workflow_store import START, Json, WorkflowStore
 from planner.dag import TERMINAL, DagNode, DagRun, TaskState, Wakeup
@@ -554,18 +554,22 @@ class WorkflowService:
     # -- the API ------------------------------------------------------------------------------
 
     async def submit(self, document: Any, headers: Mapping[str, str] | None = None,
-                     trace_headers: Mapping[str, str] | None = None) -> Json:
+                     trace_headers: Mapping[str, str] | None = None,
+                     salted: bool = False) -> Json:
         """Validate a workflow spec, store it, start running it; its first snapshot.
         `headers` (e.g. Authorization) go with every task's request; `trace_headers` (the
-        submitter's `traceparent`) parent the workflow's trace."""
+        submitter's `traceparent`) parent the workflow's trace. `salted` (no tenants
+        configured): the spec's `tenant` is its client's own `cache_salt`, which the record
+        shows only as a label (`salt_label`)."""
         spec = self.validate(document)
         now = self.clock()
         wf_id = f"{spec.id or 'wf'}-{uuid.uuid4().hex[:16]}"
         trace_id = self.tracing.workflow_started(
             wf_id, trace_headers or {}, {"gen_ai.request.model": spec.model,
                                          "kvgate.workflow.tasks": len(spec.tasks)}, now)
+        shown = spec.tenant if spec.tenant is None or not salted else salt_label(spec.tenant)
         workflow: Json = {"id": wf_id, "source": "api", "model": spec.model,
-                          "tenant": spec.tenant, "state": "running", "created_s": now,
+                          "tenant": shown, "state": "running", "created_s": now,
                           "finished_s": None, "replica": self.replica, "trace_id": trace_id}
         tasks = {t.id: task_record(dependencies(t)) for t in spec.tasks}
         nodes = [DagNode(t.id, dependencies(t), t.think_time_s) for t in spec.tasks]
@@ -801,7 +805,7 @@ class WorkflowService:
                 raise InvalidRequest(f"`tenant` is set by your key (to {viewer.name!r}); "
                                      f"leave it out", param="tenant")
             body = {**body, "tenant": viewer.name}
-        snap = await self.submit(body, forward, trace)
+        snap = await self.submit(body, forward, trace, salted=viewer is None)
         return web.json_response(snap, status=201, headers={
             "Location": f"/v1/workflows/{urllib.parse.quote(snap['id'], safe='')}"})
 

@@ -257,6 +257,27 @@ def test_the_location_of_a_workflow_is_a_path_to_it(replicas: tuple[Child, Child
     wait_for(lambda: read(a, urllib.parse.quote(snap["id"], safe=""))["state"] == "done")
 
 
+def test_without_tenants_a_clients_salt_is_shown_only_as_a_label(
+    replicas: tuple[Child, Child],
+) -> None:
+    # Every record is readable without tenants: a salt shown as it is would let any reader
+    # send calls under it and share that client's cache.
+    from gateway.tenants import salt_label
+
+    a, b = replicas
+    wf = submit(a, {**fanout(workers=1), "tenant": "secret-salt-1"})["id"]
+    status, _, _ = call("POST", f"{a.url}/v1/chat/completions",
+                        {"model": MODEL, "max_tokens": 2, "cache_salt": "secret-salt-2",
+                         "messages": [{"role": "user", "content": "hi"}]},
+                        headers={"X-KVGate-Workflow": "salted-agent"})
+    assert status == 200
+    wait_for(lambda: read(a, wf)["state"] == "done")
+    assert read(b, wf)["tenant"] == salt_label("secret-salt-1")
+    assert read(b, "salted-agent")["tenant"] == salt_label("secret-salt-2")
+    status, _, listing = call("GET", f"{b.url}/v1/workflows?limit=100")
+    assert status == 200 and "secret-salt" not in json.dumps(listing)
+
+
 def test_a_failing_task_skips_its_dependents_and_fails_the_workflow(
     replicas: tuple[Child, Child],
 ) -> None:

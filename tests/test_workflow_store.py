@@ -102,11 +102,11 @@ async def test_a_quiet_wait_past_the_clients_read_timeout_is_no_error(redis_url:
     # gateway's /events ended every quiet stream after 5 s with "store unreachable".
     import redis.asyncio as aioredis
 
-    client = aioredis.Redis.from_url(redis_url, socket_timeout=0.5)
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=1.0)
     store = RedisWorkflowStore(client, fresh_namespace())
     try:
         await store.create(meta(), {})
-        assert await store.events("wf-1", wait_s=1.5) == []
+        assert await store.events("wf-1", wait_s=2.5) == []
     finally:
         await client.aclose()
 
