@@ -22,6 +22,7 @@ from gateway.metrics import IngestCollector
 from gateway.proxy import PROXIED, Proxy
 from gateway.state import GatewayState
 from gateway.tenants import TENANT_KEY, NotPermitted
+from gateway.tracing import TRACE_SINCE_KEY
 from gateway.ui import TimelineUI
 from gateway.workflow_store import make_store
 from gateway.workflows import LoopbackExecutor, TaskExecutor, WorkflowService, loopback_url
@@ -60,8 +61,13 @@ async def _tenants(request: web.Request, handler: Any) -> web.StreamResponse:
             if route.startswith("/v1/traces"):
                 raise NotPermitted("traces show every tenant's calls: they need the admin key")
             if route == "/v1/workflows/{id}/trace" and state.workflows is not None:
-                # A workflow's own trace holds its own calls: its tenant may read it.
-                await state.workflows.snapshot(request.match_info["id"], tenant)
+                # A workflow's own trace holds its own calls: its tenant may read it. Only
+                # this workflow's: a hint-mode id another tenant used before (its record long
+                # expired) names that tenant's spans too.
+                snap = await state.workflows.snapshot(request.match_info["id"], tenant)
+                created = snap.get("created_s")
+                if isinstance(created, int | float):
+                    request[TRACE_SINCE_KEY] = int(created * 1e9)
         request[TENANT_KEY] = tenant
     resp: web.StreamResponse = await handler(request)
     return resp

@@ -146,6 +146,11 @@ def span_json(span: ReadableSpan) -> Attrs:
     }
 
 
+TRACE_SINCE_KEY = web.RequestKey("kvgate.trace_since_ns", int)
+"""On a `/v1/workflows/{id}/trace` request: when the workflow's record was made (ns), set where
+the caller's right to read it was checked."""
+
+
 class MemoryStore(SpanExporter):
     """The last `max_traces` traces (least recently active dropped first), each its latest
     `max_spans` spans (older ones dropped and counted), for `GET /v1/traces`."""
@@ -221,10 +226,14 @@ class MemoryStore(SpanExporter):
         with self._lock:
             return self._dropped.get(trace_id, 0)
 
-    def workflow_spans(self, workflow_id: str) -> tuple[int, list[Attrs], int] | None:
+    def workflow_spans(self, workflow_id: str, since_ns: int | None = None
+                       ) -> tuple[int, list[Attrs], int] | None:
         """The spans of one workflow (None if none is kept): those that name it and the spans
         under them, never another's, though a client's `traceparent` may put other calls in
-        the same trace. With the first such trace's id and the spans its traces dropped."""
+        the same trace. With the first such trace's id and the spans its traces dropped.
+        `since_ns`: only the spans naming it that ended since (the workflow's record was made
+        then; a hint-mode id used before, by a workflow whose record expired, names its
+        spans too)."""
         with self._lock:
             ids = list(self._traces_of.get(workflow_id, ()))
             traces = [list(self._traces.get(tid) or ()) for tid in ids]
@@ -236,7 +245,8 @@ class MemoryStore(SpanExporter):
             for s in spans:
                 named = (s.attributes or {}).get(WORKFLOW_ATTR)
                 if named == workflow_id:
-                    todo.append(s)
+                    if since_ns is None or (s.end_time or 0) >= since_ns:
+                        todo.append(s)
                 elif named is None and s.parent is not None:
                     children.setdefault(s.parent.span_id, []).append(s)
             while todo:
@@ -832,7 +842,7 @@ class Tracing:
         included, is not the workflow's)."""
         store = self._kept()
         workflow = request.match_info["id"]
-        found = store.workflow_spans(workflow)
+        found = store.workflow_spans(workflow, request.get(TRACE_SINCE_KEY))
         if found is None:
             raise TraceNotFound(
                 f"no spans of workflow {workflow!r} are kept here (spans appear as they end, "

@@ -224,6 +224,41 @@ def test_a_tenant_cannot_read_anothers_spans_by_joining_its_trace(served: Child)
     assert all(s["attributes"].get("kvgate.workflow.id") in (None, "agent-42") for s in mine)
 
 
+def test_a_hint_mode_id_used_again_after_it_expired_shows_only_the_new_owners_spans(
+        spawn_sim: Callable[..., Child],
+        spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+    sim = spawn_sim()
+    gw = spawn_gateway({"engines": [{"url": sim.url}], "tenants": TENANTS, "admin_key": ADMIN,
+                        "workflows": {"ttl_s": 1.5}})
+    wait_healthy(gw)
+
+    def ask(key: str, task: str) -> None:
+        openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0).chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": f"{task} notes"}],
+            extra_headers={"X-KVGate-Workflow": "reused-7", "X-KVGate-Task": task})
+
+    def names(key: str, needed: str) -> list[str]:
+        deadline = time.monotonic() + 30
+        while True:  # spans appear as they end
+            status, _, doc = call("GET", f"{gw.url}/v1/workflows/reused-7/trace",
+                                  headers=auth(key))
+            if status == 200 and needed in (got := [s["name"] for s in doc["spans"]]):
+                return got
+            assert time.monotonic() < deadline, (status, doc)
+            time.sleep(0.1)
+
+    ask(ACME, "acme-secret")
+    assert "task acme-secret" in names(ACME, "task acme-secret")
+    deadline = time.monotonic() + 30
+    while call("GET", f"{gw.url}/v1/workflows/reused-7", headers=auth(ADMIN))[0] != 404:
+        assert time.monotonic() < deadline  # the record expires; the id is free again
+        time.sleep(0.2)
+    ask(BETA, "beta-task")
+    theirs = names(BETA, "task beta-task")
+    assert "task acme-secret" not in theirs
+    assert "task acme-secret" in names(ADMIN, "task beta-task")  # the operator reads all
+
+
 @pytest.mark.parametrize("tenants, message", [
     ({"acme": {"keys": ["short"]}}, "at least 16"),
     ({"acme": {"keys": [ACME]}, "beta": {"keys": [ACME]}}, "listed twice"),
