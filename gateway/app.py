@@ -112,6 +112,7 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
                                      config.connect_timeout_s, config.request_timeout_s),
         replica=wf.replica or f"{socket.gethostname()}:{config.port}",
         known_models=state.planner.models, notify=state.notify, tracing=state.tracing,
+        call_limit=config.max_body_bytes,
     )
     state.workflows = workflows
     # The proxy enforces max_body_bytes itself with a clear error; aiohttp's own limit stays off.

@@ -50,6 +50,7 @@ from planner.hints import (
 from planner.workflow import (
     Workflow,
     WorkflowError,
+    call_size_floor,
     dependencies,
     load_workflow,
     render_task,
@@ -472,8 +473,11 @@ class WorkflowService:
         clock: Callable[[], float] = time.time,
         notify: Callable[[Event], None] = lambda _: None,
         tracing: Tracing | None = None,
+        call_limit: int | None = None,
     ) -> None:
         self.settings = settings
+        self.call_limit = call_limit
+        """The largest call body the gateway takes (`max_body_bytes`): no task's may be larger."""
         self.store = store
         self.executor = executor
         self.replica = replica
@@ -721,6 +725,17 @@ class WorkflowService:
         except WorkflowError as e:
             raise InvalidRequest(f"invalid workflow: {e}") from None
         problems = runnable_problems(spec)
+        if self.call_limit is not None:
+            # Segments are sent whole in every call that uses them: a spec under its own limit
+            # may make calls over the gateway's, each then refused with a 413.
+            for t in spec.tasks:
+                size = call_size_floor(spec, t.id)
+                if size > self.call_limit:
+                    problems.append(f"task {t.id!r}'s call would be at least {size} bytes "
+                                    f"(its segments and messages, before any parent's output);"
+                                    f" the gateway takes calls of at most {self.call_limit} "
+                                    "bytes (max_body_bytes)")
+                    break
         if problems:
             raise InvalidRequest("invalid workflow: " + "; ".join(problems))
         models = self.known_models()

@@ -88,6 +88,11 @@ def _ident(value: object, where: str) -> str:
     return value
 
 
+MAX_AFTER = 1000
+"""The most parents one call may name (the workflow API's default `max_tasks`): the list is kept
+with the task's record and each of its events for the workflow's lifetime."""
+
+
 def _ids(value: object, where: str) -> tuple[str, ...]:
     if isinstance(value, str):
         parts: list[object] = [p for p in value.split(",") if p.strip()]
@@ -95,7 +100,10 @@ def _ids(value: object, where: str) -> tuple[str, ...]:
         parts = list(value)
     else:
         raise HintError(f"{where} must be a list of task ids or a comma-separated string")
-    return tuple(dict.fromkeys(_ident(p, where) for p in parts))
+    ids = tuple(dict.fromkeys(_ident(p, where) for p in parts))
+    if len(ids) > MAX_AFTER:
+        raise HintError(f"{where} names {len(ids)} tasks; a call may name at most {MAX_AFTER}")
+    return ids
 
 
 def _int(value: object, where: str, low: int, high: int) -> int:
@@ -212,6 +220,9 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
     if ("task" in fields or "after" in fields) and "workflow" not in fields:
         raise HintError("a task id or `after` needs a workflow id (X-KVGate-Workflow or "
                         "kvgate.workflow)")
+    if "task" in fields and fields["task"] in fields.get("after", ()):
+        raise HintError(f"task {fields['task']!r} names itself in `after`: a task cannot "
+                        "run after itself")
     return (RequestHints(**fields) if fields else NO_HINTS), forwarded
 
 

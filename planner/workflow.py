@@ -18,10 +18,17 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import networkx as nx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from planner.events import TaskSpec
-from planner.hints import MAX_TOKENS, PRIORITY_LIMIT
+from planner.hints import MAX_AFTER, MAX_TOKENS, PRIORITY_LIMIT
 from planner.segments import SYSTEM_ROLES
 
 SegmentKind = Literal["static", "shared", "transient"]
@@ -36,13 +43,30 @@ MAX_SEGMENT_TOKENS = 10_000_000
 beyond this was a mistake that built its token list until memory ran out)."""
 
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+"""The roles of OpenAI's chat messages that vLLM's chat templates render."""
+
+MAX_SALT = 128
+"""vLLM's longest `cache_salt` (which also may not hold `@`, `/`, `\\` or NUL)."""
+
+
+def _check_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function")
+        if (tool.get("type") != "function" or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise ValueError(f"tool {i} must be {{\"type\": \"function\", \"function\": "
+                             "{\"name\": ..., ...}} (OpenAI's tool shape, which vLLM takes)")
+    return tools
+
+
 class Segment(BaseModel):
     """A reusable piece of prompt: text (or a synthetic size) and optionally tool definitions."""
 
     model_config = ConfigDict(extra="forbid")
 
     kind: SegmentKind
-    role: str = "system"
+    role: ChatRole = "system"
     content: str | None = None
     tools: list[dict[str, Any]] | None = None
     tokens: int | None = Field(default=None, gt=0, le=MAX_SEGMENT_TOKENS)
@@ -52,6 +76,7 @@ class Segment(BaseModel):
     def _has_substance(self) -> Segment:
         if self.content is None and self.tools is None and self.tokens is None:
             raise ValueError("a segment needs content, tools or tokens")
+        _check_tools(self.tools)
         return self
 
 
@@ -68,7 +93,7 @@ class LiteralMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    role: str
+    role: ChatRole
     content: str
 
 
@@ -115,11 +140,20 @@ class Workflow(BaseModel):
 
     id: str | None = None
     model: str = Field(min_length=1)
-    tenant: str | None = Field(default=None, min_length=1, max_length=256)
-    """Its calls' `cache_salt` (vLLM takes no empty salt)."""
+    tenant: str | None = Field(default=None, min_length=1, max_length=MAX_SALT)
+    """Its calls' `cache_salt` (vLLM takes no empty salt, nor one longer than 128 characters
+    or holding `@`, `/`, `\\` or NUL)."""
     deadline_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     segments: dict[str, Segment] = Field(default_factory=dict)
     tasks: list[Task]
+
+    @field_validator("tenant")
+    @classmethod
+    def _salt_vllm_takes(cls, tenant: str | None) -> str | None:
+        if tenant is not None and any(c in tenant for c in "@/\\\x00"):
+            raise ValueError("the tenant becomes its calls' cache_salt, which vLLM refuses "
+                             "with `@`, `/`, `\\` or NUL in it")
+        return tenant
 
     @model_validator(mode="after")
     def _valid_dag(self) -> Workflow:
@@ -302,7 +336,38 @@ def runnable_problems(wf: Workflow) -> list[str]:
         reserved = sorted(RESERVED_PARAMS & t.params.keys())
         if reserved:
             problems.append(f"task {t.id!r}: params may not set {', '.join(reserved)}")
+        waits = len(dependencies(t))
+        if waits > MAX_AFTER:
+            problems.append(f"task {t.id!r} waits for {waits} tasks; a call may name at most "
+                            f"{MAX_AFTER} parents")
     return problems
+
+
+def call_size_floor(wf: Workflow, task_id: str) -> int:
+    """About how many bytes the task's call body takes before its parents' outputs are in it
+    (`render_task` with every output empty), without rendering it: a segment used by many tasks
+    is measured once."""
+    sizes: dict[str, int] = {}
+
+    def segment(name: str, part: str) -> int:
+        key = f"{part}:{name}"
+        if key not in sizes:
+            seg = wf.segments[name]
+            value = seg.content if part == "content" else seg.tools
+            sizes[key] = len(json.dumps(value)) if value is not None else 0
+        return sizes[key]
+
+    task = wf.task(task_id)
+    size = len(json.dumps({"model": wf.model, "cache_salt": wf.tenant, **task.params}))
+    for m in task.messages:
+        size += 32  # the message's own keys and role
+        if isinstance(m, SegmentRef):
+            size += segment(m.segment, "content")
+        elif isinstance(m, LiteralMessage):
+            size += len(json.dumps(m.content))
+    if task.tools is not None:
+        size += segment(task.tools, "tools")
+    return size
 
 
 def render_task(wf: Workflow, task_id: str, outputs: Mapping[str, str]) -> dict[str, Any]:

@@ -319,7 +319,9 @@ def test_a_dag_file_that_is_not_text_or_not_renderable_names_the_problem(
     role = tmp_path / "role.json"
     role.write_text(json.dumps({"model": "m", "tasks": [
         {"id": "a", "output_tokens": 2, "messages": [{"role": "bot", "content": "x"}]}]}))
-    with pytest.raises(WorkloadError, match="cannot be rendered with the model's chat template"):
+    # A role no chat template renders is refused with the spec, naming the roles there are.
+    with pytest.raises(WorkloadError, match="role: Input should be 'system', 'developer', "
+                                            "'user', 'assistant' or 'tool'"):
         prepare(BenchOptions(dag_file=str(role), workflows=1), tokenizer)
 
 

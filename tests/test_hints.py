@@ -87,6 +87,11 @@ def test_dynamo_agent_hints_are_read_and_nvext_forwarded() -> None:
     ({}, {"kvgate": {"workflow": "w", "deadline_s": "3"}}, "kvgate.deadline_s must be a pos"),
     ({}, {"kvgate": {"workflow": "w" * 300}}, "longer than 256"),
     ({}, {"kvgate": {"task": "t"}}, "needs a workflow id"),
+    ({"X-KVGate-Workflow": "w", "X-KVGate-Task": "b", "X-KVGate-After": "a,b"}, {},
+     "task 'b' names itself in `after`"),
+    # Kept with the task's record and each of its events for the workflow's lifetime.
+    ({}, {"kvgate": {"workflow": "w", "after": [f"t{i}" for i in range(1001)]}},
+     "kvgate.after names 1001 tasks; a call may name at most 1000"),
     ({}, {"nvext": {"agent_hints": []}}, "nvext.agent_hints must be an object"),
     ({}, {"nvext": {"agent_hints": {"osl": "long"}}}, "nvext.agent_hints.osl"),
     # An integer past any float, and header bytes that are no UTF-8 (aiohttp keeps them as

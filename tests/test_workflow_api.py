@@ -31,6 +31,7 @@ from tests.redis_server import RedisServer, redis_server_available
 
 MAX_TASKS = 20
 MAX_BODY = 64 * 1024
+CALL_BODY = 256 * 1024
 SYSTEM = "You are a careful researcher who cites sources. " * 12
 
 
@@ -61,6 +62,7 @@ def replicas(engines: list[Child], logs: Path) -> Iterator[tuple[Child, Child]]:
             # least-loaded with a slow scrape: load is the gateway's own in-flight count, so
             # equally idle engines take turns and a fan-out spreads over all of them.
             config = {"host": "127.0.0.1", "port": port, "policy": "least-loaded",
+                      "max_body_bytes": CALL_BODY,
                       "scrape_interval_s": 60, "engines": [{"url": e.url} for e in engines],
                       "workflows": {"store": "redis", "redis_url": redis_url,
                                     "max_tasks": MAX_TASKS, "max_body_bytes": MAX_BODY,
@@ -428,6 +430,17 @@ def mutated(change: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
     (mutated(lambda s: s.update(tenant="acme") or s["tasks"][0].update(
         params={"cache_salt": None})), "task 'plan': params may not set cache_salt"),
     (mutated(lambda s: s.update(tenant="")), "tenant: String should have at least 1 character"),
+    # What the engine would refuse with a 400 only once the workflow ran.
+    (mutated(lambda s: s.update(tenant="team/a@b")), "which vLLM refuses with `@`, `/`"),
+    (mutated(lambda s: s["segments"].update(kit={"kind": "static", "tools": [
+        {"type": "function"}]})), "tool 0 must be {\"type\": \"function\""),
+    (mutated(lambda s: s["tasks"][0]["messages"].append({"role": "banana", "content": "x"})),
+     "Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"),
+    # A segment sent whole in each of the calls that use it: a spec under its limit whose
+    # calls are over the gateway's (max_body_bytes).
+    (mutated(lambda s: s["segments"].update(big={"kind": "shared", "content": "z" * 40_000})
+             or s["tasks"][0]["messages"].extend([{"segment": "big"}] * 8)),
+     "task 'plan''s call would be at least"),
 ])
 def test_an_invalid_workflow_is_a_400_naming_the_problem(
     replicas: tuple[Child, Child], spec: Any, message: str,
