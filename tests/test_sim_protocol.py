@@ -642,6 +642,33 @@ def test_max_tokens_past_the_room_left_is_clamped_as_vllm(tmp_path: Path) -> Non
         assert "cannot be greater than max_model_len=128" in text
 
 
+def test_defaults_and_refusals_as_vllms_handlers_give_them(tmp_path: Path) -> None:
+    with running_sim(tmp_path, "sim-defaults", []) as sim:
+        model = served_model(sim)
+        # A completion that sets no max_tokens gets 16 (vLLM's CompletionRequest default).
+        answer = json.loads(_http(sim.url + "/v1/completions", {
+            "model": model, "prompt": [11, 12, 13], "ignore_eos": True}))
+        assert answer["usage"]["completion_tokens"] == 16
+        assert answer["choices"][0]["finish_reason"] == "length"
+        # What vLLM's ValueError/TypeError handlers answer: a 400 in its error shape, never a
+        # plain-text 500.
+        for path, body in (
+                ("/v1/completions", {"model": model, "prompt": "\ud800 lone", "max_tokens": 1}),
+                ("/v1/completions", {"model": model, "prompt": [11], "max_tokens": 1,
+                                     "stream": True, "stream_options": "yes"})):
+            status, text = _refused(sim.url + path, body)
+            assert status == 400, (body, text)
+            assert json.loads(text)["error"]["type"] == "BadRequestError"
+        # Only JSON bodies, as vLLM's validate_json_request has it.
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+            req = urllib.request.Request(sim.url + path, data=b'{"model": "x"}',
+                                         headers={"Content-Type": "text/plain"})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=10)
+            assert err.value.code == 400
+            assert "Only 'application/json' is allowed" in err.value.read().decode()
+
+
 def test_a_cache_salt_vllm_refuses_is_a_400(tmp_path: Path) -> None:
     with running_sim(tmp_path, "sim-salt", []) as sim:
         model = served_model(sim)

@@ -117,6 +117,11 @@ class SimSettings:
     1, 2, ... in this order as vLLM numbers them, in their `lora_id`)."""
 
 
+COMPLETION_MAX_TOKENS = 16
+"""vLLM's `max_tokens` for a completion that sets none (chat calls take the rest of the
+context)."""
+
+
 class APIError(Exception):
     """An error answered in vLLM's `{"error": {...}}` shape."""
 
@@ -450,7 +455,9 @@ class SimEngine:
             max_tokens = _opt_int(body, "max_tokens")
         room = cfg.max_model_len - n_prompt
         if max_tokens is None:
-            max_tokens = room
+            # vLLM's defaults: a chat call may take the rest of the context, a completion 16
+            # tokens (its CompletionRequest's `max_tokens: int | None = 16`, null read as 16).
+            max_tokens = room if chat else min(COMPLETION_MAX_TOKENS, room)
         elif max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.")
         elif max_tokens > cfg.max_model_len:
@@ -591,6 +598,10 @@ class SimEngine:
     # -- HTTP handlers --------------------------------------------------------------------------
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        media = request.headers.get("Content-Type", "").lower().split(";", 1)[0].strip()
+        if media != "application/json":
+            # vLLM's validate_json_request, on the completion, chat and tokenizer routes.
+            raise APIError(400, "Unsupported Media Type: Only 'application/json' is allowed")
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -602,7 +613,12 @@ class SimEngine:
         model = body.get("model")
         if model is not None and model != self.settings.model and model not in self._loras:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError")
-        if body.get("stream_options") and not body.get("stream"):
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            # vLLM's request model (a StreamOptions object) refuses it in validation.
+            raise APIError(400, "stream_options: Input should be a valid dictionary or object",
+                           param="stream_options")
+        if options and not body.get("stream"):
             raise APIError(400, "Stream options can only be defined when `stream=True`.")
         return body
 
@@ -922,6 +938,11 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if e.status >= 400:
             return APIError(e.status, e.reason or "error", type(e).__name__).response()
         raise
+    except (ValueError, TypeError, OverflowError) as e:
+        # vLLM's fallback handlers for these (its exception_handling/register.py): a 400 in
+        # its error shape with the exception's text (a prompt with a lone surrogate the
+        # tokenizer cannot encode, a token id out of range, a field of the wrong type).
+        return APIError(400, str(e)).response()
 
 
 def _base_request_id(request: web.Request, body: dict[str, Any]) -> str:
