@@ -650,6 +650,13 @@ def test_defaults_and_refusals_as_vllms_handlers_give_them(tmp_path: Path) -> No
             "model": model, "prompt": [11, 12, 13], "ignore_eos": True}))
         assert answer["usage"]["completion_tokens"] == 16
         assert answer["choices"][0]["finish_reason"] == "length"
+        # Fields read as pydantic reads them in lax mode: "false" is False, "5" is 5.
+        answer = json.loads(_http(sim.url + "/v1/completions", {
+            "model": model, "prompt": [11, 12, 13], "max_tokens": "5", "ignore_eos": "true",
+            "stream": "false"}))
+        assert answer["usage"]["completion_tokens"] == 5
+        status, text = _refused(sim.url + "/v1/completions", {"model": model, "prompt": ""})
+        assert status == 400 and "must be provided and non-empty" in text
         # What vLLM's ValueError/TypeError handlers answer: a 400 in its error shape, never a
         # plain-text 500.
         for path, body in (

@@ -474,7 +474,7 @@ class SimEngine:
         min_tokens = _opt_int(body, "min_tokens") or 0
         if min_tokens < 0 or min_tokens > max_tokens:
             raise APIError(400, f"min_tokens must be in [0, max_tokens], got {min_tokens}.")
-        ignore_eos = bool(body.get("ignore_eos", False))
+        ignore_eos = _flag(body, "ignore_eos")
         priority = _priority(body, priority_header)
         cache_salt = body.get("cache_salt")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -618,7 +618,7 @@ class SimEngine:
             # vLLM's request model (a StreamOptions object) refuses it in validation.
             raise APIError(400, "stream_options: Input should be a valid dictionary or object",
                            param="stream_options")
-        if options and not body.get("stream"):
+        if options and not _flag(body, "stream"):
             raise APIError(400, "Stream options can only be defined when `stream=True`.")
         return body
 
@@ -655,7 +655,7 @@ class SimEngine:
         rid = f"chatcmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self._answering(body)
-        if body.get("stream"):
+        if _flag(body, "stream"):
             return await self._stream_chat(request, body, stream, rid, created)
         ids, reason = await self._collect(stream)
         return web.json_response({
@@ -737,7 +737,7 @@ class SimEngine:
         rid = f"cmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self._answering(body)
-        if body.get("stream"):
+        if _flag(body, "stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             try:
                 resp = await _sse_response(request)
@@ -784,6 +784,9 @@ class SimEngine:
     def _completion_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
+        if prompt == "" or prompt == []:
+            raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.",
+                           param="prompt")
         if isinstance(prompt, str):
             return self.tokenizer.encode_prompt(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -955,12 +958,39 @@ def _base_request_id(request: web.Request, body: dict[str, Any]) -> str:
 
 
 def _opt_int(body: dict[str, Any], key: str) -> int | None:
+    """An integer field as vLLM's pydantic request model reads it (lax: `5`, `5.0`, `"5"`,
+    `true`), None when unset or null; anything else is a 400."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(400, f"`{key}` must be an integer, got {value!r}.")
-    return value
+    if isinstance(value, int):  # bool too: True is 1
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lstrip("+-").isdigit() and len(text) <= 24:
+            return int(text)
+    raise APIError(400, f"`{key}` must be an integer, got {value!r}.", param=key)
+
+
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    """A boolean field as vLLM's pydantic request model reads it (lax: `"false"` is False, 0 and
+    1 are booleans), False when unset or null; anything else is a 400."""
+    value = body.get(key)
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise APIError(400, f"`{key}` must be a boolean, got {value!r}.", param=key)
 
 
 def _prefill_caps(body: dict[str, Any]) -> tuple[int, tuple[tuple[int, int], ...]]:
