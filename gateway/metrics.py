@@ -86,7 +86,9 @@ class GatewayMetrics:
         self.lookup_time = Histogram(
             "kvgate_prefix_lookup_seconds",
             "Tokenising and keying a prompt plus the index match, per request.",
-            buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1), registry=r,
+            # Up to a second: a 100k-token prompt keys in about 0.14 s.
+            buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                     0.5, 1.0), registry=r,
         )
         self.kv_moves = Counter(
             "kvgate_kv_moves", "KV moves the planner decided, by kind (transfer, warm), reason "
@@ -103,7 +105,8 @@ class GatewayMetrics:
         )
         self.routing_time = Histogram(
             "kvgate_routing_decision_seconds", "Time the policy took to choose an engine.",
-            buckets=(1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2), registry=r,
+            buckets=(1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1),
+            registry=r,
         )
         self.planner_wait = Histogram(
             "kvgate_planner_wait_seconds",

@@ -266,6 +266,8 @@ class Proxy:
         """Workflow-record writes of hint-mode calls, kept until done."""
         self._answered: dict[str, int] = {}
         """Streams whose client hung up after the last event, with the engine's status."""
+        self._broke: dict[str, GatewayError] = {}
+        """Streams whose engine failed after their 200 head, with the error they ended with."""
         self._released_ns: dict[str, tuple[int, int]] = {}
         """Wall-clock span of the planner release that placed each request (tracing on)."""
         state.pump = self._pump
@@ -383,7 +385,9 @@ class Proxy:
         status, error = 0, None
         try:
             resp = await self._handle(request, route, raw, body, hints, route_req, arrived, trace)
-            status = resp.status
+            broke = self._broke.pop(route_req.request_id, None)
+            status, error = (resp.status, None) if broke is None else (broke.status,
+                                                                        broke.message)
             return resp
         except GatewayError as e:
             status, error = e.status, e.message
@@ -406,6 +410,7 @@ class Proxy:
             state.mover.forget(route_req.request_id)
             self._released_ns.pop(route_req.request_id, None)
             self._answered.pop(route_req.request_id, None)
+            self._broke.pop(route_req.request_id, None)
             if trace.enabled:
                 state.tracing.forget_call(route_req.request_id)
                 state.later(trace.end, status, error, time.time_ns())
@@ -688,7 +693,8 @@ class Proxy:
             self._finished(flight, None if 200 <= flight.status < 300 else
                            CLIENT_GONE if flight.gone else
                            f"the call did not complete (engine status {flight.status or 'none'})")
-            state.later(metrics.observe, metrics.duration, route, time.monotonic() - arrived)
+            if flight.status != RETRYING:  # a call's duration once, not once per attempt
+                state.later(metrics.observe, metrics.duration, route, time.monotonic() - arrived)
 
     async def _relay(
         self,
@@ -744,8 +750,11 @@ class Proxy:
                 try:
                     chunk = await upstream.readany()
                 except UpstreamError as e:
-                    await self._engine_died(resp, engine, e)
-                    metrics.requests.labels(route, "502").inc()
+                    err = await self._engine_died(resp, engine, e)
+                    # The client had a 200 head already: the call's span and counters say what
+                    # became of it.
+                    self._broke[flight.route.request_id] = err
+                    metrics.requests.labels(route, str(err.status)).inc()
                     return resp
                 if not chunk:
                     break
@@ -827,11 +836,13 @@ class Proxy:
 
     async def _engine_died(
         self, resp: web.StreamResponse, engine: str, error: BaseException
-    ) -> None:
-        """The engine failed mid-stream: end the stream with an error event naming it."""
+    ) -> GatewayError:
+        """The engine failed mid-stream: end the stream with an error event naming it (the
+        error returned)."""
         err = self._engine_failure(engine, error)
         await resp.write(err.sse_event())
         await resp.write_eof()
+        return err
 
 
 def _call_attributes(route: RouteRequest, hints: RequestHints) -> dict[str, Any]:

@@ -445,7 +445,10 @@ def workflow_summary(snapshot: Json) -> Json:
             "tasks": len(snapshot["tasks"]), "task_states": states,
             "engines": sorted({t["engine"] for t in tasks if t.get("engine")}),
             "prompt_tokens": sum(t.get("prompt_tokens") or 0 for t in tasks),
-            "cached_tokens": sum(t.get("cached_tokens") or 0 for t in tasks)}
+            # None when no task's engine reported it (vLLM reports cached tokens only with
+            # --enable-prompt-tokens-details): unknown, not a cache that never hits.
+            "cached_tokens": (None if all(t.get("cached_tokens") is None for t in tasks)
+                              else sum(t.get("cached_tokens") or 0 for t in tasks))}
 
 
 def hint_state(snapshot: Json) -> Json:

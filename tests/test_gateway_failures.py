@@ -224,6 +224,10 @@ def test_engine_dead_before_answering_is_retried_on_another(
     retries = sum(s.value for s in families["kvgate_retries"].samples
                   if s.name == "kvgate_retries_total" and s.labels["engine"] == "a")
     assert retries == 1
+    # Four calls, four durations: the attempt re-sent elsewhere is not a call of its own.
+    durations = sum(s.value for s in families["kvgate_request_duration_seconds"].samples
+                    if s.name == "kvgate_request_duration_seconds_count")
+    assert durations == 4
 
 
 class RecordingEngine:
@@ -447,6 +451,20 @@ def test_an_engine_dying_mid_event_leaves_the_client_whole_events_and_the_error(
         events = r.read().decode().split("\n\n")
     assert events[0] == 'data: {"n": 1}' and events[-1] == ""
     assert events[1].startswith('data: {"error": ') and len(events) == 3, events
+    # The client had a 200 head; the call's own span says what became of it, as the counters
+    # do (a search for failed calls finds it).
+    with urllib.request.urlopen(f"{gw.url}/v1/traces", timeout=10) as r:
+        ids = [t["trace_id"] for t in json.loads(r.read())["traces"]]
+    calls = []
+    for tid in ids:
+        with urllib.request.urlopen(f"{gw.url}/v1/traces/{tid}", timeout=10) as r:
+            calls += [sp for sp in json.loads(r.read())["spans"]
+                      if sp["name"].startswith("chat") and sp["parent_span_id"] is None]
+    (call,) = calls
+    assert call["attributes"]["http.response.status_code"] == 502
+    assert call["status"]["code"] == "error" and "failed mid-stream" in call["status"][
+        "description"]
+    assert _request_counts(gw.url).get("502") == 1
 
 
 def test_events_that_end_in_crlf_are_forwarded_as_they_come(

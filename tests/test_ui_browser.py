@@ -284,6 +284,29 @@ def test_a_running_workflow_fills_in_live(pool: Child, page: Any) -> None:
     assert 1 <= traces <= 2 + snapshots // 5 and traces < snapshots, (snapshots, traces)
 
 
+def test_the_last_tasks_placement_is_shown_on_a_page_left_open(pool: Child, page: Any) -> None:
+    """A call's placement is in the trace once the call ends. The page reads the trace as
+    tasks are placed (at most every 5 s): `long`, placed more than 5 s in, is read while it
+    runs, so its placement shows only if the page reads the trace once more at the end."""
+    head = [{"role": "user", "content": "Plan the survey in steps."}]
+    wf_id = post(f"{pool.url}/v1/workflows", {"id": "browser-last", "model": MODEL, "tasks": [
+        {"id": "plan", "output_tokens": 4, "messages": head},
+        {"id": "long", "after": ["plan"], "output_tokens": 150, "think_time_s": 5.5,
+         "messages": [*head, {"output_of": "plan"}]}]})["id"]
+    page.goto(f"{pool.url}/ui/#/workflow/{urllib.parse.quote(wf_id)}")
+    page.locator("g.task").first.wait_for()
+    snap = wait_over(pool.url, wf_id)
+    page.locator("#live").wait_for(state="hidden")
+    page.locator('g.task[data-task="long"] rect.bar').hover()
+    tip = page.locator("#tooltip")
+    tip.wait_for(state="visible")
+    engine = snap["tasks"]["long"]["engine"]
+    page.wait_for_function(
+        "e => document.querySelector('#tooltip').innerText.includes('placed at')", arg=engine,
+        timeout=5000)
+    assert f"placed at (estimate)\n{engine} " in tip.inner_text().replace("\t", "\n")
+
+
 def test_a_hint_mode_workflow_keeps_filling_in_between_its_agents_calls(
         pool: Child, page: Any) -> None:
     """A hint-mode workflow reads "done" while its agent thinks between calls: the open page

@@ -341,6 +341,16 @@ async def test_the_redis_index_keeps_only_the_newest_ids(
         await store.close()
 
 
+async def test_a_listing_shows_no_cache_hits_where_no_engine_reported_them(
+        service: WorkflowService) -> None:
+    # vLLM reports cached tokens only with --enable-prompt-tokens-details: unknown is not 0 %.
+    await service.hinted_task_started("agent-9", "plan", [], "req-9", "m")
+    await service.hinted_task_finished("agent-9", "plan", prompt_tokens=100, output_tokens=7,
+                                       cached_tokens=None, output="ok")
+    (listed,) = await service.recent(10)
+    assert (listed["prompt_tokens"], listed["cached_tokens"]) == (100, None)
+
+
 async def test_a_listing_summarises_each_workflow_and_derives_hint_mode_state(
         service: WorkflowService) -> None:
     await service.hinted_task_started("agent-2", "plan", [], "req-1", "m")

@@ -267,12 +267,18 @@
     const placed = Object.values(snap.tasks || {}).filter((t) => t.engine).length;
     const now = Date.now();
     const due = !running || now - (current.traceRead || 0) >= TRACE_REFRESH_MS;
-    if (current.placements === undefined || (placed > (current.placedSeen || 0) && due)) {
+    // Once more when the workflow is over: a call's placement is in the trace once the call
+    // ends, so the last ones are there only then.
+    const last = !running && !current.readWhenOver;
+    if (current.placements === undefined || last
+        || (placed > (current.placedSeen || 0) && due)) {
       current.placedSeen = placed;
       current.traceRead = now;
+      current.readWhenOver = !running;
       current.placements = await placementsOf(current.id);
       if (view !== current) return;
     }
+    if (running) current.readWhenOver = false;
     live.hidden = !running;
     renderWorkflow(current);
     if (running) schedule(refreshWorkflow, current, LIVE_REFRESH_MS);
