@@ -44,6 +44,10 @@ class KvMover:
         self._tasks: set[asyncio.Task[None]] = set()
         self._recent: OrderedDict[str, tuple[Origin, tuple[str, str] | None]] = OrderedDict()
 
+    def knows(self, request_id: str) -> bool:
+        """A request id whose prompt a move may still copy (in flight, or among the recent)."""
+        return request_id in self._origins or request_id in self._recent
+
     def remember(self, request_id: str, model: str, token_ids: tuple[int, ...],
                  task: tuple[str, str] | None = None, cache_salt: str | None = None) -> None:
         """A request's prompt, while it may be a move's origin; `task` is its (workflow, task)

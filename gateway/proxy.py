@@ -286,8 +286,10 @@ class Proxy:
         if not isinstance(model, str) or not model:
             raise InvalidRequest("`model` must be a non-empty string", param="model")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        if request_id in self._ids or state.planner.knows(request_id):
-            # The client reused an id still in flight: the planner needs them told apart.
+        if request_id in self._ids or state.planner.knows(request_id) or (
+                state.planner.moves_kv and state.mover.knows(request_id)):
+            # The client reused an id still in flight (or whose prompt a KV move may still
+            # copy): the planner and the mover need them told apart.
             request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         if not dispatched:
             return await self._route(request_id, route, body, hints, dispatched)

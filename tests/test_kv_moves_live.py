@@ -315,6 +315,30 @@ def test_a_consumer_that_waits_keeps_its_producers_lease_and_one_that_leaves_fre
             sim.stop()
 
 
+def test_a_request_id_used_again_is_its_own_origin(pool: tuple[Child, list[Child]]) -> None:
+    """A KV move copies a prompt found by its request's id, also a finished one's (a join's
+    prefetch of its parent): a client's `x-request-id` used again is told apart, so a copy
+    never takes another call's prompt."""
+    gateway, _ = pool
+    for i in range(2):
+        req = urllib.request.Request(
+            f"{gateway.url}/v1/chat/completions", method="POST",
+            data=json.dumps({"model": MODEL, "max_tokens": 2, "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"question {i}"}]}).encode(),
+            headers={"Content-Type": "application/json", "x-request-id": "reused-7"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+    traces = get(f"{gateway.url}/v1/traces?limit=50")["traces"]
+    ids = []
+    for t in traces:
+        for sp in get(f"{gateway.url}/v1/traces/{t['trace_id']}")["spans"]:
+            rid = sp["attributes"].get("kvgate.request.id", "")
+            if sp["parent_span_id"] is None and rid.startswith("reused-7"):
+                ids.append(rid)
+    assert len(ids) == 2 and "reused-7" in ids and len(set(ids)) == 2, ids
+
+
 def test_malformed_transfer_params_are_a_400_naming_the_field(
         pool: tuple[Child, list[Child]]) -> None:
     _, sims = pool
