@@ -640,6 +640,13 @@ class Planner:
                 self._load_changed = True
             case EngineLeft(engine=name):
                 self.engines.pop(name, None)
+                # Moves from or to it will not land: their waiters go now (those placed on
+                # it, to be sent elsewhere by their driver) rather than at the move's deadline.
+                for record in self.moves:
+                    a = record.action
+                    if record.destination == name or (isinstance(a, Transfer)
+                                                       and a.source == name):
+                        self._move_over(a.move_id, ok=False, now=now)
                 # Workflows last sent there have no home now (one that rejoins under the name
                 # starts with none homed on it).
                 for wf in [w for w, (e, _) in self._homes.items() if e == name]:

@@ -116,13 +116,19 @@ class Moves:
         return self._moves.get(move_id)
 
     def end(self, move_id: str, ok: bool) -> MoveRecord | None:
-        """The driver reported the move's end; its record (None if unknown)."""
+        """The driver reported the move's end; its record (None if unknown). A failed
+        transfer's time on its NICs is given back where nothing was booked after it."""
         record = self._moves.pop(move_id, None)
         if record is not None:
             if ok:
                 self.stats.done += 1
             else:
                 self.stats.failed += 1
+                a = record.action
+                if isinstance(a, Transfer):
+                    for engine in (a.source, a.destination):
+                        if self._nic_free.get(engine) == record.eta:
+                            del self._nic_free[engine]
         return record
 
     def arriving(self, keys: Sequence[BlockKey], now: float) -> dict[str, tuple[int, float]]:

@@ -23,6 +23,7 @@ from planner.core import Call, Planner, RequestState, make_planner
 from planner.events import (
     Cancelled,
     EngineJoined,
+    EngineLeft,
     Finished,
     FirstToken,
     TaskSpec,
@@ -216,6 +217,23 @@ def test_a_failed_move_sends_its_waiting_requests_to_recompute() -> None:
     (d,) = p.release(0.2)
     assert isinstance(d, Dispatch) and d.engine == "b"
     assert p.moves.stats.failed == 1
+
+
+def test_a_move_from_or_to_an_engine_that_left_is_over_at_once() -> None:
+    # Its waiters go now (placed on the engine that left: to be sent elsewhere by the driver),
+    # not at the move's deadline, and the NICs it booked are free again.
+    for gone in ("a", "b"):
+        p = pulling_planner()
+        p.admit(long_call(), 0.0)
+        (move,) = p.release(0.0)
+        assert isinstance(move, Transfer) and p.moves.nic_wait(0.0)
+        p.on_event(EngineLeft(gone), 0.1)
+        assert p.pending and len(p.moves) == 0 and p.moves.stats.failed == 1
+        (d,) = p.release(0.1)
+        assert isinstance(d, Dispatch) and d.engine == "b"
+        assert p.moves.nic_wait(0.1) == {}
+        p.on_event(TransferDone(move.move_id), 0.5)  # its end, reported late, changes nothing
+        assert p.release(0.5) == []
 
 
 def test_a_late_move_is_given_up_at_its_deadline() -> None:
