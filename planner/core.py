@@ -67,6 +67,7 @@ from planner.ledger import (
     Outstanding,
     close_dispatch,
     computed_ahead,
+    lost_ahead,
     open_dispatch,
     prefill_done,
 )
@@ -1211,6 +1212,14 @@ class Planner:
                     continue
             self._pace_due.pop(rid, None)
             req.pace_next = None
+            if now is None and record.action.reason != PACE and req.outstanding is not None:
+                # The prefix did not arrive: the engine computes it, and neither the ledger
+                # nor the dispatch may count it as found there.
+                engine = req.outstanding.engine
+                held = req.call.route.cached_tokens(engine, self._block_size_of(engine))
+                if held < req.outstanding.cached_tokens:
+                    lost_ahead(req.outstanding, held)
+                    req.dispatch = replace(req.dispatch, cached_tokens=held, kv_move=None)
             req.move(RequestState.DISPATCHED)
             actions.append(req.dispatch)
             req.dispatch = None

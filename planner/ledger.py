@@ -74,6 +74,18 @@ def computed_ahead(d: Outstanding, cached_tokens: int) -> None:
         d.load.queued_prefill_tokens -= gained
 
 
+def lost_ahead(d: Outstanding, cached_tokens: int) -> None:
+    """A prefix the request was counted as finding did not arrive (its move failed or came
+    late): it holds only its first `cached_tokens` and computes the rest."""
+    lost = d.cached_tokens - max(0, cached_tokens)
+    if lost <= 0 or not d.open:
+        return
+    d.cached_tokens -= lost
+    d.uncached_tokens += lost
+    if d.prefilling:
+        d.load.queued_prefill_tokens += lost
+
+
 def close_dispatch(d: Outstanding) -> bool:
     """The request finished or failed; False if it was already closed."""
     if not d.open:

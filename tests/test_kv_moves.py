@@ -217,6 +217,9 @@ def test_a_failed_move_sends_its_waiting_requests_to_recompute() -> None:
     (d,) = p.release(0.2)
     assert isinstance(d, Dispatch) and d.engine == "b"
     assert p.moves.stats.failed == 1
+    # Nothing arrived: the dispatch and the ledger count the whole prompt as computed there.
+    assert (d.cached_tokens, d.kv_move) == (0, None)
+    assert {v.name: v.queued_prefill_tokens for v in p.views()}["b"] == 4200
 
 
 def test_a_move_from_or_to_an_engine_that_left_is_over_at_once() -> None:
@@ -245,6 +248,7 @@ def test_a_late_move_is_given_up_at_its_deadline() -> None:
     assert p.release(deadline - 0.01) == []
     (d,) = p.release(deadline)
     assert isinstance(d, Dispatch) and p.moves.stats.late == 1
+    assert (d.cached_tokens, d.kv_move) == (0, None)  # it computes the prefix
     p.on_event(TransferDone(move.move_id), deadline + 1)
     assert p.release(deadline + 1) == []  # nothing sent twice
 
