@@ -38,6 +38,7 @@ Each request's state moves only along `TRANSITIONS`; anything else raises `Illeg
 from __future__ import annotations
 
 import enum
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -296,6 +297,10 @@ sent only once the previous one has answered reaches a real engine after its nex
 begun (the answer's and the request's trips through the API server and the gateway) and waits
 a whole step, which halves the pace."""
 
+REPLICATE_BACKOFF_S = 30.0
+"""After a replication copy from one engine to another fails, no other is tried between them for
+this long (vLLM's default NIXL lease, which a failed copy's producer blocks may stay pinned for)."""
+
 HOME_IDLE_S = 300.0
 """A workflow with no call for this long no longer counts as homed anywhere (hint-mode
 workflows never say they are over)."""
@@ -439,6 +444,9 @@ class Planner:
         call, and when it was sent."""
         self._homed: dict[str, int] = {}
         """Per engine, how many of `_homes` point at it."""
+        self._replica_backoff: dict[tuple[str, str], float] = {}
+        """(source, destination) pairs whose replication copy failed, and until when no other
+        is tried there (`REPLICATE_BACKOFF_S`)."""
 
     # -- what drivers may read ------------------------------------------------------------------
 
@@ -1145,11 +1153,18 @@ class Planner:
         if not holders or len(have) >= wanted:
             return
         load = {v.name: v.fresh_load for v in views}
-        source = min((n for n in holders if n in load), key=lambda n: (load[n], n), default=None)
-        lacking = [v.name for v in views if v.name not in have]
-        if source is None or not lacking:
+        sources = [n for n in holders if n in load]
+        backoff = self._replica_backoff
+
+        def open_pair(src: str, dst: str) -> bool:
+            return backoff.get((src, dst), -math.inf) <= now
+
+        lacking = [v.name for v in views
+                   if v.name not in have and any(open_pair(n, v.name) for n in sources)]
+        if not lacking:
             return
         dest = min(lacking, key=lambda n: (load[n], n))
+        source = min((n for n in sources if open_pair(n, dest)), key=lambda n: (load[n], n))
         self._start_transfer(source, dest, route.request_id, keys, route.block_size, 0,
                              "replicate", now, self._ready)
 
@@ -1171,6 +1186,14 @@ class Planner:
         record = self.moves.end(move_id, ok)
         if record is None:
             return
+        a = record.action
+        if not ok and a.reason == "replicate" and isinstance(a, Transfer):
+            # Not that pair again for a while: each try runs the producer leg, whose blocks
+            # stay pinned for the lease when no consumer reads them.
+            self._replica_backoff[(a.source, a.destination)] = now + REPLICATE_BACKOFF_S
+            if len(self._replica_backoff) > 4096:
+                self._replica_backoff = {k: t for k, t in self._replica_backoff.items()
+                                         if t > now}
         if record.source_load is not None:
             close_dispatch(record.source_load)
         self._dispatch_waiters(record, self._ready, now if ok else None)

@@ -552,6 +552,29 @@ def test_a_segment_every_call_needs_is_copied_to_every_engine() -> None:
     assert sorted(destinations) == ["b", "c", "d"]  # one copy each, none twice
 
 
+def test_a_failed_replica_copy_is_not_tried_again_between_those_engines_at_once() -> None:
+    # Each try runs the producer leg, whose exported blocks stay pinned for the lease.
+    from planner.core import REPLICATE_BACKOFF_S
+
+    p = replicating_planner()
+    tries: list[tuple[str, str]] = []
+    t = 0.0
+    for i in range(40):
+        t = 0.01 * i
+        p.admit(static_call(f"r{i}", 1), t)
+        for m in replicas_started(p, t):
+            tries.append((m.source, m.destination))
+            p.on_event(TransferFailed(m.move_id, "the consumer leg failed"), t)
+    assert sorted(tries) == [("a", "b"), ("a", "c"), ("a", "d")]  # one try per pair
+    # Once the pause is over, demand that still calls for copies gets them tried again.
+    again: list[tuple[str, str]] = []
+    for i in range(40):
+        now = t + REPLICATE_BACKOFF_S + 0.01 * i
+        p.admit(static_call(f"r{100 + i}", 1), now)
+        again += [(m.source, m.destination) for m in replicas_started(p, now)]
+    assert again and set(again) <= {("a", "b"), ("a", "c"), ("a", "d")}
+
+
 def test_a_segment_shorter_than_a_prefill_step_is_not_copied() -> None:
     p = replicating_planner()
     assert STATIC_BLOCKS > 32  # still long enough to count as demand
