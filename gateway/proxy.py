@@ -973,8 +973,9 @@ class _Recorder:
         assert self.proxy.state.workflows is not None
         if self.unrecorded:
             return
-        self._write(self.proxy.state.workflows.hinted_first_token(
-            self.workflow, self.task, attempt=self.attempt))
+        workflows = self.proxy.state.workflows
+        self._write(workflows.hinted_first_token(self.workflow, self.task, attempt=self.attempt,
+                                                 at=workflows.clock()))
 
     def finished(self, flight: _Flight | None, error: str | None,
                  cancelled: bool = False) -> None:
@@ -1004,7 +1005,7 @@ class _Recorder:
         self._write(self.proxy.state.workflows.hinted_task_finished(
             self.workflow, self.task, prompt_tokens=self.route.prompt_tokens or None,
             output_tokens=output_tokens, cached_tokens=cached, output=output, error=error,
-            cancelled=cancelled, attempt=self.attempt))
+            cancelled=cancelled, attempt=self.attempt, at=self.proxy.state.workflows.clock()))
 
 
 class _RetryableFailure(Exception):

@@ -1217,9 +1217,10 @@ class WorkflowService:
             await self._hint_write(workflow, task, rec, event=False)
 
     async def hinted_first_token(self, workflow: str, task: str,
-                                 attempt: str | None = None) -> None:
-        """The engine started answering the call (a streamed first chunk)."""
-        now = self.clock()
+                                 attempt: str | None = None, at: float | None = None) -> None:
+        """The engine started answering the call (a streamed first chunk), `at` (epoch s;
+        default now: the proxy passes when it saw it, as its writes may queue)."""
+        now = self.clock() if at is None else at
         run = self._runs.get(workflow)
         if run is not None:
             run.inbox.put_nowait(_Note(task, {"first_token_s": now}))
@@ -1233,11 +1234,11 @@ class WorkflowService:
         self, workflow: str, task: str, *, prompt_tokens: int | None = None,
         output_tokens: int | None = None, cached_tokens: int | None = None,
         output: str | None = None, error: str | None = None, cancelled: bool = False,
-        attempt: str | None = None,
+        attempt: str | None = None, at: float | None = None,
     ) -> None:
-        """The call ended: answered, or failed with `error`, or `cancelled` (its client went
-        away; `error` says when). `attempt`: the call's token, when another may have taken
-        its task over."""
+        """The call ended (`at`, epoch s; default now): answered, or failed with `error`, or
+        `cancelled` (its client went away; `error` says when). `attempt`: the call's token,
+        when another may have taken its task over."""
         if workflow in self._runs:
             return
         rec = self._hint_attempt(workflow, task, attempt)
@@ -1246,7 +1247,8 @@ class WorkflowService:
         del self._hint_tasks[(workflow, task)]
         state = (TaskState.DONE if error is None else
                  TaskState.CANCELLED if cancelled else TaskState.FAILED)
-        rec.update(state=state.value, finished_s=self.clock(), prompt_tokens=prompt_tokens,
+        rec.update(state=state.value, finished_s=self.clock() if at is None else at,
+                   prompt_tokens=prompt_tokens,
                    output_tokens=output_tokens, cached_tokens=cached_tokens, output=output,
                    error=error)
         await self._hint_write(workflow, task, rec)

@@ -341,6 +341,19 @@ async def test_the_redis_index_keeps_only_the_newest_ids(
         await store.close()
 
 
+async def test_hint_mode_times_are_when_the_proxy_saw_them(service: WorkflowService) -> None:
+    # The proxy's writes of one call queue behind each other (a slow store): each carries the
+    # time its event happened, not the time its write ran.
+    await service.hinted_task_started("agent-5", "plan", [], "req-5", "m")
+    await service.hinted_task_dispatched("agent-5", "plan", "e1", at=100.0)
+    await service.hinted_first_token("agent-5", "plan", at=100.25)
+    await service.hinted_task_finished("agent-5", "plan", prompt_tokens=10, output_tokens=2,
+                                       output="ok", at=101.5)
+    task = (await service.snapshot("agent-5"))["tasks"]["plan"]
+    assert (task["dispatched_s"], task["first_token_s"], task["finished_s"]) == (
+        100.0, 100.25, 101.5)
+
+
 async def test_a_listing_shows_no_cache_hits_where_no_engine_reported_them(
         service: WorkflowService) -> None:
     # vLLM reports cached tokens only with --enable-prompt-tokens-details: unknown is not 0 %.
