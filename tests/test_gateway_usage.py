@@ -15,31 +15,19 @@ from aiohttp import web
 
 from kvgate.procs import Child, wait_healthy
 from tests.conftest import ThreadedServer
+from tests.test_gateway_failures import RecordingEngine
 
 TOKENS_PER_EVENT = 4
 """As vLLM streams when its API server falls behind (or with `--stream-interval 4`)."""
 
 
-class UsageEngine:
+class UsageEngine(RecordingEngine):
     """An OpenAI-speaking upstream that records each body and answers `max_tokens` tokens,
     streamed `TOKENS_PER_EVENT` to an event."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.bodies: list[dict[str, Any]] = []
-        self.app = web.Application()
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_get("/metrics", self.metrics)
-        self.app.router.add_post("/v1/chat/completions", self.chat)
-
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response()
-
-    async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "use", "object": "model"}]})
-
-    async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
@@ -48,18 +36,18 @@ class UsageEngine:
         usage = {"prompt_tokens": 5, "total_tokens": 5 + n, "completion_tokens": n}
         if not body.get("stream"):
             return web.json_response({
-                "id": "chatcmpl-1", "object": "chat.completion", "model": "use",
+                "id": "chatcmpl-1", "object": "chat.completion", "model": "rec",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * n},
                              "finish_reason": "length"}], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for _ in range(n // TOKENS_PER_EVENT):
-            event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "use",
+            event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "rec",
                      "choices": [{"index": 0, "delta": {"content": "x" * TOKENS_PER_EVENT}}]}
             await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode()
                              + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
-            event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "use",
+            event = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "rec",
                      "choices": [], "usage": usage}
             await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode()
                              + b"\n\n")
@@ -71,7 +59,7 @@ class UsageEngine:
 
 def chat(gw: Child, workflow: str, task: str, max_tokens: int, stream: bool = False,
          **extra: Any) -> bytes:
-    body = {"model": "use", "messages": [{"role": "user", "content": f"{workflow} {task}"}],
+    body = {"model": "rec", "messages": [{"role": "user", "content": f"{workflow} {task}"}],
             "max_tokens": max_tokens, "stream": stream, **extra}
     req = urllib.request.Request(
         f"{gw.url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
