@@ -231,6 +231,19 @@ def test_the_two_legs_answer_as_vllm_and_a_lost_lease_fails_the_consumer(
         "model": MODEL, "prompt": ids, "max_tokens": 1, "kv_transfer_params": params})
     assert status == 500, third
     assert third["error"]["type"] == "InternalServerError"
+    # Streamed, the error is an event, then [DONE]: vLLM sends no usage after it, even when
+    # the client asked for usage.
+    req = urllib.request.Request(f"{sims[3].url}/v1/completions", method="POST",
+                                 data=json.dumps({"model": MODEL, "prompt": ids, "max_tokens": 1,
+                                                  "kv_transfer_params": params, "stream": True,
+                                                  "stream_options": {"include_usage": True}
+                                                  }).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        text = r.read().decode()
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert json.loads(events[-2])["error"]["type"] == "InternalServerError", events
+    assert events[-1] == "[DONE]" and '"usage"' not in text
 
 
 def hold_blocks(url: str) -> threading.Thread:

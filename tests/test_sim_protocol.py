@@ -657,6 +657,15 @@ def test_defaults_and_refusals_as_vllms_handlers_give_them(tmp_path: Path) -> No
         assert answer["usage"]["completion_tokens"] == 5
         status, text = _refused(sim.url + "/v1/completions", {"model": model, "prompt": ""})
         assert status == 400 and "must be provided and non-empty" in text
+        # vLLM 0.32's words for a prompt past the context, and one that leaves no room.
+        room = json.loads(_http(sim.url + "/v1/models"))["data"][0]["max_model_len"]
+        for n, words, param in ((room + 1, f"your prompt contains {room + 1} input tokens",
+                                 "input_tokens"),
+                                (room, "max_tokens must be at least 1, got 0", "max_tokens")):
+            status, text = _refused(sim.url + "/v1/completions", {
+                "model": model, "prompt": [11] * n, "max_tokens": 1})
+            assert status == 400 and words in text and json.loads(text)["error"]["param"] \
+                == param, text
         # What vLLM's ValueError/TypeError handlers answer: a 400 in its error shape, never a
         # plain-text 500.
         for path, body in (

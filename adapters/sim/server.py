@@ -443,13 +443,18 @@ class SimEngine:
         n_prompt = len(prompt_ids)
         if n_prompt == 0:
             raise APIError(400, "The prompt cannot be empty.")
-        if n_prompt >= cfg.max_model_len:
+        if n_prompt > cfg.max_model_len:
+            # vLLM 0.32's renderers/params.py, with its VLLMValidationError's suffix.
             raise APIError(
                 400,
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
-                f"your request has {n_prompt} input tokens. Please reduce the length of the "
-                "input messages.",
-            )
+                f"your prompt contains {n_prompt} input tokens, which exceeds this limit even "
+                "without any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={n_prompt})", param="input_tokens")
+        if n_prompt == cfg.max_model_len:
+            # No room for one output token (vLLM's get_max_tokens, then SamplingParams).
+            raise APIError(400, "max_tokens must be at least 1, got 0. (parameter=max_tokens, "
+                                "value=0)", param="max_tokens")
         max_tokens = _opt_int(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _opt_int(body, "max_tokens")
@@ -459,7 +464,9 @@ class SimEngine:
             # tokens (its CompletionRequest's `max_tokens: int | None = 16`, null read as 16).
             max_tokens = room if chat else min(COMPLETION_MAX_TOKENS, room)
         elif max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}.")
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}. "
+                                f"(parameter=max_tokens, value={max_tokens})",
+                           param="max_tokens")
         elif max_tokens > cfg.max_model_len:
             raise APIError(
                 400,
@@ -696,9 +703,11 @@ class SimEngine:
             resp = await _sse_response(request)
             ids: list[int] = []
             sent = ""
+            failed = False
             async for out in self._tokens(stream):
                 if out.finish_reason is FinishReason.ERROR:
                     await resp.write(_sse(STREAM_ERROR))
+                    failed = True
                     break
                 if not ids:
                     # vLLM sends the role chunk with the first output, i.e. after prefill.
@@ -718,7 +727,7 @@ class SimEngine:
                     # chunk, or the usage chunk where one follows.
                     last = chunk([choice], fingerprint=not include_usage)
                 await resp.write(last)
-            if include_usage:
+            if include_usage and not failed:  # vLLM: the error event, then [DONE]
                 await resp.write(chunk([], self._usage(stream.request, streamed=True),
                                        fingerprint=True))
             await resp.write(b"data: [DONE]\n\n")
@@ -743,9 +752,11 @@ class SimEngine:
                 resp = await _sse_response(request)
                 ids: list[int] = []
                 sent = ""
+                failed = False
                 async for out in self._tokens(stream):
                     if out.finish_reason is FinishReason.ERROR:
                         await resp.write(_sse(STREAM_ERROR))
+                        failed = True
                         break
                     ids.extend(out.new_token_ids)
                     text = self._text(ids)
@@ -759,7 +770,7 @@ class SimEngine:
                     if reason is not None and not include_usage:
                         piece["system_fingerprint"] = SYSTEM_FINGERPRINT
                     await resp.write(_sse(piece))
-                if include_usage:
+                if include_usage and not failed:  # vLLM: the error event, then [DONE]
                     await resp.write(_sse({"id": rid, "object": "text_completion",
                                            "created": created, "model": model, "choices": [],
                                            "usage": self._usage(stream.request,
