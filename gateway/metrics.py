@@ -126,6 +126,9 @@ class GatewayMetrics:
         """The series each call counts into, by metric and label values: prometheus_client's
         `labels` checks and converts its arguments and takes a lock on every call, several
         times per proxied call; `forget_engine` drops a removed engine's with its series."""
+        self._left: set[str] = set()
+        """Engines removed from the pool (until one joins again under the name): calls placed
+        on them before they left count into no series, which would come back for good."""
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), labels)
@@ -139,6 +142,8 @@ class GatewayMetrics:
         """Count a call sent to its engine: in flight there, routed, its prompt and cached
         tokens, its placement's reason, and the static segment its prompt starts with."""
         engine = dispatch.engine
+        if engine in self._left:
+            return  # placed before it left: its series are gone, and stay gone
         child = self._child
         child(self.in_flight, engine).inc()
         child(self.routed, engine).inc()
@@ -151,13 +156,20 @@ class GatewayMetrics:
 
     def count(self, counter: Counter, *labels: str) -> None:
         """One more in `counter`'s series for `labels` (through the series cache, so
-        `forget_engine` finds it)."""
+        `forget_engine` finds it); nothing for an engine that left the pool."""
+        if labels and labels[0] in self._left:
+            return
         self._child(counter, *labels).inc()
+
+    def engine_joined(self, engine: str) -> None:
+        """An engine (back) in the pool: its series are counted again."""
+        self._left.discard(engine)
 
     def forget_engine(self, engine: str) -> None:
         """An engine left the pool: every series it labels goes (a pool whose engines come
         and go, as pods do, would otherwise grow them without end; Prometheus reads a counter
         that vanishes as ended, and the totals it scraped stay in its history)."""
+        self._left.add(engine)
         with contextlib.suppress(KeyError):
             self.healthy.remove(engine)
         per_engine = {id(m): m for m in (self.in_flight, self.routed, self.retries,

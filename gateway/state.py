@@ -180,6 +180,7 @@ class GatewayState:
         assert self.pool is not None and self.listener is not None
         self.listener.add_source(event_source(entry))  # raises on a topic already in use
         self.pool.add(entry)
+        self.metrics.engine_joined(entry.engine_name)
         if entry.scheduling_policy == "priority":
             self._priority_engines.add(entry.engine_name)
         if entry.scheduler == "kvgate-pace":

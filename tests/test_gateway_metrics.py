@@ -262,7 +262,16 @@ def test_a_removed_engine_leaves_no_series_even_when_its_calls_end_later() -> No
     m.forget_engine("gone")
     m.finished("gone")  # the call in flight at the removed engine ends afterwards
     m.finished("kept")
+    # A call placed there before it left is counted afterwards (dispatched, retried
+    # elsewhere): its series do not come back.
+    from planner.actions import Dispatch
+
+    m.dispatched(Dispatch("late", "gone", 0), 10, (), 0.0)
+    m.count(m.retries, "gone")
     text = generate_latest(m.registry).decode()
     assert 'engine="gone"' not in text
     assert 'kvgate_engine_in_flight{engine="kept"} 0.0' in text
     assert 'kvgate_upstream_errors_total{engine="kept",kind="mid-stream"} 1.0' in text
+    m.engine_joined("gone")  # back under the name: counted again
+    m.count(m.retries, "gone")
+    assert 'kvgate_retries_total{engine="gone"} 1.0' in generate_latest(m.registry).decode()
