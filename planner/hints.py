@@ -221,8 +221,9 @@ def parse_hints(headers: Mapping[str, str], body: dict[str, Any]
         raise HintError("a task id or `after` needs a workflow id (X-KVGate-Workflow or "
                         "kvgate.workflow)")
     if "task" in fields and fields["task"] in fields.get("after", ()):
-        raise HintError(f"task {fields['task']!r} names itself in `after`: a task cannot "
-                        "run after itself")
+        # A task cannot run after itself: an agent that names each turn's task the same
+        # (`after` it too) means its earlier call, which the record keeps as the same task.
+        fields["after"] = tuple(t for t in fields["after"] if t != fields["task"])
     return (RequestHints(**fields) if fields else NO_HINTS), forwarded
 
 
