@@ -440,15 +440,22 @@ class CallTrace:
         usage = self.usage
         if status:
             span.set_attribute("http.response.status_code", status)
+        # A hint-mode call's task span carries what a workflow-API task's does.
+        spans = (span,) if self.task_span is None else (span, self.task_span)
         if usage:
             for key, attr in (("prompt_tokens", "gen_ai.usage.input_tokens"),
                               ("completion_tokens", "gen_ai.usage.output_tokens")):
                 if isinstance(usage.get(key), int):
-                    span.set_attribute(attr, usage[key])
+                    for s in spans:
+                        s.set_attribute(attr, usage[key])
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             if isinstance(cached, int):
-                span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached)
+                for s in spans:
+                    s.set_attribute("gen_ai.usage.cache_read.input_tokens", cached)
         failed = error is not None or status >= 400
+        if self.task_span is not None:
+            self.task_span.set_attribute("kvgate.task.state", "cancelled" if status == 499
+                                         else "failed" if failed else "done")
         if failed:
             span.set_status(otel.Status(otel.StatusCode.ERROR, error or f"HTTP {status}"))
         now = end_ns if end_ns is not None else time.time_ns()

@@ -340,6 +340,9 @@ def test_hint_mode_calls_share_the_workflow_trace_and_link_the_clients(
     assert plan["links"] == [{"trace_id": CLIENT_TRACE, "span_id": CLIENT_SPAN}]
     assert one(tasks, "task worker")["attributes"]["kvgate.task.after"] == ["plan"]
     for task in tasks:
+        # What a workflow-API task's span carries, a hint-mode one's carries too.
+        assert task["attributes"]["kvgate.task.state"] == "done"
+        assert 1 <= task["attributes"]["gen_ai.usage.output_tokens"] <= 6
         (call,) = children(spans, task)
         stages = {s["name"]: s for s in children(spans, call)}
         assert {"buffer wait", "placement", "engine call"} <= set(stages)
