@@ -657,6 +657,10 @@ def test_defaults_and_refusals_as_vllms_handlers_give_them(tmp_path: Path) -> No
         assert answer["usage"]["completion_tokens"] == 5
         status, text = _refused(sim.url + "/v1/completions", {"model": model, "prompt": ""})
         assert status == 400 and "must be provided and non-empty" in text
+        status, text = _refused(sim.url + "/v1/completions", {"model": "nope", "prompt": "x"})
+        error = json.loads(text)["error"]
+        assert status == 404 and (error["type"], error["param"]) == ("NotFoundError", "model")
+        assert error["message"] == f"The model `nope` does not exist. Valid aliases: {model}."
         # vLLM 0.32's words for a prompt past the context, and one that leaves no room.
         room = json.loads(_http(sim.url + "/v1/models"))["data"][0]["max_model_len"]
         for n, words, param in ((room + 1, f"your prompt contains {room + 1} input tokens",

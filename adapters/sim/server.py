@@ -619,7 +619,9 @@ class SimEngine:
             raise APIError(400, "Request body must be a JSON object.")
         model = body.get("model")
         if model is not None and model != self.settings.model and model not in self._loras:
-            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError")
+            # vLLM 0.32's serve/engine/serving.py words it so (its aliases: the served names).
+            raise APIError(404, f"The model `{model}` does not exist. Valid aliases: "
+                                f"{self.settings.model}.", "NotFoundError", param="model")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             # vLLM's request model (a StreamOptions object) refuses it in validation.
