@@ -111,15 +111,21 @@ def _sim(args: argparse.Namespace) -> int:
         reserve_full_isl=args.scheduler_reserve_full_isl,
         server_load_tracking=args.enable_server_load_tracking,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        kv_drop_seqs=frozenset(int(x) for x in args.kv_drop_seqs.split(",") if x.strip()),
+        kv_drop_seqs=args.kv_drop_seqs,
         kv_connector=connector, kv_link=link, engine_id=args.engine_id or "",
         host=args.host, port=args.port,
         lora_modules=tuple(args.lora_modules or ()),
     )
+    import zmq
+
     try:
         run(settings, args.host, args.port)
     except OSError as e:
         print(f"kvgate sim: {_listen_error(args.host, args.port, e)}", file=sys.stderr)
+        return 1
+    except zmq.ZMQError as e:  # --kv-events / --kv-replay cannot be bound or connected
+        print(f"kvgate sim: cannot open the KV-event socket ({args.kv_events} / "
+              f"{args.kv_replay}): {e.strerror}", file=sys.stderr)
         return 1
     return 0
 
@@ -254,6 +260,29 @@ def _lora_module(value: str) -> tuple[str, str]:
     return name, path or f"/loras/{name}"
 
 
+def _port(value: str) -> int:
+    """A TCP port to listen on: 0 (any free one) to 65535."""
+    port = _whole(value, 0)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return port
+
+
+def _seq_list(value: str) -> frozenset[int]:
+    """Comma-separated whole numbers (KV-event sequence numbers)."""
+    return frozenset(_whole(x.strip(), 0) for x in value.split(",") if x.strip())
+
+
+def _kv_blocks(value: str) -> int:
+    """A KV cache size in blocks: 1 to the most a profile may hold."""
+    from planner.profile_file import MAX_KV_BLOCKS
+
+    blocks = _whole(value, 1)
+    if blocks > MAX_KV_BLOCKS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_KV_BLOCKS:,} blocks, got {value}")
+    return blocks
+
+
 def _positive_int(value: str) -> int:
     """A whole number at least 1 (a count of things a run makes or times)."""
     return _whole(value, 1)
@@ -284,11 +313,35 @@ def _unwritable(command: str, *outputs: tuple[str, str | None]) -> bool:
         p = Path(path)
         problem = (f"{option} {path}: is a directory; give a file name" if p.is_dir() else
                    f"{option} {path}: no directory {p.parent} to write it in"
-                   if not p.parent.is_dir() else None)
+                   if not p.parent.is_dir() else
+                   f"{option} {path}: a plot is {', '.join(sorted(PLOT_FORMATS))}, by its "
+                   f"name's ending" if option == "--plot"
+                   and p.suffix.lower().lstrip(".") not in PLOT_FORMATS else _cannot_open(p))
         if problem is not None:
-            print(f"{command}: {problem}", file=sys.stderr)
+            print(f"{command}: {option} {path}: {problem}" if not problem.startswith(option)
+                  else f"{command}: {problem}", file=sys.stderr)
             return True
     return False
+
+
+PLOT_FORMATS = frozenset({"png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff",
+                          "webp"})
+"""The file types `--plot` writes (matplotlib's, by the name's ending)."""
+
+
+def _cannot_open(path: Path) -> str | None:
+    """Why `path` cannot be opened for writing (None if it can): tried now, so a file under
+    /proc or without permission fails before the work, not after it. A file this creates is
+    removed again."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as e:
+        return f"cannot be written ({e.strerror})"
+    if not existed:
+        path.unlink(missing_ok=True)
+    return None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -446,7 +499,7 @@ def build_parser(full_help: bool = False) -> argparse.ArgumentParser:
         epilog=EPILOG)
     p.add_argument("--log-level", type=str.upper, metavar="LEVEL",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   default=os.environ.get("KVGATE_LOG_LEVEL", "INFO").upper(),
+                   default=_env_log_level(),
                    help="debug, info (default, or $KVGATE_LOG_LEVEL), warning or error")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 
@@ -454,7 +507,7 @@ def build_parser(full_help: bool = False) -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML config file (see configs/local-sim.yaml)")
     s.add_argument("--engines", help="comma-separated engine URLs, instead of --config")
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="listen port (default 8000)")
+    s.add_argument("--port", type=_port, help="listen port (default 8000)")
     s.add_argument("--policy", help="routing policy name (default kvgate)")
     s.add_argument("--kv-events-bind",
                    help="bind one ZMQ SUB socket here for engines' KV events (tcp://127.0.0.1:P)")
@@ -475,13 +528,13 @@ def build_parser(full_help: bool = False) -> argparse.ArgumentParser:
 
     m = sub.add_parser("sim", help="run one simulated vLLM engine")
     m.add_argument("--host", default="127.0.0.1")
-    m.add_argument("--port", type=int, required=True)
+    m.add_argument("--port", type=_port, required=True)
     m.add_argument("--profile", default="h100-llama3-8b")
     m.add_argument("--profile-file", help="a profile YAML (e.g. from `kvgate calibrate`); "
                                           "overrides --profile")
     m.add_argument("--model", help="served model name (default: the profile's model)")
     m.add_argument("--block-size", type=int, help="KV block size in tokens (default: profile's)")
-    m.add_argument("--kv-blocks", type=_positive_int,
+    m.add_argument("--kv-blocks", type=_kv_blocks,
                    help="KV blocks in the pool (default: from profile)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--time-scale", type=_positive_number, default=1.0,
@@ -495,7 +548,7 @@ def build_parser(full_help: bool = False) -> argparse.ArgumentParser:
     m.add_argument("--lora-modules", nargs="+", type=_lora_module, metavar="NAME[=PATH]",
                    help="LoRA adapters served beside the model, like vLLM's flag: a request "
                         "naming one runs with it, its KV keyed apart")
-    m.add_argument("--kv-drop-seqs", default="",
+    m.add_argument("--kv-drop-seqs", type=_seq_list, default=frozenset(),
                    help="fault injection: never send these event batches live (replay keeps them)")
     m.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="vLLM's flag: fcfs (default) or priority (the request's `priority`, "
@@ -710,6 +763,17 @@ def build_parser(full_help: bool = False) -> argparse.ArgumentParser:
     return p
 
 
+def _env_log_level() -> str:
+    """$KVGATE_LOG_LEVEL, else INFO; a level that is none of the four exits 2 naming it
+    (argparse does not check a default against its choices)."""
+    level = os.environ.get("KVGATE_LOG_LEVEL", "INFO").upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        print(f"kvgate: $KVGATE_LOG_LEVEL is {level!r}; use debug, info, warning or error",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return level
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvgate` console script."""
     from adapters.sim_native import NativeUnavailable
@@ -722,6 +786,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NativeUnavailable as e:  # KVGATE_NATIVE asks for a build there is not
         print(f"kvgate: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the run stops, without a traceback
+        print(f"kvgate {args.command}: interrupted", file=sys.stderr)
+        return 130
     return code
 
 

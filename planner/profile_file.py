@@ -28,6 +28,12 @@ MAY_BE_ZERO = ("step_overhead_s", "request_overhead_s", "chat_overhead_s", "seq_
                "request_overhead_per_token_s", "api_servers", "long_prefill_token_threshold")
 
 
+MAX_STEP_S = 3600.0
+"""The longest engine step a profile may imply: no GPU takes an hour per step."""
+MAX_KV_BLOCKS = 100_000_000
+"""The most KV blocks of 16 tokens a profile's cache may hold (1.6 billion tokens)."""
+
+
 class ProfileFileError(ValueError):
     """A profile file that cannot be used; the message names the file, the key and the problem."""
 
@@ -96,7 +102,20 @@ def parse_profile(data: Any, source: str = "profile") -> EngineProfile:
     if missing:
         raise ProfileFileError(f"{source}: missing key(s) {', '.join(missing)} "
                                f"(or name a built-in profile as base:)")
-    return EngineProfile(**values)
+    profile = EngineProfile(**values)
+    # Numbers each valid alone can still describe no engine (TFLOPS typed for FLOP/s): a run
+    # on them would take a virtual age per step, or a cache of more blocks than memory holds.
+    step = max(profile.decode_step_time(1, 0),
+               profile.prefill_time(profile.max_num_batched_tokens))
+    if not step < MAX_STEP_S:
+        raise ProfileFileError(f"{source}: one engine step would take {step:.3g} s (a full "
+                               f"prefill step or one decode step); check the units of "
+                               f"peak_flops, mem_bandwidth and params (at most {MAX_STEP_S:g} s)")
+    blocks = profile.kv_cache_bytes / (profile.kv_bytes_per_token * 16)
+    if not blocks <= MAX_KV_BLOCKS:
+        raise ProfileFileError(f"{source}: kv_cache_bytes holds {blocks:.3g} blocks of 16 "
+                               f"tokens; at most {MAX_KV_BLOCKS:,} are modelled")
+    return profile
 
 
 def load_profile_file(path: str | Path) -> EngineProfile:

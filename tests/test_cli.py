@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -78,6 +79,12 @@ def test_an_unknown_log_level_is_a_usage_error() -> None:
 @pytest.mark.parametrize(("argv", "problem"), [
     (["sim", "--port", "1", "--block-size", "0"], "--block-size must be positive"),
     (["sim", "--port", "1", "--kv-blocks", "0"], "argument --kv-blocks: must be at least 1"),
+    # Each a traceback, a hang or memory without end before.
+    (["sim", "--port", "70000"], "argument --port: a port is 0 to 65535"),
+    (["sim", "--port", "1", "--kv-blocks", "99999999999"], "at most 100,000,000 blocks"),
+    (["sim", "--port", "1", "--kv-drop-seqs", "a,b"], "argument --kv-drop-seqs: expected a"),
+    (["bench", "--workload", "fanout", "--engines", "100000"],
+     "--engines must be from 1 to 4096"),
     (["sim", "--port", "1", "--time-scale", "nan"],
      "argument --time-scale: must be a finite number above 0, got nan"),
     (["microbench", "placement", "--agents", "0"], "argument --agents: must be at least 1"),
@@ -117,7 +124,12 @@ def test_an_output_that_cannot_be_written_is_named_before_the_work(
             (["export-workflows", "--redis", "redis://127.0.0.1:1/0", "-o", str(tmp_path)],
              "--output"),
             (["microbench", "index", "--json", str(missing)], "--json"),
-            (["vllm-pool", "--run-dir", str(tmp_path / "file")], "is a file")):
+            (["vllm-pool", "--run-dir", str(tmp_path / "file")], "is a file"),
+            # A path the kernel will not create a file at, and a plot of no type it writes.
+            (["bench", "--workload", "fanout", "--json", "/proc/kvgate.json"],
+             "--json /proc/kvgate.json: cannot be written"),
+            (["bench", "--workload", "fanout", "--plot", str(tmp_path / "plot.txt")],
+             "a plot is eps, jpeg, jpg, pdf, png")):
         (tmp_path / "file").write_text("")
         assert main(argv) == 2, argv
         assert problem in capsys.readouterr().err, argv
@@ -137,3 +149,23 @@ def test_a_kv_event_port_in_use_is_named(taken_port: int) -> None:
     assert (f"kvgate serve: cannot bind the KV-event endpoint tcp://127.0.0.1:{taken_port}: "
             "Address already in use") in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_log_level_in_the_environment_that_is_none_is_named() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvgate.cli", "native", "status"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "KVGATE_LOG_LEVEL": "verbose"})
+    assert done.returncode == 2
+    assert "$KVGATE_LOG_LEVEL is 'VERBOSE'; use debug, info, warning or error" in done.stderr
+
+
+def test_ctrl_c_ends_a_command_without_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import kvgate.cli as cli
+
+    def interrupted(_: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_native", interrupted)
+    assert cli.main(["native", "status"]) == 130
+    assert capsys.readouterr().err == "kvgate native: interrupted\n"

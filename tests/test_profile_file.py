@@ -195,3 +195,16 @@ def test_the_four_server_what_if_differs_from_the_one_server_one_in_that_alone()
     one, _ = shipped_what_if("h100x4-llama3-70b", "api-server")
     assert four.api_servers == 4
     assert dataclasses.replace(four, name=one.name, api_servers=1) == one
+
+
+@pytest.mark.parametrize(("changes", "problem"), [
+    # TFLOPS typed where FLOP/s go: each step an age of virtual time (the run hung).
+    ({"peak_flops": 989}, "one engine step would take"),
+    ({"mem_bandwidth": 1e-300}, "one engine step would take"),
+    # A cache of more blocks than any memory holds (the run grew without end).
+    ({"kv_cache_bytes": 1.0e18}, "at most 100,000,000 are modelled"),
+])
+def test_numbers_that_describe_no_engine_are_refused(changes: dict[str, float],
+                                                     problem: str) -> None:
+    with pytest.raises(ProfileFileError, match=problem):
+        parse_profile({"base": "h100-llama3-8b", **changes}, "typo.yaml")

@@ -69,6 +69,10 @@ DEFAULT_WORKFLOWS = {"claude-code": 77, "mooncake-conversation": 1000,
                      "mooncake-synthetic": 1000, "prefix-groups": 750}
 
 
+
+MAX_ENGINES = 4096
+"""The most engines a run simulates (each has its own cache and queue in memory)."""
+
 def check_options(o: BenchOptions) -> None:
     """Reject impossible option combinations with a message naming the option."""
     if [o.workload, o.dag_file, o.workflow_trace].count(None) != 2:
@@ -80,8 +84,8 @@ def check_options(o: BenchOptions) -> None:
         raise WorkloadError("--rate must be a positive number of workflows per second")
     if o.concurrency is not None and o.concurrency < 1:
         raise WorkloadError("--concurrency must be at least 1")
-    if o.engines < 1:
-        raise WorkloadError("--engines must be at least 1")
+    if not 1 <= o.engines <= MAX_ENGINES:
+        raise WorkloadError(f"--engines must be from 1 to {MAX_ENGINES}, got {o.engines}")
     if o.workflows is not None and o.workflows < 1:
         raise WorkloadError("--workflows must be at least 1")
     if o.mode not in ("virtual", "live"):
