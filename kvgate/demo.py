@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import aiohttp
@@ -161,7 +163,19 @@ def format_summary(results: list[TaskResult], completion_s: float, policy: str) 
 
 def run_demo(engines: int, profile: str, policy: str, workers: int, keep: bool = False) -> int:
     """Start everything, run the workflow, print the summary and where the timeline page shows
-    it, then stop everything (with `keep`, only once interrupted)."""
+    it, then stop everything (with `keep`, only once interrupted: Ctrl-C or SIGTERM)."""
+
+    def terminated(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt  # as Ctrl-C: the engines and the gateway are stopped
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        return _run_demo(engines, profile, policy, workers, keep)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run_demo(engines: int, profile: str, policy: str, workers: int, keep: bool) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="kvgate-demo-"))
     children: list[Child] = []
     try:

@@ -169,3 +169,32 @@ def test_ctrl_c_ends_a_command_without_a_traceback(
     monkeypatch.setattr(cli, "_native", interrupted)
     assert cli.main(["native", "status"]) == 130
     assert capsys.readouterr().err == "kvgate native: interrupted\n"
+
+
+def test_a_demo_stopped_with_sigterm_stops_its_engines_and_gateway() -> None:
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "demo", "--engines", "2",
+                             "--workers", "2", "--keep"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    urls = []
+    for line in proc.stdout:  # until the pool is up and the summary printed
+        if line.startswith("gateway "):
+            urls = [u.strip(",;") for u in line.split() if u.startswith("http://")]
+        if line.startswith("the pool keeps running"):
+            break
+    assert len(urls) == 3, urls  # the gateway and its two engines
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) in (0, 130)
+    deadline = time.monotonic() + 15
+    for url in urls:
+        host, port = url.removeprefix("http://").split(":")
+        while True:  # nothing listens there any more
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+            except OSError:
+                break
+            assert time.monotonic() < deadline, f"{url} still up"
+            time.sleep(0.2)
