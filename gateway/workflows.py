@@ -50,7 +50,7 @@ from planner.hints import (
 from planner.workflow import (
     Workflow,
     WorkflowError,
-    call_size_floor,
+    call_size_floors,
     dependencies,
     load_workflow,
     render_task,
@@ -731,10 +731,9 @@ class WorkflowService:
         if self.call_limit is not None:
             # Segments are sent whole in every call that uses them: a spec under its own limit
             # may make calls over the gateway's, each then refused with a 413.
-            for t in spec.tasks:
-                size = call_size_floor(spec, t.id)
+            for task, size in call_size_floors(spec).items():
                 if size > self.call_limit:
-                    problems.append(f"task {t.id!r}'s call would be at least {size} bytes "
+                    problems.append(f"task {task!r}'s call would be at least {size} bytes "
                                     f"(its segments and messages, before any parent's output);"
                                     f" the gateway takes calls of at most {self.call_limit} "
                                     "bytes (max_body_bytes)")

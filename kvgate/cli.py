@@ -310,18 +310,22 @@ def _unwritable(command: str, *outputs: tuple[str, str | None]) -> bool:
     for option, path in outputs:
         if path is None or path == "-":
             continue
-        p = Path(path)
-        problem = (f"{option} {path}: is a directory; give a file name" if p.is_dir() else
-                   f"{option} {path}: no directory {p.parent} to write it in"
-                   if not p.parent.is_dir() else
-                   f"{option} {path}: a plot is {', '.join(sorted(PLOT_FORMATS))}, by its "
-                   f"name's ending" if option == "--plot"
-                   and p.suffix.lower().lstrip(".") not in PLOT_FORMATS else _cannot_open(p))
+        problem = _output_problem(option, Path(path))
         if problem is not None:
-            print(f"{command}: {option} {path}: {problem}" if not problem.startswith(option)
-                  else f"{command}: {problem}", file=sys.stderr)
+            print(f"{command}: {option} {path}: {problem}", file=sys.stderr)
             return True
     return False
+
+
+def _output_problem(option: str, p: Path) -> str | None:
+    """Why `p` cannot take the output of `option` (None if it can)."""
+    if p.is_dir():
+        return "is a directory; give a file name"
+    if not p.parent.is_dir():
+        return f"no directory {p.parent} to write it in"
+    if option == "--plot" and p.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        return f"a plot is {', '.join(sorted(PLOT_FORMATS))}, by its name's ending"
+    return _cannot_open(p)
 
 
 PLOT_FORMATS = frozenset({"png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff",

@@ -343,31 +343,32 @@ def runnable_problems(wf: Workflow) -> list[str]:
     return problems
 
 
-def call_size_floor(wf: Workflow, task_id: str) -> int:
-    """About how many bytes the task's call body takes before its parents' outputs are in it
-    (`render_task` with every output empty), without rendering it: a segment used by many tasks
-    is measured once."""
-    sizes: dict[str, int] = {}
+def call_size_floors(wf: Workflow) -> dict[str, int]:
+    """Per task, about how many bytes its call body takes before its parents' outputs are in it
+    (`render_task` with every output empty), without rendering it: each segment is measured
+    once, however many tasks use it."""
+    sizes: dict[tuple[str, str], int] = {}
 
     def segment(name: str, part: str) -> int:
-        key = f"{part}:{name}"
-        if key not in sizes:
+        if (part, name) not in sizes:
             seg = wf.segments[name]
             value = seg.content if part == "content" else seg.tools
-            sizes[key] = len(json.dumps(value)) if value is not None else 0
-        return sizes[key]
+            sizes[part, name] = len(json.dumps(value)) if value is not None else 0
+        return sizes[part, name]
 
-    task = wf.task(task_id)
-    size = len(json.dumps({"model": wf.model, "cache_salt": wf.tenant, **task.params}))
-    for m in task.messages:
-        size += 32  # the message's own keys and role
-        if isinstance(m, SegmentRef):
-            size += segment(m.segment, "content")
-        elif isinstance(m, LiteralMessage):
-            size += len(json.dumps(m.content))
-    if task.tools is not None:
-        size += segment(task.tools, "tools")
-    return size
+    floors: dict[str, int] = {}
+    for task in wf.tasks:
+        size = len(json.dumps({"model": wf.model, "cache_salt": wf.tenant, **task.params}))
+        for m in task.messages:
+            size += 32  # the message's own keys and role
+            if isinstance(m, SegmentRef):
+                size += segment(m.segment, "content")
+            elif isinstance(m, LiteralMessage):
+                size += len(json.dumps(m.content))
+        if task.tools is not None:
+            size += segment(task.tools, "tools")
+        floors[task.id] = size
+    return floors
 
 
 def render_task(wf: Workflow, task_id: str, outputs: Mapping[str, str]) -> dict[str, Any]:
