@@ -42,6 +42,19 @@ def check_zmq_endpoint(v: str | None) -> str | None:
     raise ValueError(f"ZMQ endpoint must look like tcp://HOST:PORT or ipc://PATH, got {v!r}")
 
 
+def engine_url_problem(url: str) -> str | None:
+    """Why `url` is no engine's address (None when it is one): http(s)://HOST:PORT."""
+    try:
+        parsed = urlparse(url)
+        port = parsed.port
+    except ValueError:  # a port that is no number or out of range
+        port = None
+    else:
+        if parsed.scheme in ("http", "https") and parsed.hostname and port is not None:
+            return None
+    return f"engine url must look like http://HOST:PORT, got {url!r}"
+
+
 def check_redis_url(url: str | None) -> None:
     """A URL redis-py can connect with, or ValueError saying what one looks like."""
     if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
@@ -78,9 +91,9 @@ class EngineEntry(BaseModel):
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
-        parsed = urlparse(v)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
-            raise ValueError(f"engine url must look like http://HOST:PORT, got {v!r}")
+        problem = engine_url_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v.rstrip("/")
 
     @field_validator("profile")

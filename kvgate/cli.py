@@ -159,9 +159,17 @@ def _microbench(args: argparse.Namespace) -> int:
     failed = False
     if args.what == "placement":
         from kvgate.benchmarks.placement import compare, format_results
+        from planner.core import planner_names
 
-        results = compare(args.policy.split(","), args.engines, args.agents, args.turns,
-                          args.output_tokens)
+        policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+        unknown = [p for p in policies if p not in planner_names()]
+        if unknown or not policies:
+            print(f"kvgate microbench placement: unknown policy {unknown[0]!r}; known: "
+                  f"{', '.join(planner_names())}" if unknown else
+                  "kvgate microbench placement: --policy needs at least one policy",
+                  file=sys.stderr)
+            return 2
+        results = compare(policies, args.engines, args.agents, args.turns, args.output_tokens)
         print(format_results(results))
         report: object = [{"policy": r.policy, "hit_ratio": r.hit_ratio,
                            "requests_per_engine": list(r.requests_per_engine),
@@ -173,6 +181,7 @@ def _microbench(args: argparse.Namespace) -> int:
                   "ingest": bench_ingest()}
         print(json.dumps(report, indent=2))
     elif args.what == "server-cost":
+        from gateway.config import engine_url_problem
         from kvgate.benchmarks.server_cost import (
             ServerCostError,
             bench_server_cost,
@@ -181,6 +190,9 @@ def _microbench(args: argparse.Namespace) -> int:
 
         if args.repeats < 1:
             print("kvgate microbench server-cost: --repeats must be at least 1", file=sys.stderr)
+            return 2
+        if args.engine_url is not None and (problem := engine_url_problem(args.engine_url)):
+            print(f"kvgate microbench server-cost: --engine-url: {problem}", file=sys.stderr)
             return 2
         try:
             report = bench_server_cost(args.engine_url, args.model, args.repeats)

@@ -440,10 +440,37 @@ def test_prompt_too_long_for_the_engine_fails_the_request_not_the_run(tmp_path: 
                                 "tasks": [{"id": "a", "messages": [{"segment": "big"}]},
                                           {"id": "b", "after": ["a"],
                                            "messages": [{"role": "user", "content": "x"}]}]}))
-    report = bench(dag_file=str(path), workflows=2, policies=["kvgate"], engines=1,
-                   profile="cpu-tiny")
+    out = io.StringIO()
+    report = bench(out, dag_file=str(path), workflows=2, policies=["kvgate"], engines=1,
+                   profile="cpu-tiny", goodput=True)
     r = report["results"]["kvgate"]
     assert r["failed"] == 2 and r["workflows"] == 0 and r["requests"] == 2
+    # No workflow finished: no JCT or TTFT to report, so null and "-", not a JCT of 0 s.
+    assert r["jct_mean_s"] is r["jct_p99_s"] is r["ttft_p50_s"] is None
+    row = next(line for line in out.getvalue().splitlines() if line.startswith("kvgate "))
+    assert row.split()[1:7] == ["-"] * 6, row
+    point = report["goodput"]["kvgate"]["points"][0]
+    assert report["goodput"]["kvgate"]["rate"] == 0.0
+    assert point["jct_mean_s"] is point["x_bound"] is None and point["failed"] == 2
+    assert "no rate tried met the SLO" in out.getvalue()
+    json.dumps(report, allow_nan=False)  # the report is strict JSON
+
+
+def test_asking_for_more_workflows_than_a_trace_holds_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    spec = {"model": "m", "tasks": [{"id": "a", "messages": [{"role": "user", "content": "x"}],
+                                     "output_tokens": 2}]}
+    path.write_text("".join(json.dumps({**spec, "arrival_s": t}) + "\n" for t in (0, 1)))
+    out = io.StringIO()
+    report = bench(out, workflow_trace=str(path), workflows=5, policies=["round-robin"],
+                   engines=1, profile="cpu-tiny")
+    assert report["load"]["workflows"] == 2
+    assert ("note: --workflows 5 asked for more than workflow-trace:" in out.getvalue()
+            and "all 2 of its workflows ran" in out.getvalue())
+    out = io.StringIO()
+    bench(out, workflow_trace=str(path), workflows=2, policies=["round-robin"], engines=1,
+          profile="cpu-tiny")
+    assert "note: --workflows" not in out.getvalue()
 
 
 def test_percentile_interpolates() -> None:

@@ -97,6 +97,19 @@ def test_an_unknown_log_level_is_a_usage_error() -> None:
     (["export-workflows", "--redis", "redis://127.0.0.1:1/0", "--since", "nan"],
      "--since must be a positive number of seconds"),
     (["demo", "--workers", "0"], "argument --workers: must be at least 1"),
+    # Each of these used to run: the report kept one of two rows, a precision no search used,
+    # or a traceback from urllib; placement started a gateway that refused its policy.
+    (["bench", "--workload", "fanout", "--policy", "kvgate,round-robin,kvgate"],
+     "--policy names kvgate more than once"),
+    (["bench", "--workload", "fanout", "--goodput-precision", "0.01"],
+     "--goodput-precision sets how finely --goodput searches: use it with --goodput"),
+    (["bench", "--workload", "fanout", "--mode", "live", "--engine-urls", "notaurl"],
+     "--engine-urls: engine url must look like http://HOST:PORT, got 'notaurl'"),
+    (["bench", "--workload", "fanout", "--mode", "live", "--engine-urls",
+      "http://127.0.0.1:99999"], "got 'http://127.0.0.1:99999'"),
+    (["microbench", "server-cost", "--engine-url", "127.0.0.1:8000"],
+     "--engine-url: engine url must look like http://HOST:PORT"),
+    (["microbench", "placement", "--policy", "kvgate,nope"], "unknown policy 'nope'; known: "),
 ])
 def test_numbers_that_make_no_sense_are_usage_errors(
         argv: list[str], problem: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,19 +28,19 @@ MAX_PROBES = 14
 @dataclass(frozen=True)
 class GoodputPoint:
     """One probe: the rate tried, the mean JCT it gave, that as a multiple of the bound, and
-    how many workflows failed. A probe `cut_short` stopped as soon as it could no longer meet
-    the SLO (`virtual.GiveUp`): its JCT and multiple are the least they could have been, and
-    its failures those seen by then."""
+    how many workflows failed (the JCT and multiple null where none finished). A probe
+    `cut_short` stopped as soon as it could no longer meet the SLO (`virtual.GiveUp`): its JCT
+    and multiple are the least they could have been, and its failures those seen by then."""
 
     rate: float
-    jct_mean_s: float
-    x_bound: float
+    jct_mean_s: float | None
+    x_bound: float | None
     failed: int
     cut_short: bool = False
 
     def meets(self, slo: float) -> bool:
         """The SLO holds at this rate."""
-        return self.failed == 0 and self.x_bound <= slo
+        return self.failed == 0 and self.x_bound is not None and self.x_bound <= slo
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,8 @@ def _load_stopped_mattering(higher: GoodputPoint, lower: GoodputPoint, precision
     if higher.cut_short:
         return False  # its excess is a floor: a plateau cannot be told from it
     tolerance = min(precision, PLATEAU_TOLERANCE)
+    if lower.x_bound is None or higher.x_bound is None:  # no workflow finished at one of them
+        return lower.failed >= higher.failed and lower.x_bound is None
     return lower.failed >= higher.failed and (
         lower.x_bound - 1 >= (higher.x_bound - 1) * (1 - tolerance))
 

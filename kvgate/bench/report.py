@@ -42,13 +42,14 @@ def summarise(run: RunResult) -> dict[str, Any]:
         "workflows": len(done),
         "requests": len(run.requests),
         "failed": sum(1 for r in run.requests if r.failed is not None),
-        "jct_mean_s": sum(jct) / len(jct) if jct else 0.0,
-        "jct_p50_s": percentile(jct, 50),
-        "jct_p99_s": percentile(jct, 99),
+        # No workflow finished (every one failed): null, not a JCT of zero.
+        "jct_mean_s": sum(jct) / len(jct) if jct else None,
+        "jct_p50_s": percentile(jct, 50) if jct else None,
+        "jct_p99_s": percentile(jct, 99) if jct else None,
         "makespan_s": makespan,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p90_s": percentile(ttft, 90),
-        "ttft_p99_s": percentile(ttft, 99),
+        "ttft_p50_s": percentile(ttft, 50) if ttft else None,
+        "ttft_p90_s": percentile(ttft, 90) if ttft else None,
+        "ttft_p99_s": percentile(ttft, 99) if ttft else None,
         "output_tokens_per_s": outputs / makespan if makespan > 0 else 0.0,
         "prefix_hit_ratio": cached / prompt if prompt else 0.0,
         "recomputed_prompt_tokens": run.computed_prompt_tokens,
@@ -181,13 +182,20 @@ def format_table(report: dict[str, Any]) -> str:
         f"{'failed':>7}",
     ]
     for name, r in report["results"].items():
-        ratio = r["jct_mean_s"] / lb["jct_mean_s"] if lb["jct_mean_s"] > 0 else float("nan")
+        jct = r["jct_mean_s"]
+        ratio = jct / lb["jct_mean_s"] if jct is not None and lb["jct_mean_s"] > 0 else None
         lines.append(
-            f"{name:<{w}}{r['jct_mean_s']:>10.3f}{ratio:>8.2f}{r['jct_p99_s']:>10.3f}"
-            f"{r['ttft_p50_s']:>10.3f}{r['ttft_p90_s']:>10.3f}{r['ttft_p99_s']:>10.3f}"
+            f"{name:<{w}}{seconds(jct):>10}{seconds(ratio, 2):>8}{seconds(r['jct_p99_s']):>10}"
+            f"{seconds(r['ttft_p50_s']):>10}{seconds(r['ttft_p90_s']):>10}"
+            f"{seconds(r['ttft_p99_s']):>10}"
             f"{r['output_tokens_per_s']:>11.0f}{100 * r['prefix_hit_ratio']:>7.1f}"
             f"{_pct(r.get('compute_utilisation')):>7}{r['failed']:>7}")
     return "\n".join(lines)
+
+
+def seconds(value: float | None, digits: int = 3) -> str:
+    """A figure of a report's results, or `-` where it is null (nothing finished)."""
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _pct(ratio: float | None) -> str:
@@ -274,7 +282,8 @@ def _unbracketed(name: str, g: dict[str, Any], slo: float) -> str:
         low = g["points"][0]
         at_least = ">= " if low.get("cut_short") else ""
         return (f"{name}: no rate tried met the SLO (at {low['rate']:.3g}/s: "
-                f"{at_least}{low['x_bound']:.3f} x bound, {low['failed']} failed workflows)")
+                f"{at_least}{seconds(low['x_bound'])} x bound, {low['failed']} failed "
+                "workflows)")
     if not any(p["rate"] > g["rate"] for p in g["points"]):
         return (f"{name}: every rate tried met the SLO, up to {g['rate']:.4g}/s where the "
                 "workflows arrive as one burst (or the probe cap): goodput is at least that; "

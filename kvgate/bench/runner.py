@@ -16,8 +16,10 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 import adapters.sim
+from gateway.config import engine_url_problem
 from kvgate.bench.bound import LowerBound, TaskShape, lower_bound
 from kvgate.bench.goodput import (
+    DEFAULT_PRECISION,
     DEFAULT_SLO,
     GoodputPoint,
     burst_rate,
@@ -36,6 +38,7 @@ from kvgate.bench.report import (
     goodput_plot_path,
     plot,
     plot_goodput,
+    seconds,
     summarise,
     task_breakdown,
 )
@@ -124,8 +127,14 @@ def check_options(o: BenchOptions) -> None:
             raise WorkloadError("give at most one of --engine-urls and --engine-config")
         if o.engine_urls is not None and not o.engine_urls:
             raise WorkloadError("--engine-urls needs at least one URL")
+        for url in o.engine_urls or []:
+            if problem := engine_url_problem(url):
+                raise WorkloadError(f"--engine-urls: {problem}")
     if not 0 < o.goodput_precision < 1:
         raise WorkloadError("--goodput-precision must be between 0 and 1")
+    if o.goodput_precision != DEFAULT_PRECISION and not o.goodput:
+        raise WorkloadError("--goodput-precision sets how finely --goodput searches: use it "
+                            "with --goodput")
     try:
         o.engine_profile()
     except ValueError as e:
@@ -137,6 +146,10 @@ def check_options(o: BenchOptions) -> None:
             raise WorkloadError(f"unknown policy {p!r}{hint}; known: {', '.join(sorted(known))}")
     if not o.policies:
         raise WorkloadError("--policy needs at least one policy")
+    twice = sorted({p for p in o.policies if o.policies.count(p) > 1})
+    if twice:
+        raise WorkloadError(f"--policy names {', '.join(twice)} more than once (a report has "
+                            "one row per policy)")
 
 
 def default_load(o: BenchOptions, workflows: list[BenchWorkflow]) -> tuple[float | None,
@@ -323,14 +336,15 @@ def probe_goodput(o: BenchOptions, prepared: Prepared, policy: str, rate: float,
                      if give_up else None).run()
     cut = run.cut_short_jct_mean_s
     if cut is None:
-        jct = summarise(run)["jct_mean_s"]
+        jct = summarise(run)["jct_mean_s"]  # None: no workflow finished
         failed = sum(1 for w in run.workflows if w.failed or w.finished_s is None)
     else:
         jct = cut
         failed = sum(1 for w in run.workflows if w.failed)
-    x = jct / slo_bound.jct_mean_s if slo_bound.jct_mean_s > 0 else float("inf")
+    x = (None if jct is None else
+         jct / slo_bound.jct_mean_s if slo_bound.jct_mean_s > 0 else float("inf"))
     if o.progress:
-        print(f"goodput {policy}: rate {rate:.4g}/s -> {'>= ' if cut else ''}{x:.2f}"
+        print(f"goodput {policy}: rate {rate:.4g}/s -> {'>= ' if cut else ''}{seconds(x, 2)}"
               f" x bound, {failed} failed", file=sys.stderr)
     return GoodputPoint(rate, jct, x, failed, cut_short=cut is not None)
 
@@ -359,16 +373,16 @@ def run_goodput(o: BenchOptions, prepared: Prepared) -> dict[str, Any]:
 
 
 def fidelity(virtual: dict[str, dict[str, Any]],
-             live: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+             live: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Per policy run in both modes: mean JCT and TTFT p50 of each, and the relative gap of the
-    live JCT from the virtual one."""
+    live JCT from the virtual one (null where either finished no workflow)."""
     out = {}
     for name in virtual.keys() & live.keys():
         v, lv = virtual[name], live[name]
+        jv, jl = v["jct_mean_s"], lv["jct_mean_s"]
         out[name] = {
-            "jct_mean_virtual_s": v["jct_mean_s"], "jct_mean_live_s": lv["jct_mean_s"],
-            "jct_mean_diff": (lv["jct_mean_s"] - v["jct_mean_s"]) / v["jct_mean_s"]
-            if v["jct_mean_s"] else 0.0,
+            "jct_mean_virtual_s": jv, "jct_mean_live_s": jl,
+            "jct_mean_diff": (jl - jv) / jv if jv and jl is not None else None,
             "ttft_p50_virtual_s": v["ttft_p50_s"], "ttft_p50_live_s": lv["ttft_p50_s"],
         }
     return dict(sorted(out.items()))
@@ -427,14 +441,19 @@ def run_bench(o: BenchOptions, out: Any = sys.stdout) -> dict[str, Any]:
     note = no_link_note(o.policies, o.transfer_link().enabled)
     if note is not None:
         print(note, file=out)
+    if o.workflows is not None and len(prepared.workflows) < o.workflows:
+        print(f"note: --workflows {o.workflows} asked for more than {o.name} holds; all "
+              f"{len(prepared.workflows)} of its workflows ran", file=out)
     if o.tasks:
         print(format_tasks(report), file=out)
     if "goodput" in report:
         print(format_goodput(report), file=out)
     for name, f in extra.get("fidelity", {}).items():
-        print(f"fidelity {name}: JCT mean virtual {f['jct_mean_virtual_s']:.3f} s, live "
-              f"{f['jct_mean_live_s']:.3f} s ({100 * f['jct_mean_diff']:+.1f}%); TTFT p50 "
-              f"virtual {f['ttft_p50_virtual_s']:.3f} s, live {f['ttft_p50_live_s']:.3f} s",
+        diff = f["jct_mean_diff"]
+        print(f"fidelity {name}: JCT mean virtual {seconds(f['jct_mean_virtual_s'])} s, live "
+              f"{seconds(f['jct_mean_live_s'])} s"
+              f"{'' if diff is None else f' ({100 * diff:+.1f}%)'}; TTFT p50 virtual "
+              f"{seconds(f['ttft_p50_virtual_s'])} s, live {seconds(f['ttft_p50_live_s'])} s",
               file=out)
     engine_model = ("compiled engine model" if adapters.sim.native_path
                     else "engine model as Python; `kvgate native build` compiles it")

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvgate.bench.report import rivals
+from kvgate.bench.report import rivals, seconds
 
 
 def _load_line(report: dict[str, Any]) -> str:
@@ -43,10 +43,12 @@ def results_table(report: dict[str, Any]) -> str:
             "| prefix hits | compute util. | gateway wait p50 (s) | failed |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in report["results"].items():
-        x = r["jct_mean_s"] / bound if bound > 0 else float("nan")
+        jct = r["jct_mean_s"]
+        x = jct / bound if jct is not None and bound > 0 else None
         rows.append(
-            f"| {name} | {r['jct_mean_s']:.2f} | {x:.2f} | {r['jct_p99_s']:.2f} | "
-            f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f} | {r['output_tokens_per_s']:.0f} | "
+            f"| {name} | {seconds(jct, 2)} | {seconds(x, 2)} | {seconds(r['jct_p99_s'], 2)} | "
+            f"{seconds(r['ttft_p50_s'])} / {seconds(r['ttft_p90_s'])} | "
+            f"{r['output_tokens_per_s']:.0f} | "
             f"{100 * r['prefix_hit_ratio']:.1f}% | {_util(r)} | "
             f"{r.get('gateway_wait_p50_s', 0.0):.3f} | {r['failed']} |")
     return "\n".join(rows)
