@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ipaddress
 import logging
 import socket
 import time
@@ -17,7 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.admin import Admin
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, IndexAway
 from gateway.metrics import IngestCollector
 from gateway.proxy import PROXIED, Proxy
 from gateway.state import GatewayState
@@ -26,7 +27,7 @@ from gateway.tracing import TRACE_SINCE_KEY
 from gateway.ui import TimelineUI
 from gateway.workflow_store import make_store
 from gateway.workflows import LoopbackExecutor, TaskExecutor, WorkflowService, loopback_url
-from kvindex.index import IndexStats
+from kvindex.index import IndexStats, IndexUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,10 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         err.status = e.status
         err.err_type = "invalid_request_error" if e.status < 500 else "server_error"
         return err.response()
+    except IndexUnavailable as e:  # an admin read of the index while Redis is away
+        state.index_failed(e)
+        state.metrics.requests.labels(_route_label(request), "503").inc()
+        return IndexAway(str(e)).response()
     except Exception:
         log.exception("unhandled error on %s", request.path)
         state.metrics.requests.labels(_route_label(request), "500").inc()
@@ -160,8 +165,11 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
             state.metrics.healthy.labels(v.name).set(1 if v.healthy else 0)
         state.metrics.buffered.set(state.planner.buffered)
         state.metrics.held.set(state.planner.held)
-        index_stats = await state.index.stats()
-        await state.metrics.segments.refresh(state.index, state.now())
+        try:
+            index_stats = await state.index.stats()
+            await state.metrics.segments.refresh(state.index, state.now())
+        except IndexUnavailable as e:  # the figures of the index stay as last read
+            state.index_failed(e)
         return web.Response(body=generate_latest(state.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -197,12 +205,37 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
     return app
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def exposure_warnings(config: GatewayConfig) -> list[str]:
+    """What a bind beyond this machine opens up, said at start-up (the default binds
+    127.0.0.1; another address is a choice, but one to make knowingly)."""
+    out = []
+    if not _loopback(config.host) and not config.tenants:
+        out.append(f"listening on {config.host} with no tenants configured: anyone who reaches "
+                   "it can call the engines and read or cancel every workflow and trace "
+                   "(configure tenants, or bind 127.0.0.1)")
+    bind = config.kv_events_bind
+    if bind is not None and bind.startswith("tcp://") and not _loopback(
+            bind[len("tcp://"):].rpartition(":")[0].strip("[]")):
+        out.append(f"KV events are taken from anyone who reaches {bind}: a sender can make "
+                   "the index claim blocks no engine holds (bind it on a private network)")
+    return out
+
+
 def run(config: GatewayConfig) -> None:
     """Serve the gateway until interrupted."""
 
     def make() -> web.Application:
         log.info("kvgate gateway on http://%s:%d, policy %s, %d engines", config.host,
                  config.port, config.policy, len(config.engines))
+        for warning in exposure_warnings(config):
+            log.warning("%s", warning)
         return build_app(config)
 
     serve(make, config.host, config.port)

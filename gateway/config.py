@@ -15,11 +15,13 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from planner.core import planner_names
+from planner.documents import load_yaml
 from planner.profile_file import ProfileFileError, load_profile_file
 from planner.profiles import DEFAULT_PROFILE, PROFILES, EngineProfile, get_profile
 from planner.transfer import TransferLink, parse_link
@@ -43,7 +45,10 @@ def check_zmq_endpoint(v: str | None) -> str | None:
 
 
 def engine_url_problem(url: str) -> str | None:
-    """Why `url` is no engine's address (None when it is one): http(s)://HOST:PORT."""
+    """Why `url` is no engine's address (None when it is one): http(s)://HOST:PORT, nothing
+    more. The gateway adds `/health`, `/metrics` and `/v1/...` itself, so an OpenAI-style base
+    URL (`.../v1`) would have every health check miss; credentials in it would be shown in
+    `/health`, headers and metrics (the engine's key goes in `engine_api_key`)."""
     try:
         parsed = urlparse(url)
         port = parsed.port
@@ -51,8 +56,26 @@ def engine_url_problem(url: str) -> str | None:
         port = None
     else:
         if parsed.scheme in ("http", "https") and parsed.hostname and port is not None:
+            if parsed.username is not None or parsed.password is not None:
+                return (f"engine url {url!r} carries credentials: give the engine's key as "
+                        "engine_api_key instead")
+            if parsed.path.strip("/") or parsed.query or parsed.fragment:
+                return (f"engine url must be http://HOST:PORT with no path, got {url!r} "
+                        f"(drop {url[url.index(parsed.netloc) + len(parsed.netloc):]!r}: the "
+                        "gateway adds /v1/... itself)")
             return None
     return f"engine url must look like http://HOST:PORT, got {url!r}"
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def engine_address(url: str) -> tuple[str, str, int]:
+    """An engine URL's scheme, host and port, with the loopback names made one: two entries
+    with the same address are the same engine."""
+    parsed = urlparse(url)
+    host = (parsed.hostname or "").lower()
+    return parsed.scheme, "loopback" if host in LOOPBACK_NAMES else host, parsed.port or 0
 
 
 def check_redis_url(url: str | None) -> None:
@@ -62,10 +85,36 @@ def check_redis_url(url: str | None) -> None:
                          f"redis://127.0.0.1:6379/0), got {url!r}")
 
 
-class EngineEntry(BaseModel):
-    """One upstream engine (a vLLM server or a `kvgate sim`)."""
+def _takes_bool(annotation: Any) -> bool:
+    return annotation is bool or any(_takes_bool(a) for a in get_args(annotation))
+
+
+class _Section(BaseModel):
+    """A config section: unknown keys refused, and `true`/`false` never read as a number
+    (pydantic's lax mode took `port: yes` as port 1 and `retries: false` as 0)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and not _takes_bool(field.annotation):
+                raise ValueError(f"expected {_kind(field.annotation)}, not {str(v).lower()}")
+        return v
+
+
+def _kind(annotation: Any) -> str:
+    names = {int: "an integer", float: "a number", str: "a string"}
+    for a in (annotation, *get_args(annotation)):
+        if a in names:
+            return names[a]
+    return "a value of another type"
+
+
+class EngineEntry(_Section):
+    """One upstream engine (a vLLM server or a `kvgate sim`)."""
     _profile: EngineProfile | None = PrivateAttr(default=None)
 
     url: str
@@ -133,10 +182,8 @@ class EngineEntry(BaseModel):
         return self.kv_topic if self.kv_topic is not None else self.url
 
 
-class IndexSettings(BaseModel):
+class IndexSettings(_Section):
     """The global KV index."""
-
-    model_config = ConfigDict(extra="forbid")
 
     backend: Literal["memory", "redis"] = "memory"
     redis_url: str | None = None
@@ -154,10 +201,8 @@ class IndexSettings(BaseModel):
         return self
 
 
-class WorkflowSettings(BaseModel):
+class WorkflowSettings(_Section):
     """The workflow API (`/v1/workflows`) and where workflow state lives."""
-
-    model_config = ConfigDict(extra="forbid")
 
     store: Literal["memory", "redis"] = "memory"
     """`redis` lets replicas sharing the Redis read (and follow, and cancel) each other's
@@ -184,10 +229,9 @@ class WorkflowSettings(BaseModel):
         return self
 
 
-class KvTransferSettings(BaseModel):
+class KvTransferSettings(_Section):
     """How the gateway may move KV between engines (ARCHITECTURE.md, capability 5)."""
 
-    model_config = ConfigDict(extra="forbid")
     link: str = "none"
     """`nvlink`, `rdma`, a bandwidth in GB/s, or `none`: without a link the planner moves KV
     by recompute warm-ups only. With one, every engine must run a KV connector (vLLM's
@@ -214,10 +258,8 @@ def _memory_only() -> list[TraceExporter]:
     return ["memory"]
 
 
-class TracingSettings(BaseModel):
+class TracingSettings(_Section):
     """Traces of workflows and calls (OpenTelemetry), and where they are exported."""
-
-    model_config = ConfigDict(extra="forbid")
 
     exporter: list[TraceExporter] = Field(default_factory=_memory_only)
     """One name or a list; `none` turns tracing off."""
@@ -277,10 +319,8 @@ anyone who has read them."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-class TenantEntry(BaseModel):
+class TenantEntry(_Section):
     """One tenant: the API keys its clients send, and whom it shares cached prefixes with."""
-
-    model_config = ConfigDict(extra="forbid")
 
     keys: list[str] = Field(min_length=1)
     """`Authorization: Bearer KEY` values that stand for this tenant (at least 16 characters)."""
@@ -308,12 +348,11 @@ class TenantEntry(BaseModel):
         return v
 
 
-class GatewayConfig(BaseModel):
+class GatewayConfig(_Section):
     """Everything `kvgate serve` needs."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    host: str = "127.0.0.1"
+    host: str = Field(default="127.0.0.1", min_length=1)
+    """The address to listen on; an empty one would listen on every interface."""
     port: int = Field(default=8000, ge=1, le=65535)
     engines: list[EngineEntry] = Field(min_length=1)
     policy: str = "kvgate"
@@ -358,6 +397,32 @@ class GatewayConfig(BaseModel):
                              "characters, not a placeholder (e.g. `openssl rand -hex 24`)")
         return v
 
+    @field_validator("engine_api_key")
+    @classmethod
+    def _engine_api_key(cls, v: str | None) -> str | None:
+        # Sent in a header: a trailing newline (a key read from a file) made aiohttp refuse
+        # every call to the engines, which then all failed their health checks with nothing
+        # said above debug level.
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("engine_api_key is empty (leave it out when engines run without "
+                             "--api-key)")
+        if v != v.strip() or not v.isascii() or not v.isprintable():
+            raise ValueError("engine_api_key has spaces, a line break or other characters a "
+                             "header cannot carry around or in it (a key read from a file "
+                             "keeps its newline)")
+        return v
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_there(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.strip():  # it would load whatever tokenizer the working directory holds
+            raise ValueError("tokenizer is empty (leave it out for the shipped tiny tokenizer)")
+        return v
+
     @field_validator("tenants")
     @classmethod
     def _tenant_names(cls, v: dict[str, TenantEntry]) -> dict[str, TenantEntry]:
@@ -397,6 +462,27 @@ class GatewayConfig(BaseModel):
             dupes = sorted({v for v in values if values.count(v) > 1})
             if dupes:
                 raise ValueError(f"{what} must be unique, repeated: {', '.join(dupes)}")
+        seen: dict[tuple[str, str, int], str] = {}
+        for e in self.engines:
+            other = seen.setdefault(engine_address(e.url), e.url)
+            if other != e.url or sum(1 for x in self.engines if x.url == e.url) > 1:
+                raise ValueError(f"engines {other} and {e.url} are one engine (the same "
+                                 "address); list it once")
+        return self
+
+    @model_validator(mode="after")
+    def _settings_that_do_something(self) -> GatewayConfig:
+        # Each of these was taken and did nothing, while its writer thought it did.
+        if self.index.redis_url is not None and self.index.backend != "redis":
+            raise ValueError("index.redis_url is set but index.backend is memory: add "
+                             "`backend: redis` for replicas to share the index (or drop the URL)")
+        if self.workflows.redis_url is not None and self.workflows.store != "redis":
+            raise ValueError("workflows.redis_url is set but workflows.store is memory: add "
+                             "`store: redis` for replicas to share workflows (or drop the URL)")
+        otlp = {"otlp-http", "otlp-grpc"} & set(self.tracing.exporter)
+        if not otlp and (self.tracing.endpoint is not None or self.tracing.headers):
+            raise ValueError("tracing.endpoint and tracing.headers are for an OTLP exporter: "
+                             "add otlp-http or otlp-grpc to tracing.exporter")
         return self
 
 
@@ -446,7 +532,7 @@ def load_config(path: str | Path, **overrides: Any) -> GatewayConfig:
     """Read a YAML file and apply command-line overrides (None values are ignored)."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such config file") from None
     except OSError as e:  # a directory, no permission

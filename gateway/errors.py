@@ -71,6 +71,14 @@ class NoHealthyEngine(GatewayError):
     code = "no_healthy_engine"
 
 
+class IndexAway(GatewayError):
+    """The KV index's store (Redis) cannot be reached for a read that needs it."""
+
+    status = 503
+    err_type = "service_unavailable"
+    code = "index_unavailable"
+
+
 class EngineFailed(GatewayError):
     """The engine broke the connection or timed out after the response had started."""
 

@@ -19,11 +19,20 @@ import zmq
 import zmq.asyncio
 
 from kvindex.events import decode_seq
-from kvindex.index import KVIndexBackend
+from kvindex.index import IndexUnavailable, KVIndexBackend
 from kvindex.ingest import AddKeys, EventIngestor, IndexOp, RemoveKeys, RequestReplay
 
 log = logging.getLogger(__name__)
 
+
+
+def _update_failed(error: Exception, message: str, engine: str) -> None:
+    """Log an index update that failed: one line when the index's store is away (every
+    batch meets it then), the traceback for anything else."""
+    if isinstance(error, IndexUnavailable):
+        log.warning(message + " (%s)", engine, error)
+    else:
+        log.exception(message, engine)
 
 class BadEndpoint(ValueError):
     """A KV-event endpoint libzmq will not connect to (the message says why)."""
@@ -178,13 +187,13 @@ class KVEventListener:
                     result = self.ingestor.probe(engine)
                     try:
                         await self.apply(result.ops)
-                    except Exception:
+                    except Exception as e:
                         # The index is unreachable (Redis away): no replay starts, and the
                         # engine is a first contact again at the next probe or batch (it
                         # would otherwise wait for a replay nobody started, holding its
                         # batches for good).
-                        log.exception("index update for %s failed; probing it again later",
-                                      engine)
+                        _update_failed(e, "index update for %s failed; probing it again later",
+                                       engine)
                         self.ingestor.forget(engine, "index update failed")
                         continue
                 if result.replay is not None:
@@ -232,10 +241,10 @@ class KVEventListener:
                 return
             try:
                 await self.apply(result.ops)
-            except Exception:
+            except Exception as e:
                 # The index missed operations (e.g. Redis was unreachable): start over for this
                 # engine rather than keep a view that silently diverged.
-                log.exception("index update for %s failed; resyncing it", engine)
+                _update_failed(e, "index update for %s failed; resyncing it", engine)
                 result.replay = None
                 self.ingestor.forget(engine, "index update failed")
         if result.replay is not None:
@@ -269,11 +278,11 @@ class KVEventListener:
                     ops = self.ingestor.on_replayed(engine, seq, body[2], request.generation)
                     try:
                         await self.apply(ops)
-                    except Exception:
+                    except Exception as e:
                         # As for a live batch: the index missed operations, so start over for
                         # this engine rather than keep a view that silently diverged.
-                        log.exception("index update for %s failed during its replay; "
-                                      "resyncing it", engine)
+                        _update_failed(e, "index update for %s failed during its replay; "
+                                       "resyncing it", engine)
                         clear = self.ingestor.forget(engine, "index update failed in a replay")
                         with contextlib.suppress(Exception):  # at once, if the index is back
                             await self.apply(clear)

@@ -42,6 +42,10 @@ class GatewayMetrics:
             "kvgate_retries", "Requests re-sent to another engine after a connection failure.",
             ["engine"], registry=r,
         )
+        self.index_unavailable = Counter(
+            "kvgate_index_unavailable", "Index lookups and writes that could not reach the "
+            "index's store (Redis): calls were routed without it meanwhile.", registry=r,
+        )
         self.upstream_errors = Counter(
             "kvgate_upstream_errors", "Engine failures seen by the gateway, by kind.",
             ["engine", "kind"], registry=r,

@@ -49,6 +49,8 @@ class EngineState:
     prefix_hits: float = 0.0
     """vLLM's `prefix_cache_hits_total` at the last scrape."""
     failed_checks: int = 0
+    down_reason: str | None = None
+    """Why its last health check failed, as last logged (None while it passes)."""
     """Health checks failed in a row."""
 
 
@@ -166,9 +168,12 @@ class EnginePool:
         deadline keeps its traffic, as behind Kubernetes' `failureThreshold`."""
         timeout = aiohttp.ClientTimeout(total=max(1.0, self._health_interval * 2))
         refused = False
+        reason = None
         try:
             async with self._session.get(f"{state.url}/health", timeout=timeout) as r:
                 ok = r.status == 200
+                if not ok:
+                    reason = f"GET {state.url}/health answered {r.status}"
             if ok:
                 # Every time: adapters load at run time and a restarted engine may serve others.
                 async with self._session.get(f"{state.url}/v1/models", timeout=timeout) as r:
@@ -179,7 +184,13 @@ class EnginePool:
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             ok = False
             refused = isinstance(e, aiohttp.ClientConnectorError)
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             log.debug("health check of %s failed: %r", state.name, e)
+        if not ok and not state.healthy and reason != state.down_reason:
+            # An engine that never passed (a URL with a path, a key it refuses) or whose
+            # failure changed: said once per reason, not once per check.
+            log.warning("engine %s is not in rotation: %s", state.name, reason)
+        state.down_reason = None if ok else reason
         state.failed_checks = 0 if ok else state.failed_checks + 1
         if not ok and state.healthy and not refused \
                 and state.failed_checks < self._failure_threshold:

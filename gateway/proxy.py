@@ -311,7 +311,7 @@ class Proxy:
         keys = prompt_keys(state, route, body)
         matches = {}
         if keys is not None and keys.keys:
-            matches = await state.index.match(keys.keys, state.now())
+            matches = await state.match(keys.keys, state.now())
             if state.planner.moves_kv and dispatched:
                 # The prompt may be the origin of a KV move (a pull, a prefetch).
                 state.mover.remember(request_id, model, keys.token_ids,
@@ -660,7 +660,7 @@ class Proxy:
                 raise _RetryableFailure(f"{engine} left the pool")
             url = entry.url
             if d.speculative_keys:
-                await state.index.add_speculative(engine, d.speculative_keys, state.now(),
+                await state.add_speculative(engine, d.speculative_keys, state.now(),
                                                   d.speculative_ttl_s)
             try:
                 upstream = await state.upstream.post(url, route, raw, headers.items(),

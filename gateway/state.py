@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -19,7 +19,13 @@ from gateway.pool import EnginePool
 from gateway.tenants import Tenancy
 from gateway.tracing import Tracing
 from gateway.upstream import Upstream
-from kvindex.index import InMemoryIndex, KVIndexBackend
+from kvindex.index import (
+    BlockKey,
+    EngineMatch,
+    IndexUnavailable,
+    InMemoryIndex,
+    KVIndexBackend,
+)
 from kvindex.ingest import EventIngestor
 from kvindex.keys import PromptKeyer
 from kvindex.tokenizer import Tokenizer
@@ -31,6 +37,16 @@ if TYPE_CHECKING:
     from gateway.workflows import WorkflowService
 
 log = logging.getLogger(__name__)
+
+INDEX_RETRY_S = 2.0
+"""After an index call fails to reach its store, calls are routed without the index this long."""
+INDEX_WARN_EVERY_S = 30.0
+"""At most one warning this often while the index's store is away."""
+
+
+class StartupFailure(Exception):
+    """The gateway cannot start (a store it needs is unreachable): the message says which."""
+
 
 
 def event_source(entry: EngineEntry) -> EventSource:
@@ -98,11 +114,52 @@ class GatewayState:
         """Forwarded calls' connections (gateway/upstream.py); `session` serves the rest."""
         self.pool: EnginePool | None = None
         self.started = time.monotonic()
+        self._index_back_at = 0.0
+        """While the index's store is away: when calls look it up again (monotonic s)."""
+        self._index_warned_at = -INDEX_WARN_EVERY_S
         self.metrics.registry.register(EngineCollector(self.engine_figures))
 
+    async def match(self, keys: Sequence[BlockKey], now: float) -> dict[str, EngineMatch]:
+        """The engines holding a prefix of `keys`; none while the index's store (Redis) cannot
+        be reached: calls are then routed without it, for `INDEX_RETRY_S` after each failure
+        (a store that does not answer would otherwise hold every call for its timeout)."""
+        if time.monotonic() < self._index_back_at:
+            return {}
+        try:
+            return await self.index.match(keys, now)
+        except IndexUnavailable as e:
+            self.index_failed(e)
+            return {}
+
+    async def add_speculative(self, engine: str, keys: Sequence[BlockKey], now: float,
+                              ttl_s: float) -> None:
+        """Speculative index entries for a placed call; skipped while the store is away."""
+        if time.monotonic() < self._index_back_at:
+            return
+        try:
+            await self.index.add_speculative(engine, keys, now, ttl_s)
+        except IndexUnavailable as e:
+            self.index_failed(e)
+
+    def index_failed(self, error: IndexUnavailable) -> None:
+        """Count an index call that could not reach its store, warn (at most every
+        `INDEX_WARN_EVERY_S`) and route without the index for `INDEX_RETRY_S`."""
+        at = time.monotonic()
+        self._index_back_at = at + INDEX_RETRY_S
+        self.metrics.index_unavailable.inc()
+        if at - self._index_warned_at >= INDEX_WARN_EVERY_S:
+            self._index_warned_at = at
+            log.warning("%s; routing calls without the KV index (tried again every %g s)",
+                        error, INDEX_RETRY_S)
+
     async def start(self) -> None:
-        """Start listening for KV events first (so nothing is missed), then watch the engines."""
+        """Reach the index's store, start listening for KV events first (so nothing is
+        missed), then watch the engines."""
         c = self.config
+        try:
+            await self.index.ping()
+        except IndexUnavailable as e:
+            raise StartupFailure(f"{e} (index.redis_url {c.index.redis_url})") from None
         self.listener = KVEventListener(
             self.index, self.ingestor, [event_source(e) for e in c.engines], c.kv_events_bind
         )

@@ -25,6 +25,10 @@ def _serve(args: argparse.Namespace) -> int:
                  "tracing.exporter": args.trace_exporter, "tracing.endpoint": args.otlp_endpoint}
     if args.redis:
         overrides.update({"index.backend": "redis", "index.redis_url": args.redis})
+    if args.config and args.engines:
+        print("kvgate serve: give --engines or --config, not both (a config's engines are in "
+              "its file)", file=sys.stderr)
+        return 2
     try:
         if args.config:
             config = load_config(args.config, **overrides)
@@ -41,8 +45,14 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     import zmq
 
+    from gateway.state import StartupFailure
+    from kvindex.tokenizer import TokenizerError
+
     try:
         run(config)
+    except (StartupFailure, TokenizerError) as e:
+        print(f"kvgate serve: cannot start: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"kvgate serve: {_listen_error(config.host, config.port, e)}", file=sys.stderr)
         return 1
@@ -528,11 +538,13 @@ def build_parser(full_help: bool = False) -> argparse.ArgumentParser:
     s.add_argument("--kv-events-bind",
                    help="bind one ZMQ SUB socket here for engines' KV events (tcp://127.0.0.1:P)")
     s.add_argument("--redis", help="share the KV index through Redis at this URL")
-    s.add_argument("--admin-key", default=os.environ.get("KVGATE_ADMIN_KEY"),
-                   help="key for /admin endpoints (default: $KVGATE_ADMIN_KEY)")
-    s.add_argument("--engine-api-key", default=os.environ.get("KVGATE_ENGINE_API_KEY"),
+    # An empty variable is unset: `KVGATE_ADMIN_KEY= kvgate serve` keeps the file's key.
+    s.add_argument("--admin-key", default=os.environ.get("KVGATE_ADMIN_KEY") or None,
+                   help="key for /admin endpoints (default: $KVGATE_ADMIN_KEY, else the "
+                        "config's admin_key)")
+    s.add_argument("--engine-api-key", default=os.environ.get("KVGATE_ENGINE_API_KEY") or None,
                    help="the engines' vLLM --api-key, sent in place of clients' Authorization "
-                        "(default: $KVGATE_ENGINE_API_KEY)")
+                        "(default: $KVGATE_ENGINE_API_KEY, else the config's engine_api_key)")
     s.add_argument("--tokenizer", help="HF tokenizer directory the engines use")
     s.add_argument("--kv-link", help="KV transfer link between the engines (nvlink, rdma, GB/s "
                                      "or none): they must run a KV connector (NixlConnector)")

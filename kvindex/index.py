@@ -51,8 +51,18 @@ class IndexStats:
     engines: int
 
 
+class IndexUnavailable(Exception):
+    """The index's store cannot be reached (Redis down or not answering): the message names
+    it. A caller routes without the index meanwhile; nothing the index held is lost."""
+
+
 class KVIndexBackend(Protocol):
-    """Operations every index backend provides (in-memory, Redis)."""
+    """Operations every index backend provides (in-memory, Redis); a backend on a server
+    raises IndexUnavailable when it cannot reach it."""
+
+    async def ping(self) -> None:
+        """Reach the store once (IndexUnavailable if it cannot be reached)."""
+        ...
 
     async def add(self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER) -> None:
         """The engine stored one more copy of each key in `tier`."""
@@ -131,6 +141,9 @@ class InMemoryIndex:
     Copy counts above one are kept aside (they are rare: two requests computing the same block
     at once), so the common entry costs one dict slot and a shared small int.
     """
+
+    async def ping(self) -> None:
+        """See KVIndexBackend.ping: in this process, always reachable."""
 
     def __init__(self) -> None:
         self._engine_bit: dict[str, int] = {}

@@ -40,6 +40,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
 
 from kvindex.index import (
     DEFAULT_TIER,
@@ -47,6 +49,7 @@ from kvindex.index import (
     BlockKey,
     EngineMatch,
     IndexStats,
+    IndexUnavailable,
     tier_weight,
 )
 
@@ -350,6 +353,20 @@ class RedisIndex:
         client = aioredis.Redis.from_url(url, **{"decode_responses": True, **client_kwargs})
         return cls(client, namespace, owns_client=True)
 
+    async def _run(self, script: AsyncScript, args: list[Any]) -> Any:
+        """One script call; IndexUnavailable when Redis cannot be reached or does not answer."""
+        try:
+            return await script(args=args)
+        except (RedisError, OSError) as e:  # OSError: TimeoutError, a reset connection
+            raise IndexUnavailable(f"the Redis index cannot be reached: {e}") from e
+
+    async def ping(self) -> None:
+        """See KVIndexBackend.ping."""
+        try:
+            await self._r.ping()
+        except (RedisError, OSError) as e:
+            raise IndexUnavailable(f"the Redis index cannot be reached: {e}") from e
+
     @property
     def namespace(self) -> str:
         """Prefix of every Redis key this index uses."""
@@ -361,7 +378,7 @@ class RedisIndex:
         """See KVIndexBackend.add; atomic per chunk of CHUNK keys."""
         name = _tier(tier)
         for chunk in _chunks(keys):
-            await self._add(args=[self._ns, engine, name, *chunk])
+            await self._run(self._add, [self._ns, engine, name, *chunk])
 
     async def remove(
         self, engine: str, keys: Sequence[BlockKey], tier: str = DEFAULT_TIER
@@ -369,11 +386,11 @@ class RedisIndex:
         """See KVIndexBackend.remove; removing an unknown key is a no-op."""
         name = _tier(tier)
         for chunk in _chunks(keys):
-            await self._remove(args=[self._ns, engine, name, *chunk])
+            await self._run(self._remove, [self._ns, engine, name, *chunk])
 
     async def clear_engine(self, engine: str) -> None:
         """See KVIndexBackend.clear_engine; runs in chunks, so it is not atomic as a whole."""
-        while int(await self._clear(args=[self._ns, engine, CHUNK])) > 0:
+        while int(await self._run(self._clear, [self._ns, engine, CHUNK])) > 0:
             pass
 
     async def add_speculative(
@@ -383,7 +400,7 @@ class RedisIndex:
         is ignored), keys the engine holds confirmed in GPU are skipped."""
         ttl_ms = round(ttl_s * 1000)
         for chunk in _chunks(keys):
-            await self._add_spec(args=[self._ns, engine, ttl_ms, *chunk])
+            await self._run(self._add_spec, [self._ns, engine, ttl_ms, *chunk])
 
     async def match(
         self, keys: Sequence[BlockKey], now: float, engines: Iterable[str] | None = None
@@ -394,7 +411,8 @@ class RedisIndex:
             return {}
         head: list[str | int] = [-1] if wanted is None else [len(wanted), *wanted]
         weights = _weight_args()  # per call: TIER_WEIGHTS is a plain, mutable dict
-        flat = await self._match(args=[self._ns, *weights, *head, *(str(int(k)) for k in keys)])
+        flat = await self._run(self._match,
+                               [self._ns, *weights, *head, *(str(int(k)) for k in keys)])
         out: dict[str, EngineMatch] = {}
         for i in range(0, len(flat), 4):
             engine, blocks = _str(flat[i]), int(flat[i + 1])
@@ -405,7 +423,7 @@ class RedisIndex:
 
     async def engine_keys(self, engine: str) -> dict[BlockKey, dict[str, int]]:
         """See KVIndexBackend.engine_keys."""
-        flat = await self._engine_keys(args=[self._ns, engine])
+        flat = await self._run(self._engine_keys, [self._ns, engine])
         out: dict[BlockKey, dict[str, int]] = {}
         for i in range(0, len(flat), 2):
             tier, _, key = _str(flat[i]).partition(_SEP)
@@ -414,7 +432,7 @@ class RedisIndex:
 
     async def stats(self) -> IndexStats:
         """See KVIndexBackend.stats; speculative entries are those not yet expired."""
-        keys, entries, spec, engines = await self._stats(args=[self._ns])
+        keys, entries, spec, engines = await self._run(self._stats, [self._ns])
         return IndexStats(keys=int(keys), entries=int(entries), speculative_entries=int(spec),
                           engines=int(engines))
 

@@ -195,6 +195,9 @@ class Tokenizer:
 
             path = TOKENIZER_DIR
         candidate = Path(path).expanduser()
+        if not candidate.exists() and str(path).startswith(("/", "./", "../", "~")):
+            # A path, not a hub id: transformers would call it a malformed repo id.
+            raise TokenizerError(f"tokenizer {str(path)!r}: no such directory")
         key = str(candidate.resolve()) if candidate.exists() else str(path)
         return _load_cached(key)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from planner.documents import load_yaml
 from planner.profiles import EngineProfile, get_profile
 
 _TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "float | None": float}
@@ -122,7 +123,7 @@ def load_profile_file(path: str | Path) -> EngineProfile:
     """Read and validate a profile YAML file."""
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = load_yaml(p.read_text())
     except FileNotFoundError:
         raise ProfileFileError(f"{p}: no such profile file") from None
     except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not text

@@ -20,7 +20,13 @@ from kvgate.bench.prompts import ChatMessage, ChatRenderer, Content, Vocabulary
 from kvgate.bench.report import percentile, task_kind
 from kvgate.bench.runner import run_bench
 from kvgate.bench.virtual import VirtualRun
-from kvgate.bench.workloads import TRACES, WorkloadError, build_workload
+from kvgate.bench.workloads import (
+    TRACES,
+    WorkloadError,
+    build_workload,
+    load_dag_file,
+    load_workflow_trace,
+)
 from kvindex.tokenizer import Tokenizer
 from planner.policy import PolicyContext, make_policy, policy_names, reads_index
 
@@ -136,6 +142,23 @@ def test_dag_file_errors_name_the_problem_and_exit_2(tmp_path: Path, spec: dict,
     assert proc.returncode == 2
     assert problem in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_key_given_twice_in_a_dag_file_or_a_trace_line_is_named(tmp_path: Path,
+                                                                   vocab: Vocabulary) -> None:
+    # json and PyYAML kept the last of the two: a second `tasks` silently replaced the first.
+    task = '{"id": "a", "messages": [{"role": "user", "content": "x"}]}'
+    doc = f'{{"model": "m", "tasks": [{task}], "tasks": [{task}, {task}]}}'
+    for name, text in [("wf.json", doc), ("wf.yaml", f"model: m\ntasks: [{task}]\n"
+                                                     f"model: n\n")]:
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(WorkloadError, match="is given twice"):
+            load_dag_file(path)
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(doc[:-1] + ', "arrival_s": 0, "arrival_s": 1}\n')
+    with pytest.raises(WorkloadError, match=r"trace.jsonl:1: not valid JSON: key 'tasks'"):
+        load_workflow_trace(str(trace), vocab)
 
 
 def test_dag_file_runs_like_a_builtin_workload(tmp_path: Path) -> None:

@@ -71,6 +71,23 @@ def test_a_bad_engine_url_and_an_unknown_policy_are_named() -> None:
     assert policy.returncode == 2 and "unknown policy 'nope'; known:" in policy.stderr
 
 
+def test_engines_beside_a_config_and_an_empty_key_variable_are_not_taken(
+        tmp_path: Path, taken_port: int) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"engines:\n  - url: http://127.0.0.1:9\nport: {taken_port}\n"
+                      "admin_key: a-good-admin-key-0123456789\n")
+    out = kvgate("serve", "--config", str(config), "--engines", "http://127.0.0.1:10")
+    assert out.returncode == 2 and "give --engines or --config, not both" in out.stderr
+    # An empty $KVGATE_ADMIN_KEY used to replace the file's key, and the error blamed the file.
+    # Here the file's key is taken, and the run goes on to fail on the port it names.
+    env = dict(os.environ, KVGATE_ADMIN_KEY="", KVGATE_ENGINE_API_KEY="")
+    out = subprocess.run([sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config)],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert "admin_key" not in out.stderr and "engine_api_key" not in out.stderr, out.stderr
+    assert f"cannot listen on 127.0.0.1:{taken_port}: the port is in use" in out.stderr, \
+        out.stderr
+
+
 def test_an_unknown_log_level_is_a_usage_error() -> None:
     out = kvgate("--log-level", "loud", "demo")
     assert out.returncode == 2 and "invalid choice: 'LOUD'" in out.stderr

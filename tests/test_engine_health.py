@@ -8,6 +8,7 @@ late for the check's deadline); `gateway.pool.EnginePool` checks it over a real 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
@@ -115,6 +116,24 @@ async def test_a_threshold_of_one_takes_out_an_engine_on_its_first_miss(stub: St
         assert await checked(pool, 1) == [True]
         stub.answer = "error"
         assert await checked(pool, 1) == [False]
+
+
+async def test_an_engine_that_never_passes_is_named_once_per_reason(
+        stub: Stub, caplog: pytest.LogCaptureFixture) -> None:
+    # An engine that was never healthy (a URL the checks miss, a key it refuses) used to be
+    # said only at debug level: the pool sat empty with nothing in the log.
+    stub.answer = "error"
+    async with aiohttp.ClientSession() as session:
+        pool = pool_of(stub, session, 3)
+        with caplog.at_level(logging.WARNING, logger="gateway.pool"):
+            assert await checked(pool, 3) == [False, False, False]
+            stub.answer = "ok"
+            assert await checked(pool, 1) == [True]
+            stub.answer = "error"
+            assert await checked(pool, 4) == [True, True, False, False]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"engine e is not in rotation: GET http://127.0.0.1:{stub.port}/health "
+                    "answered 500", "engine e failed its health check"], said
 
 
 async def test_a_scrape_carries_the_planners_finish_count_from_when_it_was_sent(

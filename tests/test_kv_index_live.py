@@ -22,6 +22,7 @@ import yaml
 
 from kvgate.procs import Child, free_port, spawn, wait_healthy
 from tests.conftest import MODEL
+from tests.redis_server import RedisServer, redis_server_available
 
 ADMIN = "test-admin-key-0123456789"
 SYSTEM = ("You are the research agent number {n}. Use the tools to find evidence, cite every "
@@ -385,6 +386,45 @@ def test_two_gateways_sharing_redis_send_a_prefix_to_the_same_engine(
         assert status == 200
         assert headers["x-kvgate-engine"] == engine
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
+
+
+@pytest.mark.skipif(not redis_server_available(), reason="redis-server not installed")
+def test_a_redis_index_that_goes_away_routes_without_it_and_one_never_there_is_named(
+    cluster: Cluster,
+) -> None:
+    cluster.add_engine("a")
+    with RedisServer() as url:
+        gw = cluster.start_gateway(redis_url=url)
+        cluster.start_sim("a")
+        wait_healthy(gw)
+        status, _, _ = http("POST", f"{gw.url}/v1/chat/completions", chat(1))
+        assert status == 200
+    # Redis is gone. A prompt long enough to be looked up used to be a 500, and /metrics too.
+    for i in range(3):
+        status, out, _ = http("POST", f"{gw.url}/v1/chat/completions", chat(1, f"Again {i}?"))
+        assert status == 200, out
+    status, out, _ = http("GET", f"{gw.url}/admin/index/{cluster.engine_name('a')}",
+                          admin=True)
+    assert status == 503 and out["error"]["code"] == "index_unavailable", out
+    with urllib.request.urlopen(f"{gw.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert r.status == 200
+    count = next(float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("kvgate_index_unavailable_total "))
+    assert count >= 1
+    log = gw.log_tail(100_000)
+    assert "routing calls without the KV index" in log and "Traceback" not in log, log
+    # A gateway whose index cannot be reached at start-up says so and exits.
+    port = free_port()
+    path = cluster.tmp / "no-redis.yaml"
+    path.write_text(yaml.safe_dump({
+        "port": port, "engines": cluster.config_engines(),
+        "index": {"backend": "redis", "redis_url": f"redis://127.0.0.1:{free_port()}/0"}}))
+    child = spawn("no-redis", ["serve", "--config", str(path)], f"http://127.0.0.1:{port}",
+                  cluster.tmp)
+    assert child.proc.wait(timeout=60) == 1
+    assert "kvgate serve: cannot start: the Redis index cannot be reached" in child.log_tail()
+    assert "Traceback" not in child.log_tail()
 
 
 def test_connect_mode_subscribes_to_engines_that_bind(tmp_path: Path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from adapters.vllm.metrics import MetricsParseError, parse_engine_load
+from gateway.app import exposure_warnings
 from gateway.config import ConfigError, load_config, parse_config
 from planner.policy import EngineView, NoEngineAvailable, RouteRequest, make_policy
 
@@ -91,6 +93,54 @@ def test_config_refuses_what_could_not_run(tmp_path: Path) -> None:
     text.write_text("engines:\n  - url: http://127.0.0.1:9\ntracing: console\n")
     with pytest.raises(ConfigError, match="tracing: expected a mapping of settings"):
         load_config(text, **{"tracing.endpoint": "http://127.0.0.1:4318"})
+
+
+def test_config_refuses_what_used_to_be_taken_and_do_something_else(tmp_path: Path) -> None:
+    engines = [{"url": "http://127.0.0.1:9"}]
+    # A section given twice: the second silently replaced the first (here: tenants off).
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("tenants:\n  acme: {keys: [sk-acme-0123456789abcdef]}\nengines:\n"
+                     "  - url: http://127.0.0.1:9\ntenants: {}\n")
+    with pytest.raises(ConfigError, match=r"key 'tenants' is given twice \(lines 1 and 5\)"):
+        load_config(twice)
+    for bad, problem in [
+        ({"port": True}, "port: Value error, expected an integer, not true"),
+        ({"retries": False}, "retries: Value error, expected an integer, not false"),
+        ({"connect_timeout_s": True}, "connect_timeout_s: Value error, expected a number"),
+        ({"host": ""}, "host: String should have at least 1 character"),
+        ({"engine_api_key": "sk-engine-0123456789\n"}, "a line break"),
+        ({"engine_api_key": ""}, "engine_api_key is empty"),
+        ({"tokenizer": ""}, "tokenizer is empty"),
+        ({"engines": [{"url": "http://127.0.0.1:9/v1"}]}, "no path, got 'http://127.0.0.1:9/v1' "
+                                                          "(drop '/v1'"),
+        ({"engines": [{"url": "http://ops:secret@127.0.0.1:9"}]}, "carries credentials"),
+        ({"engines": [{"url": "http://127.0.0.1:9"}, {"url": "http://localhost:9",
+                                                       "name": "b", "kv_topic": "b"}]},
+         "are one engine"),
+        ({"engines": [{"url": "http://127.0.0.1:9", "name": "a", "kv_topic": "a"},
+                      {"url": "http://127.0.0.1:9", "name": "b", "kv_topic": "b"}]},
+         "are one engine"),
+        ({"index": {"redis_url": "redis://127.0.0.1:6379/0"}}, "add `backend: redis`"),
+        ({"workflows": {"redis_url": "redis://127.0.0.1:6379/0"}}, "add `store: redis`"),
+        ({"tracing": {"endpoint": "http://127.0.0.1:4318"}}, "add otlp-http or otlp-grpc"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            parse_config({"engines": engines, **bad})
+    assert parse_config({"engines": engines, "tracing": {
+        "exporter": "otlp-http", "endpoint": "http://127.0.0.1:4318"}}).tracing.endpoint
+
+
+def test_a_bind_beyond_this_machine_is_said_at_start_up() -> None:
+    engines = [{"url": "http://127.0.0.1:9"}]
+    assert exposure_warnings(parse_config({"engines": engines})) == []
+    assert exposure_warnings(parse_config({"engines": engines, "host": "::1"})) == []
+    open_ = exposure_warnings(parse_config({"engines": engines, "host": "0.0.0.0",
+                                            "kv_events_bind": "tcp://0.0.0.0:5557"}))
+    assert len(open_) == 2 and "with no tenants configured" in open_[0]
+    assert "KV events are taken from anyone" in open_[1]
+    tenants = {"a": {"keys": ["sk-tenant-a-0123456789"]}}
+    assert exposure_warnings(parse_config({"engines": engines, "host": "0.0.0.0",
+                                           "tenants": tenants})) == []
 
 
 def test_config_defaults_bind_to_loopback() -> None:

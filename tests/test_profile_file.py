@@ -45,6 +45,13 @@ def test_unknown_key_is_named() -> None:
         parse_profile({"base": "cpu-tiny", "step_overhead": 0.1})
 
 
+def test_a_key_given_twice_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("base: cpu-tiny\npeak_flops: 1.0e15\nlayers: 4\npeak_flops: 2.0e15\n")
+    with pytest.raises(ProfileFileError, match=r"key 'peak_flops' is given twice \(lines 2 and 4"):
+        load_profile_file(path)
+
+
 def test_missing_keys_are_named_without_base() -> None:
     data = dataclasses.asdict(PROFILES["cpu-tiny"])
     del data["mbu"]

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from kvgate.bench.prompts import ChatMessage, Content, Piece, Vocabulary
+from planner.documents import load_json, load_yaml
 from planner.workflow import (
     LiteralMessage,
     OutputOf,
@@ -294,8 +295,8 @@ def load_dag_file(path: str | Path) -> Workflow:
     text = _read_text(p, "--dag-file")
     as_yaml = p.suffix in (".yaml", ".yml")
     try:
-        data = yaml.safe_load(text) if as_yaml else json.loads(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        data = load_yaml(text) if as_yaml else load_json(text)
+    except (yaml.YAMLError, ValueError) as e:  # a JSONDecodeError, a key given twice
         raise WorkloadError(f"{p}: not valid {'YAML' if as_yaml else 'JSON'}: {e}") from None
     try:
         return load_workflow(data, str(p))
@@ -317,8 +318,8 @@ def load_workflow_trace(path: str | Path, vocab: Vocabulary,
             continue
         where = f"{p}:{n}"
         try:
-            data = json.loads(line)
-        except json.JSONDecodeError as e:
+            data = load_json(line)
+        except ValueError as e:  # a JSONDecodeError, a key given twice
             raise WorkloadError(f"{where}: not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise WorkloadError(f"{where}: a line must be a JSON object (a workflow spec "
