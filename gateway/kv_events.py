@@ -38,6 +38,13 @@ class BadEndpoint(ValueError):
     """A KV-event endpoint libzmq will not connect to (the message says why)."""
 
 REPLAY_TIMEOUT_S = 2.0
+HEARTBEAT_IVL_S = 5.0
+"""The SUB socket pings each engine's publisher this often (ZMTP heartbeats, which vLLM's
+libzmq answers by itself)."""
+HEARTBEAT_TIMEOUT_S = 15.0
+"""A connection that answers nothing for this long is dropped and made again: a publisher's
+node that died or a network cut without a FIN or RST otherwise left a connect-mode subscriber
+deaf to that engine for good (a SUB never sends, so TCP never notices)."""
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_UNKNOWN_TOPICS = 1000
 """Unknown topics remembered (each logged once); more are counted, not kept."""
@@ -94,6 +101,8 @@ class KVEventListener:
         # blocks is about 5 MB).
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(HEARTBEAT_TIMEOUT_S * 1000))
         if self.bind:
             sub.bind(self.bind)
         for s in self._sources.values():
@@ -251,18 +260,51 @@ class KVEventListener:
             self._start_replay(result.replay)
 
     async def _replay(self, request: RequestReplay) -> None:
-        source = self._sources.get(request.engine)
+        """Ask the engine's replay endpoint for its buffered batches from `from_seq`, again
+        from where a round broke off while the ingestor says so, then apply what was held."""
         engine = request.engine
+        failed = False
+        try:
+            round_: RequestReplay | None = request
+            while round_ is not None:
+                if not await self._replay_round(round_):
+                    failed = True  # the index refused the round's updates: resynced already
+                    return
+                async with self._lock(engine):
+                    round_ = self.ingestor.resume_replay(engine, request.generation)
+                if round_ is not None:
+                    log.info("replay from %s broke off; asking again from %d", engine,
+                             round_.from_seq)
+        except Exception:
+            log.exception("replay from %s failed", engine)
+        finally:
+            async with self._lock(engine):
+                ops = [] if failed else self.ingestor.replay_done(engine, request.generation)
+                try:
+                    await self.apply(ops)
+                except Exception as e:
+                    # As everywhere else: the index missed operations, so start over for this
+                    # engine (its task used to die here, the index short of those keys).
+                    _update_failed(e, "index update for %s failed after its replay; "
+                                   "resyncing it", engine)
+                    with contextlib.suppress(Exception):  # at once, if the index is back
+                        await self.apply(self.ingestor.forget(engine, "index update failed"))
+
+    async def _replay_round(self, request: RequestReplay) -> bool:
+        """One request to the replay endpoint, read until its end marker, a silence of
+        `REPLAY_TIMEOUT_S` or a jump in it; False when the index refused its updates."""
+        engine = request.engine
+        source = self._sources.get(engine)
+        if source is None or not source.replay_endpoint:
+            return True
         dealer = self._ctx.socket(zmq.DEALER)
         try:
-            if source is None or not source.replay_endpoint:
-                return
             dealer.connect(source.replay_endpoint)
             await dealer.send_multipart([b"", request.from_seq.to_bytes(8, "big")])
             while True:
                 if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
                     log.warning("replay from %s timed out", engine)
-                    return
+                    return True
                 frames = await dealer.recv_multipart()
                 # [b"", topic, seq, payload]; releases before mid-2025 omit the topic frame.
                 body = frames[1:]
@@ -273,7 +315,7 @@ class KVEventListener:
                     continue
                 seq = decode_seq(body[1])
                 if seq < 0:
-                    return
+                    return True
                 async with self._lock(engine):
                     ops = self.ingestor.on_replayed(engine, seq, body[2], request.generation)
                     try:
@@ -286,13 +328,11 @@ class KVEventListener:
                         clear = self.ingestor.forget(engine, "index update failed in a replay")
                         with contextlib.suppress(Exception):  # at once, if the index is back
                             await self.apply(clear)
-                        return
-        except Exception:
-            log.exception("replay from %s failed", engine)
+                        return False
+                    if self.ingestor.replay_cut(engine, request.generation):
+                        return True
         finally:
             dealer.close(linger=0)
-            async with self._lock(engine):
-                await self.apply(self.ingestor.replay_done(engine, request.generation))
 
     async def apply(self, ops: Sequence[IndexOp]) -> None:
         """Perform index operations in order."""

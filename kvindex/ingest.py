@@ -103,6 +103,11 @@ class _Chain:
 _BlockState = int | _Chain
 
 
+MAX_REPLAY_ROUNDS = 64
+"""Times one replay is asked again from where it broke off (each round gets at least one batch
+further; vLLM's buffer of 10,000 batches takes about ten)."""
+
+
 @dataclass
 class IngestStats:
     """Counters for metrics and tests."""
@@ -114,6 +119,8 @@ class IngestStats:
     unknown_removals: int = 0
     gaps: int = 0
     replays_requested: int = 0
+    replay_rounds: int = 0
+    """Replays asked again from where one broke off (the engine's send queue dropped the rest)."""
     restarts: int = 0
     resyncs: int = 0
     decode_errors: int = 0
@@ -129,6 +136,10 @@ class _EngineState:
     replaying: bool = False
     replay_target: int = 0
     replay_generation: int = -1
+    # This round of the replay: batches it applied, and whether it broke off (a jump).
+    round_applied: int = 0
+    round_cut: bool = False
+    rounds: int = 0
     # Live batches that arrived while a replay was running, by sequence number.
     held: dict[int, KVEventBatch] = field(default_factory=dict)
     # When (the ingestor's clock) the events showed a new process (sequence went backwards).
@@ -250,6 +261,7 @@ class EventIngestor:
         state.replaying = True
         state.replay_target = from_seq
         state.replay_generation = self._replay_generation
+        state.round_applied, state.round_cut, state.rounds = 0, False, 0
         self.stats.replays_requested += 1
         return RequestReplay(engine, from_seq, self._replay_generation)
 
@@ -276,14 +288,45 @@ class EventIngestor:
         if batch is None:
             return ops
         expected = state.replay_target if state.last_seq is None else state.last_seq + 1
-        if seq < expected:
+        if seq < expected or state.round_cut:
             return ops
         if seq > expected and state.last_seq is not None:
-            # The replay buffer no longer reaches back far enough: what we held is unreliable.
+            if state.round_applied > 0:
+                # The round jumped after it had begun: vLLM sends the whole buffer at once on
+                # a ROUTER socket whose send queue (1,000 messages) drops the rest. What is
+                # missing is still in its buffer: the round ends here (`replay_cut`) and the
+                # driver asks again from `expected` (`resume_replay`).
+                state.round_cut = True
+                return ops
+            # The round's first batch is past what we need: the buffer no longer reaches back
+            # far enough, so what we held is unreliable.
             self._reset(state, engine, f"replay started at {seq}, needed {expected}",
                         IngestResult(ops))
+        state.round_applied += 1
         self._apply(state, engine, seq, batch, ops)
         return ops
+
+    def replay_cut(self, engine: str, generation: int | None = None) -> bool:
+        """This round of the replay broke off (a jump in it): read no more of it."""
+        state = self._replaying(engine, generation)
+        return state is not None and state.round_cut
+
+    def resume_replay(self, engine: str, generation: int | None = None) -> RequestReplay | None:
+        """A round of the replay ended (it broke off, its end came, or it went quiet): the
+        request to ask again from where it stopped, when something is still missing (the
+        round broke off, or the live batches held start past the last one applied) and the
+        round got somewhere; None to finish with `replay_done`."""
+        state = self._replaying(engine, generation)
+        if state is None or state.last_seq is None:
+            return None
+        missing = state.round_cut or (bool(state.held) and min(state.held) > state.last_seq + 1)
+        progressed = state.round_applied > 0
+        if not (missing and progressed and state.rounds < MAX_REPLAY_ROUNDS):
+            return None
+        state.round_applied, state.round_cut = 0, False
+        state.rounds += 1
+        self.stats.replay_rounds += 1
+        return RequestReplay(engine, state.last_seq + 1, state.replay_generation)
 
     def replay_done(self, engine: str, generation: int | None = None) -> list[IndexOp]:
         """The replay ended (end marker, timeout or error): apply the batches held meanwhile."""

@@ -167,6 +167,40 @@ def test_replay_that_no_longer_reaches_back_resyncs() -> None:
     assert h.keys() == set(chain_keys(TOKENS[80:96], 16)) | set(chain_keys(TOKENS[64:80], 16))
 
 
+def test_a_replay_that_breaks_off_is_asked_again_from_where_it_stopped() -> None:
+    h = Harness(replay=True)
+    batches = [payload(stored([i + 1], i or None, TOKENS[16 * i:16 * (i + 1)], 16))
+               for i in range(6)]
+    h.feed(0, batches[0])
+    request = h.feed(5, batches[5])
+    assert request == RequestReplay(E, 1)
+    # The round brings 1 and 2, then jumps to 4 (the sender dropped 3): not a reset, a cut.
+    for seq in (1, 2, 4):
+        apply_ops_sync(h.index, h.ingestor.on_replayed(E, seq, batches[seq], request.generation))
+    assert h.ingestor.replay_cut(E, request.generation) and h.ingestor.stats.resyncs == 0
+    again = h.ingestor.resume_replay(E, request.generation)
+    assert again == RequestReplay(E, 3, request.generation)
+    assert not h.ingestor.replay_cut(E, request.generation)
+    for seq in (3, 4):
+        apply_ops_sync(h.index, h.ingestor.on_replayed(E, seq, batches[seq], request.generation))
+    assert h.ingestor.resume_replay(E, request.generation) is None  # caught up with 5, held
+    apply_ops_sync(h.index, h.ingestor.replay_done(E, request.generation))
+    assert h.held_blocks(TOKENS[:96]) == 6 and h.ingestor.last_seq(E) == 5
+    assert h.ingestor.stats.replay_rounds == 1 and h.ingestor.stats.resyncs == 0
+
+
+def test_a_replay_round_that_brings_nothing_is_not_asked_again() -> None:
+    h = Harness(replay=True)
+    h.feed(0, payload(stored([1], None, TOKENS[:16], 16)))
+    request = h.feed(5, payload(stored([6], 5, TOKENS[80:96], 16)))
+    assert request is not None
+    # The round's end marker came with nothing (or it went quiet): held 5 is past 1, but
+    # asking again would bring nothing either; the replay ends and 1..4 are lost.
+    assert h.ingestor.resume_replay(E, request.generation) is None
+    ops = h.ingestor.replay_done(E, request.generation)
+    assert any(isinstance(op, ClearEngine) for op in ops)
+
+
 def test_older_positional_layout_ingests_identically() -> None:
     positional = msgspec.msgpack.encode(
         [0.0, [["BlockStored", [1, 2], None, TOKENS[:32], 16, None, "GPU", None]], 0])
