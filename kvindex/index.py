@@ -9,8 +9,9 @@ is also usable synchronously by the sans-IO planner and the virtual-time benchma
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import is_not, or_
@@ -50,6 +51,9 @@ class IndexStats:
     speculative_entries: int
     engines: int
 
+
+CLEAR_CHUNK = 50_000
+"""Keys the in-memory index scrubs of a cleared engine between two yields to the event loop."""
 
 class IndexUnavailable(Exception):
     """The index's store cannot be reached (Redis down or not answering): the message names
@@ -148,6 +152,8 @@ class InMemoryIndex:
     def __init__(self) -> None:
         self._engine_bit: dict[str, int] = {}
         self._free_bits: list[int] = []
+        self._bits_given = 0
+        """Bits ever given out: in use, free, or being scrubbed by a clear."""
         self._tiers: dict[str, dict[BlockKey, int]] = {}
         self._extra_copies: dict[tuple[str, BlockKey, int], int] = {}
         # Speculative entries per engine bit, in expiry order (constant TTL per call), and per
@@ -185,13 +191,16 @@ class InMemoryIndex:
     def _bit(self, engine: str) -> int:
         bit = self._engine_bit.get(engine)
         if bit is None:
-            bit = self._free_bits.pop() if self._free_bits else len(self._engine_bit)
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit, self._bits_given = self._bits_given, self._bits_given + 1
             self._engine_bit[engine] = bit
         return bit
 
     def _narrow(self) -> bool:
         """Whether every bit ever given out is below 8, so every mask fits in a byte."""
-        return len(self._engine_bit) + len(self._free_bits) <= 8
+        return self._bits_given <= 8
 
     @property
     def engines(self) -> list[str]:
@@ -251,25 +260,43 @@ class InMemoryIndex:
 
     def clear_engine_sync(self, engine: str) -> None:
         """See KVIndexBackend.clear_engine; the engine's bit is recycled."""
+        bit = self._detach(engine)
+        if bit is not None:
+            for _ in self._scrub(bit):
+                pass
+            self._free_bits.append(bit)
+
+    def _detach(self, engine: str) -> int | None:
+        """The engine is no longer matched or speculated on: its bit, still to be scrubbed
+        from the tables before it is given out again (None if it had none)."""
         self._version += 1
         bit = self._engine_bit.pop(engine, None)
         if bit is None:
-            return
-        mask = 1 << bit
-        for table in self._tiers.values():
-            for k in [k for k, held in table.items() if held & mask]:
-                held = table[k] & ~mask
-                if held:
-                    table[k] = held
-                else:
-                    del table[k]
+            return None
         for ck in [ck for ck in self._extra_copies if ck[2] == bit]:
             del self._extra_copies[ck]
         for k in self._spec.pop(bit, {}):
             self._spec_drop(bit, k)
         self._spec_latest.pop(bit, None)
         self._spec_unordered.discard(bit)
-        self._free_bits.append(bit)
+        return bit
+
+    def _scrub(self, bit: int) -> Iterator[None]:
+        """Clear a detached bit from every entry, yielding after each `CLEAR_CHUNK` keys (the
+        tables may change in between: each key is read again when its turn comes)."""
+        mask = 1 << bit
+        for table in list(self._tiers.values()):
+            keys = list(table)
+            for start in range(0, len(keys), CLEAR_CHUNK):
+                for k in keys[start:start + CLEAR_CHUNK]:
+                    held = table.get(k, 0)
+                    if held & mask:
+                        held &= ~mask
+                        if held:
+                            table[k] = held
+                        else:
+                            del table[k]
+                yield
 
     def add_speculative_sync(
         self, engine: str, keys: Sequence[BlockKey], now: float, ttl_s: float
@@ -505,8 +532,15 @@ class InMemoryIndex:
         self.remove_sync(engine, keys, tier)
 
     async def clear_engine(self, engine: str) -> None:
-        """See KVIndexBackend.clear_engine."""
-        self.clear_engine_sync(engine)
+        """See KVIndexBackend.clear_engine: in slices of `CLEAR_CHUNK` keys, with the event loop
+        free in between (clearing one engine from 2M keys took 0.1 s in one piece; calls
+        matched meanwhile no longer see the engine at all)."""
+        bit = self._detach(engine)
+        if bit is None:
+            return
+        for _ in self._scrub(bit):
+            await asyncio.sleep(0)
+        self._free_bits.append(bit)
 
     async def add_speculative(
         self, engine: str, keys: Sequence[BlockKey], now: float, ttl_s: float

@@ -27,6 +27,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+import kvindex.index as index_module
 from kvindex.index import EngineMatch, IndexStats, InMemoryIndex, KVIndexBackend
 from kvindex.redis_index import CHUNK, RedisIndex
 from tests.redis_server import redis_server_available
@@ -152,6 +153,31 @@ async def test_clear_engine_removes_only_that_engine(index: KVIndexBackend) -> N
     await index.add("a", [1])
     await index.remove("a", [1])
     assert summary(await index.match([1], now())) == {"b": (1, 1, 1.0)}
+
+
+async def test_a_clear_in_slices_lets_other_engines_change_the_index_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The in-memory clear yields to the event loop between slices (it used to hold the loop
+    # for 0.1 s on 2M keys): what other engines add and remove meanwhile must stand, and the
+    # cleared engine's bit must not be handed out before its entries are gone.
+    monkeypatch.setattr(index_module, "CLEAR_CHUNK", 3)
+    index = InMemoryIndex()
+    await index.add("a", list(range(20)))
+    await index.add("b", list(range(10)))
+
+    async def meanwhile() -> None:
+        for k in range(20, 30):
+            await index.add("c", [k])  # a new engine while a's bit is not yet free
+            await index.remove("b", [k - 20])
+            await asyncio.sleep(0)
+
+    await asyncio.gather(index.clear_engine("a"), meanwhile())
+    assert await index.engine_keys("a") == {}
+    assert sorted(await index.engine_keys("c")) == list(range(20, 30))
+    assert await index.engine_keys("b") == {}
+    assert summary(await index.match(list(range(20)), now())) == {}
+    await index.add("d", [0])  # a's bit, free again: nothing of a's comes with it
+    assert summary(await index.match([0, 1], now())) == {"d": (1, 1, 1.0)}
 
 
 # -- speculative entries ----------------------------------------------------------------------
