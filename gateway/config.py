@@ -364,6 +364,9 @@ class GatewayConfig(_Section):
     rotation; a refused connection takes it out at once."""
     connect_timeout_s: float = Field(default=5.0, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
+    client_write_timeout_s: float = Field(default=60.0, gt=0)
+    """A client that takes none of its answer for this long (it stopped reading, or vanished
+    without closing) is dropped: the engine's call is aborted and its place freed."""
     retries: int = Field(default=2, ge=0)
     kv_events_bind: str | None = None
     """Bind mode: one SUB socket engines connect to, e.g. tcp://127.0.0.1:5557."""

@@ -48,6 +48,15 @@ Event = Head | bytes | _End
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
 
 
+
+def _header_text(value: bytes) -> str:
+    """A response header's value as text: UTF-8 where it is (aiohttp writes the client's
+    headers as UTF-8, so a Latin-1 reading sent `cafÃ©` for `café`), else Latin-1."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
 class ResponseParser:
     """Frames one response; `feed` returns the events the new bytes complete."""
 
@@ -58,6 +67,12 @@ class ResponseParser:
         self._state = _HEAD
         self._remaining = 0
         self._keep_alive = False
+
+    @property
+    def reusable(self) -> bool:
+        """The connection may carry another request once this response is done (keep-alive,
+        and nothing came after the response's end)."""
+        return self._keep_alive
 
     @property
     def done(self) -> bool:
@@ -90,8 +105,12 @@ class ResponseParser:
             state = self._state
             buf = self._buf
             if state == _HEAD:
+                # Empty lines before the status line are skipped (RFC 9112, 2.2): a stray CRLF
+                # after a body used to fail the next answer on that connection.
+                while buf.startswith(b"\r\n"):
+                    buf = self._buf = buf[2:]
                 end = buf.find(b"\r\n\r\n")
-                if end < 0:
+                if end < 0 or end > MAX_HEAD_BYTES:
                     if len(buf) > MAX_HEAD_BYTES:
                         raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
                     return events
@@ -173,7 +192,10 @@ class ResponseParser:
             # _DONE
             events.append(END)
             if self._buf:
-                raise ProtocolError("the engine sent bytes after the end of its response")
+                # The answer is whole; what follows it (a stray line end) is dropped with the
+                # connection, which is not used again.
+                self._buf = b""
+                self._keep_alive = False
             return events
 
     def eof(self) -> list[Event]:
@@ -205,7 +227,7 @@ class ResponseParser:
             name, sep, value = line.partition(b":")
             if not sep or not name or name != name.strip():
                 raise ProtocolError(f"bad header line {line[:80]!r}")
-            headers.add(name.decode("latin-1"), value.strip().decode("latin-1"))
+            headers.add(name.decode("latin-1"), _header_text(value.strip()))
         if status < 200:
             return None  # 100 Continue and friends: the real answer follows
         connection = headers.get("Connection", "").lower()

@@ -40,7 +40,9 @@ from gateway.state import GatewayState
 from gateway.tenants import Tenant, caller, salt_label
 from gateway.tracing import NO_CALL, CallTrace, EngineCallTrace, NoCall
 from gateway.upstream import (
+    UpstreamBroken,
     UpstreamConnectError,
+    UpstreamDropped,
     UpstreamError,
     UpstreamResponse,
     UpstreamTimeout,
@@ -441,6 +443,9 @@ class Proxy:
             try:
                 d = await self._place(route_req, tried, hints, static)
             except BaseException as e:
+                if isinstance(e, GatewayError) and last_error:
+                    # No engine left to retry on: say what became of the last one tried.
+                    e.message = f"{e.message}; the engine tried before failed: {last_error}"
                 if recorder is not None:
                     recorder.finished(None, str(e) if isinstance(e, GatewayError)
                                       else f"{CLIENT_GONE} before the call was placed",
@@ -678,6 +683,8 @@ class Proxy:
                 state.pool.mark_failed(engine, str(e))
                 flight.status = RETRYING
                 raise _RetryableFailure(f"{engine}: {e}") from None
+            except UpstreamDropped as e:
+                raise self._dropped(engine, flight, e) from None
             except UpstreamError as e:
                 # The answer's head began and broke off: the engine had the request, so it is
                 # not sent again.
@@ -734,74 +741,122 @@ class Proxy:
             # Written here, in one write, so the accounting that follows (the planner's finish,
             # the trace) runs after the client has its answer, not before.
             try:
-                await answer.prepare(request)
-                await answer.write_eof()
+                async with asyncio.timeout(self.state.config.client_write_timeout_s):
+                    await answer.prepare(request)
+                    await answer.write_eof()
             except ConnectionResetError:
                 self._client_gone(route, engine, "before the answer was written", flight)
+                return answer
+            except TimeoutError:
+                self._client_stalled(request, route, engine, flight)
                 return answer
             later(metrics.answered, route, upstream.status)
             return answer
         resp = web.StreamResponse(status=upstream.status, headers=out_headers)
-        # SSE is forwarded in whole events only, so an error event can follow cleanly if the
-        # engine dies mid-event; the incomplete tail waits for the rest of its event.
-        tail = b""
-        done = False
         try:
-            await resp.prepare(request)
-            while True:
-                try:
-                    chunk = await upstream.readany()
-                except UpstreamError as e:
-                    err = await self._engine_died(resp, engine, e)
-                    # The client had a 200 head already: the call's span and counters say what
-                    # became of it.
-                    self._broke[flight.route.request_id] = err
-                    metrics.requests.labels(route, str(err.status)).inc()
-                    return resp
-                if not chunk:
-                    break
-                # vLLM streams its first chunk once the prompt is prefilled.
-                observed = upstream.status == 200
-                if self._first_token(flight, observed) and observed:
-                    later(metrics.observe, metrics.time_to_first_token, route,
-                          time.monotonic() - arrived)
-                if is_sse:
-                    data = tail + chunk
-                    cut = _events_end(data)
-                    chunk, tail = data[:cut], data[cut:]
-                    if not chunk:
-                        continue
-                    flight.streamed_tokens += _token_events(chunk)
-                    if b'"usage":{' in chunk:
-                        usage = _usage_event(chunk)
-                        if usage is not None:
-                            flight.usage_event = usage
-                            flight.usage_tokens = completion_tokens(usage)
-                    if b"data: [DONE]" in chunk:
-                        # vLLM's last event: the answer is whole once it is written, even if
-                        # the client hangs up right after reading it (as the openai client may,
-                        # which cancels this handler before the engine's stream ends).
-                        done = True
-                await resp.write(chunk)
-                if done:
-                    flight.status = upstream.status
-            # The engine answered in full: a client that hangs up once it has read the last
-            # event (as the openai client may) does not make the call a failure.
-            flight.status = upstream.status
-            if tail:
-                await resp.write(tail)
-            await resp.write_eof()
+            async with asyncio.timeout(None) as writing:
+                broke = await self._relay_events(request, route, flight, upstream, resp,
+                                                 arrived, writing)
         except ConnectionResetError:
             self._hung_up(route, engine, flight)
+            return resp
+        except TimeoutError:
+            # Only the writes to the client are timed here (the engine's reads carry their
+            # own timeout, raised as UpstreamTimeout and handled inside).
+            self._client_stalled(request, route, engine, flight)
             return resp
         except asyncio.CancelledError:
             # The client's connection closed (the server cancels its handler): counted before
             # the cancellation goes on.
             self._hung_up(route, engine, flight)
             raise
-        later(metrics.answered, route, upstream.status)
-        flight.status = upstream.status
+        if not broke:
+            later(metrics.answered, route, upstream.status)
+            flight.status = upstream.status
         return resp
+
+    async def _relay_events(self, request: web.Request, route: str, flight: _Flight,
+                            upstream: UpstreamResponse, resp: web.StreamResponse,
+                            arrived: float, writing: asyncio.Timeout) -> bool:
+        """Relay a stream in whole server-sent events, so an error event can follow cleanly if
+        the engine dies mid-event (the incomplete tail waits for the rest of its event); the
+        client's head waits for the first whole event, so a stream the engine drops before it
+        goes to another engine. Each write to the client must end within
+        `client_write_timeout_s` (`writing` fires otherwise). True if the engine broke off
+        after the client had its head (the stream then ends with an error event)."""
+        later = self.state.later
+        metrics = self.state.metrics
+        engine = flight.dispatch.engine
+        loop = asyncio.get_running_loop()
+        write_s = self.state.config.client_write_timeout_s
+        events = EventFramer()
+        done = False
+        while True:
+            try:
+                chunk = await upstream.readany()
+                if events.pending_bytes > MAX_EVENT_BYTES:
+                    raise UpstreamBroken(f"the engine sent an event of over {MAX_EVENT_BYTES} "
+                                         "bytes")
+            except UpstreamError as e:
+                if not resp.prepared:
+                    # Nothing of the answer reached the client: another engine may take it.
+                    raise self._dropped(engine, flight, e) from None
+                writing.reschedule(loop.time() + write_s)
+                err = await self._engine_died(resp, engine, e)
+                # The client had a 200 head already: the call's span and counters say what
+                # became of it.
+                self._broke[flight.route.request_id] = err
+                metrics.requests.labels(route, str(err.status)).inc()
+                return True
+            if not chunk:
+                break
+            # vLLM streams its first chunk once the prompt is prefilled.
+            observed = upstream.status == 200
+            if self._first_token(flight, observed) and observed:
+                later(metrics.observe, metrics.time_to_first_token, route,
+                      time.monotonic() - arrived)
+            chunk = events.feed(chunk)
+            if not chunk:
+                continue
+            flight.streamed_tokens += _token_events(chunk)
+            if b'"usage":{' in chunk:
+                usage = _usage_event(chunk)
+                if usage is not None:
+                    flight.usage_event = usage
+                    flight.usage_tokens = completion_tokens(usage)
+            if b"data: [DONE]" in chunk:
+                # vLLM's last event: the answer is whole once it is written, even if the
+                # client hangs up right after reading it (as the openai client may, which
+                # cancels this handler before the engine's stream ends).
+                done = True
+            writing.reschedule(loop.time() + write_s)
+            if not resp.prepared:
+                await resp.prepare(request)
+            await resp.write(chunk)
+            writing.reschedule(None)
+            if done:
+                flight.status = upstream.status
+        # The engine answered in full: a client that hangs up once it has read the last event
+        # (as the openai client may) does not make the call a failure.
+        flight.status = upstream.status
+        writing.reschedule(loop.time() + write_s)
+        if not resp.prepared:  # an empty stream
+            await resp.prepare(request)
+        rest = events.rest()
+        if rest:
+            await resp.write(rest)
+        await resp.write_eof()
+        return False
+
+    def _client_stalled(self, request: web.Request, route: str, engine: str,
+                        flight: _Flight) -> None:
+        """The client took none of its answer for `client_write_timeout_s`: its connection is
+        dropped (the engine's with it, so the engine aborts the call) and it counts as gone."""
+        log.warning("client took none of its answer from %s for %g s; dropping it", engine,
+                    self.state.config.client_write_timeout_s)
+        if request.transport is not None:
+            request.transport.abort()
+        self._client_gone(route, engine, "by not reading", flight)
 
     def _hung_up(self, route: str, engine: str, flight: _Flight) -> None:
         """The client hung up mid-stream. Once `data: [DONE]` was written (the flight has the
@@ -821,6 +876,16 @@ class Proxy:
         flight.gone = True
         self._answered[flight.route.request_id] = 499
         self.state.metrics.requests.labels(route, "499").inc()
+
+    def _dropped(self, engine: str, flight: _Flight, error: UpstreamError) -> _RetryableFailure:
+        """The engine closed the connection after it had the call a while, with nothing of an
+        answer sent (a non-streamed call's head, a stream's first event): the call goes to
+        another engine (never again to this one). The engine stays in rotation; its health
+        checks say whether it is gone (a load balancer's idle timeout cuts calls of engines
+        that are fine)."""
+        self.state.metrics.count(self.state.metrics.upstream_errors, engine, "dropped")
+        flight.status = RETRYING
+        return _RetryableFailure(f"{engine}: {error}")
 
     def _engine_failure(self, engine: str, error: BaseException) -> GatewayError:
         """The engine failed mid-response: count it, take it out of rotation unless it was only
@@ -860,6 +925,46 @@ def _call_attributes(route: RouteRequest, hints: RequestHints) -> dict[str, Any]
     if hints.priority is not None:
         attrs["kvgate.request.priority"] = hints.priority
     return attrs
+
+
+MAX_EVENT_BYTES = 64 * 1024 * 1024
+"""The longest server-sent event relayed (prompt logprobs of a long prompt run to megabytes); an
+engine whose event runs past it is treated as broken rather than held in memory without end."""
+
+
+class EventFramer:
+    """Cuts a stream into whole server-sent events: `feed` returns the events a read completes
+    (b"" while one is still under way), `rest` what is left at the end. Only the new bytes,
+    and the 3 before them, are searched for an event's end, and a long event is joined once:
+    it was rejoined and searched again on every read, quadratic in its length."""
+
+    __slots__ = ("_edge", "_pending", "pending_bytes")
+
+    def __init__(self) -> None:
+        self._pending: list[bytes] = []
+        self.pending_bytes = 0
+        """Bytes of the event under way."""
+        self._edge = b""  # its last 3 bytes: a blank line may span them and the next read
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events `chunk` completes, with what came before them."""
+        edge = self._edge
+        probe = edge + chunk if edge else chunk
+        cut = _events_end(probe) - len(edge)
+        if cut <= 0:
+            self._pending.append(chunk)
+            self.pending_bytes += len(chunk)
+            self._edge = probe[-3:]
+            return b""
+        pending, rest = self._pending, chunk[cut:]
+        whole = b"".join((*pending, chunk[:cut])) if pending else chunk[:cut]
+        self._pending, self.pending_bytes, self._edge = (
+            ([rest], len(rest), rest[-3:]) if rest else ([], 0, b""))
+        return whole
+
+    def rest(self) -> bytes:
+        """What came after the last whole event."""
+        return b"".join(self._pending)
 
 
 def _events_end(data: bytes) -> int:

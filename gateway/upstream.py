@@ -35,6 +35,18 @@ class UpstreamConnectError(UpstreamError, ConnectionError):
     """The engine never began an answer (refused, reset, closed, or the connect timed out)."""
 
 
+class UpstreamDropped(UpstreamError, ConnectionError):
+    """The engine closed the connection with no answer begun, after it had the request for a
+    while: not a kept-alive connection it had closed before the request came (that is
+    `UpstreamConnectError`, within `STALE_WINDOW_S`), so the engine may have worked on it."""
+
+
+STALE_WINDOW_S = 0.5
+"""A connection that ends with nothing answered this soon after the request was written was
+closed by the engine before the request came (an idle keep-alive connection closing): the
+request is sent again on a fresh one. Later, the engine had the request (`UpstreamDropped`)."""
+
+
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """The engine sent nothing for the read timeout."""
 
@@ -56,6 +68,8 @@ class _Connection(asyncio.Protocol):
         """The pool, key and read timeout of the request under way."""
         self.closed = False
         self.paused = False
+        self.sent_at = 0.0
+        """When the request under way was written (the event loop's clock)."""
         self.idle_in: list[_Connection] | None = None
         """The pool's list of idle connections this one waits in, if it does."""
 
@@ -115,8 +129,15 @@ class _Connection(asyncio.Protocol):
     def _fail(self, error: BaseException) -> None:
         head, self.head = self.head, None
         if head is not None and not head.done():
-            head.set_exception(UpstreamConnectError(str(error) or repr(error))
-                               if not self.parser.started else UpstreamBroken(str(error)))
+            what = str(error) or repr(error)
+            if self.parser.started:
+                head.set_exception(UpstreamBroken(what))
+                return
+            waited = asyncio.get_running_loop().time() - self.sent_at
+            head.set_exception(
+                UpstreamConnectError(what) if waited <= STALE_WINDOW_S else UpstreamDropped(
+                    f"the engine closed the connection {waited:.1f} s after the request, "
+                    f"before answering ({what})"))
         elif self.response is not None:
             self.response._fail(UpstreamBroken(str(error) or repr(error)))
 
@@ -217,7 +238,8 @@ class UpstreamResponse:
         conn = self._conn
         conn.response = None
         conn.target = None
-        if self._eof and self._keep_alive and not conn.closed and self._error is None:
+        if (self._eof and self._keep_alive and conn.parser.reusable and not conn.closed
+                and self._error is None):
             conn.parser = ResponseParser()
             conn.resume()
             self._pool._put(self._key, conn)
@@ -372,6 +394,7 @@ class Upstream:
         assert conn.transport is not None
         head: asyncio.Future[UpstreamResponse] = asyncio.get_running_loop().create_future()
         conn.head = head
+        conn.sent_at = asyncio.get_running_loop().time()
         conn.transport.write(request)
         if while_waiting is not None:
             while_waiting()

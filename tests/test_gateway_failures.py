@@ -230,6 +230,95 @@ def test_engine_dead_before_answering_is_retried_on_another(
     assert durations == 4
 
 
+class DroppingEngine:
+    """An engine that takes each call, works on it for `work_s`, then drops the connection
+    before any answer (a crash, a load balancer's idle timeout): a non-streamed call sees no
+    head, a streamed one its head and no event. With `drop` false it answers."""
+
+    def __init__(self, name: str, drop: bool, work_s: float = 1.0) -> None:
+        self.name, self.drop, self.work_s = name, drop, work_s
+        self.calls = 0
+        self.app = web.Application()
+        self.seen: list[str] = []
+        stub = RecordingEngine()
+        self.app.router.add_get("/health", stub.health)
+        self.app.router.add_get("/v1/models", stub.models)
+        self.app.router.add_get("/metrics", stub.metrics)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.calls += 1
+        self.seen.append(body["messages"][0]["content"])
+        assert request.transport is not None
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)  # vLLM's head goes out before the prompt is in
+            if self.drop:
+                await asyncio.sleep(self.work_s)
+                request.transport.abort()
+                return resp
+            await resp.write(b'data: {"choices": [{"delta": {"content": "ok"}}]}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        await asyncio.sleep(self.work_s)
+        if self.drop:
+            request.transport.abort()
+        return web.json_response({"choices": [{"message": {"content": "ok"}}],
+                                  "usage": {"completion_tokens": 1}})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_that_drops_a_call_it_worked_on_is_not_sent_it_again(
+    stream: bool, threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    # It used to be sent the call again on a fresh connection (the generation ran twice),
+    # then taken out of rotation; a stream that had its head but no event was a 200 with an
+    # error event, never retried.
+    dropper, answerer = DroppingEngine("dropper", True), DroppingEngine("answerer", False, 0)
+    urls = {e.name: threaded_server(e.app).url for e in (dropper, answerer)}
+    gw = spawn_gateway({"engines": [{"url": urls[n], "name": n} for n in urls],
+                        "policy": "round-robin", "health_interval_s": 60})
+    wait_healthy(gw)
+    served = []
+    for i in range(3):  # round-robin: the dropper is tried first for some of them
+        body = {"model": "rec", "messages": [{"role": "user", "content": f"call {i}"}],
+                "stream": stream}
+        req = urllib.request.Request(f"{gw.url}/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+            text = r.read().decode()
+            served.append(r.headers["x-kvgate-engine"])
+        assert "ok" in text and "error" not in text
+    assert served == ["answerer"] * 3
+    assert dropper.calls >= 1 and len(set(dropper.seen)) == dropper.calls  # none sent twice
+    with urllib.request.urlopen(f"{gw.url}/health") as r:
+        assert json.loads(r.read())["engines"]["dropper"] is True  # its checks decide
+    with urllib.request.urlopen(f"{gw.url}/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    dropped = [s for s in families["kvgate_upstream_errors"].samples
+               if s.name == "kvgate_upstream_errors_total" and s.labels["kind"] == "dropped"]
+    assert [(s.labels["engine"], s.value) for s in dropped] == [("dropper", dropper.calls)]
+
+
+def test_the_last_engines_failure_is_named_when_no_engine_is_left(
+    threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    dropper = DroppingEngine("dropper", True, 0.8)
+    gw = spawn_gateway({"engines": [{"url": threaded_server(dropper.app).url,
+                                     "name": "dropper"}], "health_interval_s": 60})
+    wait_healthy(gw)
+    status, out = post(f"{gw.url}/v1/chat/completions", json.dumps(
+        {"model": "rec", "messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert status == 503 and dropper.calls == 1, out
+    assert "the engine tried before failed: dropper: the engine closed the connection" in \
+        out["error"]["message"], out
+
+
 class RecordingEngine:
     """A minimal OpenAI-speaking upstream that records what the gateway forwarded."""
 
@@ -427,6 +516,65 @@ def read_until(sock: socket.socket, marker: bytes, got: bytes = b"") -> bytes:
         assert chunk, f"the stream ended before {marker!r}: {got!r}"
         got += chunk
     return got
+
+
+class FloodingEngine:
+    """An engine that streams `mb` MB of events as fast as it can, and notes whether the
+    gateway dropped its connection before the end."""
+
+    def __init__(self, mb: int = 16) -> None:
+        self.mb = mb
+        self.dropped = threading.Event()
+        self.finished = threading.Event()
+        stub = RecordingEngine()
+        self.app = web.Application()
+        self.app.router.add_get("/health", stub.health)
+        self.app.router.add_get("/v1/models", stub.models)
+        self.app.router.add_get("/metrics", stub.metrics)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = b'data: {"choices": [{"delta": {"content": "' + b"x" * 1000 + b'"}}]}\n\n'
+        try:
+            for _ in range(self.mb * 1000):
+                await resp.write(event)
+            await resp.write(b"data: [DONE]\n\n")
+            self.finished.set()
+        except (ConnectionResetError, ConnectionError):
+            self.dropped.set()
+        return resp
+
+
+def test_a_client_that_stops_reading_is_dropped_and_its_call_ended(
+    threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    from tests.test_kv_moves_live import metrics
+
+    # It used to keep the call in flight, the engine writing into a paused socket, for as
+    # long as the client's connection stayed open (a vanished client: about 15 minutes).
+    engine = FloodingEngine()
+    gw = spawn_gateway({"engines": [{"url": threaded_server(engine.app).url}],
+                        "client_write_timeout_s": 1.0})
+    wait_healthy(gw)
+    with raw_chat(gw, b'{"model": "rec", "messages": [], "stream": true}', 30) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        assert b"200 OK" in read_until(sock, b"\r\n\r\n")
+        # ... and reads no more.
+        assert engine.dropped.wait(20) and not engine.finished.is_set()
+
+        def in_flight() -> list[float]:
+            return [v for (name, _), v in metrics(gw.url).items()
+                    if name == "kvgate_engine_in_flight"]
+
+        deadline = time.monotonic() + 10
+        while in_flight() != [0.0] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert in_flight() == [0.0]  # with the client's connection still open
+    assert _request_counts(gw.url).get("499") == 1
 
 
 def _request_counts(url: str, route: str = "/v1/chat/completions") -> dict[str, float]:

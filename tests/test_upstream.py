@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.http1 import END, Head, ProtocolError, ResponseParser
+from gateway.proxy import EventFramer
 from gateway.upstream import (
     Upstream,
     UpstreamBroken,
@@ -97,11 +98,32 @@ def test_connection_close_and_http_1_0_are_not_kept_alive() -> None:
     (b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\n", "bad Content-Length"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\naXX", "not followed by CRLF"),
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nab", "after the end"),
 ])
 def test_malformed_responses_raise_an_error_naming_the_problem(data: bytes, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
         ResponseParser().feed(data)
+
+
+def test_an_answer_is_whole_even_with_bytes_after_it_and_leading_line_ends_are_skipped(
+) -> None:
+    # Bytes after the end used to turn a whole 200 into a broken answer (a 502, the engine
+    # out of rotation), and a stray line end before the next status line the next answer.
+    parser = ResponseParser()
+    events = parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok\r\n")
+    assert [e.status if isinstance(e, Head) else e for e in events] == [200, b"ok", END]
+    assert not parser.reusable  # its connection is not used again
+    parser = ResponseParser()
+    events = parser.feed(b"\r\n\r\nHTTP/1.1 204 No Content\r\nX-Name: caf\xc3\xa9\r\n"
+                         b"X-Raw: \xff\r\n\r\n")
+    head = events[0]
+    assert isinstance(head, Head) and head.status == 204 and events[1:] == [END]
+    assert parser.reusable
+    # UTF-8 values read as UTF-8 (they were read as Latin-1 and reached clients garbled);
+    # others as Latin-1.
+    assert (head.headers["X-Name"], head.headers["X-Raw"]) == ("café", "\xff")
+    # A head too long is refused however it arrives, in one read too.
+    with pytest.raises(ProtocolError, match="response head exceeds"):
+        ResponseParser().feed(b"HTTP/1.1 200 OK\r\nX: " + b"a" * 70_000 + b"\r\n\r\n")
 
 
 def test_a_connection_closed_mid_body_is_an_error() -> None:
@@ -374,3 +396,23 @@ async def test_a_body_until_close_that_ends_in_a_reset_is_broken() -> None:
         await up.close()
         server.close()
         await server.wait_closed()
+
+
+@given(st.lists(st.sampled_from([b'data: {"a": 1}\n\n', b'data: {"b": "x"}\r\n\r\n',
+                                 b"data: [DONE]\n\n", b": keep-alive\n\n"]), max_size=8),
+       st.binary(max_size=20).filter(lambda b: b"\n" not in b and b"\r" not in b),
+       st.lists(st.integers(0, 200), max_size=10))
+def test_events_come_out_whole_however_the_stream_is_cut(
+        events: list[bytes], unfinished: bytes, cuts: list[int]) -> None:
+    data = b"".join(events) + unfinished
+    framer = EventFramer()
+    out, last = [], 0
+    for cut in [*sorted(c % (len(data) + 1) for c in cuts), len(data)]:
+        piece = framer.feed(data[last:cut])
+        last = max(last, cut)
+        if piece:
+            # Each piece ends where an event ends, and is as much as has ended.
+            out.append(piece)
+            assert piece.endswith((b"\n\n", b"\r\n\r\n"))
+    assert b"".join(out) == b"".join(events) and framer.rest() == unfinished
+    assert framer.pending_bytes == len(unfinished)
