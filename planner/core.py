@@ -543,6 +543,12 @@ class Planner:
             case Finished(request_id=rid, output_tokens=tokens, error=error):
                 if self._paced_in_engine:
                     self._paced_over(rid, False, now)
+                waiting = self._requests.get(rid)
+                if waiting is not None and waiting.state is RequestState.AWAITING_KV:
+                    # Its engine was never told (it waited for a move): a withdrawal, as a
+                    # cancel is. It used to be dropped with its load entry left open for good.
+                    self.on_event(Cancelled(rid), now)
+                    return
                 req = self._requests.pop(rid, None)
                 if req is None:
                     return
@@ -880,8 +886,9 @@ class Planner:
             req.move_id = wait.action.move_id
             wait.waiters.append(rid)
             if wait.action.reason == PACE:
-                # Its engine begins the piece's step within a step from now.
-                self._pace_due[rid] = wait.eta + PACE_AHEAD_S
+                # Its engine begins the piece's step within a step from now (a piece already
+                # late is due now: a past due time made `next_wakeup` lie in the past).
+                self._pace_due[rid] = max(now, wait.eta) + PACE_AHEAD_S
                 self._wakeup_moved = True
         else:
             req.move(RequestState.DISPATCHED)
@@ -1122,7 +1129,9 @@ class Planner:
                 or req.pace_next is not None):
             return
         current = self.moves.get(req.move_id)
-        if current is None or current.action.reason != PACE:
+        if current is None or current.action.reason != PACE or current.action.origin != rid:
+            # Another call's chain (this call waits on its piece): its origin sends the next
+            # piece, which this call then waits on (`_dispatch_waiters`).
             return
         route = req.call.route
         held = common_prefix(route.block_keys, current.keys)
@@ -1225,9 +1234,17 @@ class Planner:
                     self._pace_due[rid] = now + PACE_AHEAD_S
                     self._wakeup_moved = True
                 else:
-                    following = self._pace(rid, route, record.destination, held, now, actions)
+                    # A piece another call's chain sends further into this prompt at that
+                    # engine (a sibling's, or the one this call waited on) is waited for, not
+                    # computed again beside it: each waiter of a piece used to start a chain
+                    # of its own over the same blocks.
+                    following = self.moves.covering(record.destination, route.block_keys,
+                                                    held + 1, now)
+                    if following is None:
+                        following = self._pace(rid, route, record.destination, held, now,
+                                               actions)
                     if following is not None:
-                        self._pace_due[rid] = following.eta + PACE_AHEAD_S
+                        self._pace_due[rid] = max(now, following.eta) + PACE_AHEAD_S
                         self._wakeup_moved = True
                 if following is not None:
                     following.waiters.append(rid)

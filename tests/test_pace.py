@@ -184,6 +184,57 @@ def test_the_next_piece_goes_out_while_the_engine_computes_the_one_before() -> N
     assert third.block_keys[:len(second.block_keys)] == second.block_keys
 
 
+def test_calls_that_wait_on_a_paced_prompt_follow_its_pieces_and_send_none_of_their_own(
+) -> None:
+    # Each call waiting on another's piece used to start a chain of its own over the same
+    # blocks when the piece landed (and send its pieces ahead): two siblings of a 250-block
+    # prompt sent as many warm-ups as the prompt itself.
+    p = planner()
+    now = decoding(p, 20)
+    before = p.moves.stats.started["warm:pace"]
+    p.admit(long_call(), now)
+    warms = [a for a in p.release(now) if isinstance(a, Warm)]
+    for sibling in ("s1", "s2"):  # the same prompt and one block of their own
+        p.admit(Call(RouteRequest(sibling, "m", prompt_tokens=251 * BS,
+                                  block_keys=(*range(250), 10**9 + len(sibling)),
+                                  max_tokens=64)), now)
+    dispatched: dict[str, int] = {}
+    t = now
+    while len(dispatched) < 3:
+        wake = p.next_wakeup()
+        pending = [p.moves.get(w.move_id) for w in warms]
+        due = [r for r in pending if r is not None and r.eta <= (wake or math.inf)]
+        t = max(t, min([wake or math.inf, *(r.eta for r in due)]))
+        for r in due:
+            if r.eta <= t:
+                p.on_event(TransferDone(r.action.move_id), t)
+        for a in p.release(t):
+            if isinstance(a, Warm):
+                warms.append(a)
+            elif isinstance(a, Dispatch):
+                dispatched[a.request_id] = a.cached_tokens
+        assert p.next_wakeup() is None or p.next_wakeup() >= t  # never in the past
+    assert {w.origin for w in warms} == {"r"}
+    assert p.moves.stats.started["warm:pace"] - before == len(warms)
+    # Each holds what the one chain warmed (the prompt's owner computes its last piece).
+    warmed = max(len(w.block_keys) for w in warms) * BS
+    assert dispatched["s1"] == dispatched["s2"] == dispatched["r"] == warmed
+
+
+def test_a_finish_reported_for_a_call_waiting_on_a_move_withdraws_it() -> None:
+    # It used to drop the call and leave its engine's load entry open for good.
+    p = planner()
+    now = decoding(p, 20)
+    load = p.engines["a"].load
+    in_flight, queued = load.in_flight, load.queued_prefill_tokens
+    p.admit(long_call(), now)
+    p.release(now)
+    assert p.state("r") is RequestState.AWAITING_KV and load.in_flight == in_flight + 1
+    p.on_event(Finished("r", 0), now + 0.01)
+    assert p.state("r") is None
+    assert (load.in_flight, load.queued_prefill_tokens) == (in_flight, queued)
+
+
 @pytest.mark.parametrize("name", ["kvgate-no-pace", "least-loaded", "dynamo-like"])
 def test_the_ablation_and_the_baselines_do_not_pace(name: str) -> None:
     p = planner(name)

@@ -907,6 +907,7 @@ class VirtualRun:
             self._carry_out(action)
         wake = self.planner.next_wakeup()
         if wake is not None and (self._wakeup_at is None or wake < self._wakeup_at):
+            wake = max(wake, self.now)  # the virtual clock never steps back
             self._wakeup_at = wake
             self._push(wake, "wakeup", None)
 
