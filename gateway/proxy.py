@@ -333,6 +333,7 @@ class Proxy:
             # Only a plausible length is an estimate; the engine answers for any other.
             max_tokens=(max_tokens if type(max_tokens) is int and 0 <= max_tokens <= MAX_TOKENS
                         else None),
+            streams=body.get("stream") is True,
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:

@@ -424,6 +424,11 @@ class Planner:
         for until its first token."""
         self._pace_due: dict[str, float] = {}
         """Paced requests whose next piece goes out ahead at this time (`PACE_AHEAD_S`)."""
+        self._assumed: dict[str, float] = {}
+        """Calls that do not stream, at their engines: when their prompt is taken as computed
+        (their placement's estimate of queue and prefill), since their first token is seen
+        only with their whole answer. Counted as prefilling until then, such calls held an
+        engine's prefill budget for their whole decode."""
         self._wakeup_moved = False
         """A paced piece fell due at a new time since the last `release`: the driver must
         look at `next_wakeup` again (through `pending`), or the piece waits for an event."""
@@ -527,22 +532,15 @@ class Planner:
             case FirstToken(request_id=rid, observed=observed):
                 if self._paced_in_engine:
                     self._paced_over(rid, True, now)
+                self._assumed.pop(rid, None)
                 req = self._requests.get(rid)
                 if req is None or req.outstanding is None:
                     return
-                if prefill_done(req.outstanding):
-                    req.move(RequestState.PREFILLED)
-                    if self._batch is not None:
-                        self._batch.observe_step(req.outstanding, now)
-                    if observed:
-                        self.policy.on_first_token(rid, req.outstanding.engine, now)
-                    self._load_changed = True
-                    if self.prefetch:
-                        self._plan_prefetch(req, now)
-                        self._plan_join_prefetch(req, now)
+                self._prefilled(req, rid, now, observed)
             case Finished(request_id=rid, output_tokens=tokens, error=error):
                 if self._paced_in_engine:
                     self._paced_over(rid, False, now)
+                self._assumed.pop(rid, None)
                 waiting = self._requests.get(rid)
                 if waiting is not None and waiting.state is RequestState.AWAITING_KV:
                     # Its engine was never told (it waited for a move): a withdrawal, as a
@@ -571,6 +569,7 @@ class Planner:
                     self.policy.on_finish(rid, req.outstanding.engine, now, tokens)
                     self._load_changed = True
             case Cancelled(request_id=rid):
+                self._assumed.pop(rid, None)
                 req = self._requests.get(rid)
                 if req is None:
                     return
@@ -696,6 +695,50 @@ class Planner:
 
     def release(self, now: float) -> list[Action]:
         """What to do now (see the module docstring for each release policy)."""
+        if self._assumed:
+            for rid in [r for r, t in self._assumed.items() if t <= now]:
+                del self._assumed[rid]
+                req = self._requests.get(rid)
+                if req is not None and req.outstanding is not None:
+                    self._prefilled(req, rid, now, observed=False, estimated=True)
+        actions = self._release(now)
+        for a in actions:
+            if isinstance(a, Dispatch):
+                self._assume_prefill(a, now)
+        return actions
+
+    def _assume_prefill(self, d: Dispatch, now: float) -> None:
+        """A call that does not stream goes out: when to take its prompt as computed."""
+        req = self._requests.get(d.request_id)
+        if req is None or req.call.route.streams or req.outstanding is None:
+            return
+        if d.cost is not None:
+            done = now + d.cost.queue_s + d.cost.prefill_s
+        elif self._profile_of is not None:
+            done = now + self._profile_of(d.engine).prefill_time(
+                req.outstanding.uncached_tokens, d.cached_tokens)
+        else:
+            return
+        self._assumed[d.request_id] = done
+
+    def _prefilled(self, req: _Request, rid: str, now: float, observed: bool,
+                   estimated: bool = False) -> None:
+        """The request's prompt is in (its first token came, or, for a call that does not
+        stream, its estimate says so): the engine's prefill ledger lets it go, and what
+        waits for it (prefetches to its children) may start."""
+        assert req.outstanding is not None
+        if prefill_done(req.outstanding):
+            req.move(RequestState.PREFILLED)
+            if self._batch is not None and not estimated:
+                self._batch.observe_step(req.outstanding, now)
+            if observed:
+                self.policy.on_first_token(rid, req.outstanding.engine, now)
+            self._load_changed = True
+            if self.prefetch:
+                self._plan_prefetch(req, now)
+                self._plan_join_prefetch(req, now)
+
+    def _release(self, now: float) -> list[Action]:
         ready: list[Action] = []
         if self._ready:
             ready, self._ready = self._ready, []
@@ -728,8 +771,9 @@ class Planner:
 
     def next_wakeup(self) -> float | None:
         """When `release` must run again without an event: the next batch interval while
-        requests wait in the buffer (`batch` release), and the deadline of a move requests
-        wait for (they stop waiting then)."""
+        requests wait in the buffer (`batch` release), the deadline of a move requests wait
+        for (they stop waiting then), a paced piece's due time, and when a call that does not
+        stream is taken as prefilled."""
         wake = self._batch.wakeup if self._batch is not None else None
         for record in self.moves:
             if record.waiters:
@@ -737,6 +781,9 @@ class Planner:
                 wake = d if wake is None or d < wake else wake
         if self._pace_due:
             d = min(self._pace_due.values())
+            wake = d if wake is None or d < wake else wake
+        if self._assumed:
+            d = min(self._assumed.values())
             wake = d if wake is None or d < wake else wake
         return wake
 

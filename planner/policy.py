@@ -110,6 +110,10 @@ class RouteRequest:
     workflow_root: bool = False
     """The first call of a workflow the planner knows (no parents, no earlier call): where it
     runs is where the workflow's context will live."""
+    streams: bool = True
+    """The answer is streamed, so its first token is seen when the prompt is in. A call that is
+    not (a plain `create()`) shows nothing until it is over: the planner takes its prompt as
+    computed once its placement's estimate says so (`Planner` `_assumed`)."""
 
     def cached_tokens(self, engine: str, engine_block_size: int = 0) -> int:
         """Prompt tokens the engine is expected to serve from its cache.

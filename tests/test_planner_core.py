@@ -226,6 +226,36 @@ def test_batch_release_is_work_conserving_then_buffers_when_every_engine_is_back
     assert p.buffered == 0 and p.next_wakeup() is None
 
 
+def test_a_call_that_does_not_stream_frees_its_engines_prefill_budget_by_its_estimate(
+) -> None:
+    # Its first token is seen only with its whole answer: counted as prefilling until then,
+    # a non-streamed call held its engine's prefill budget for its whole decode, and calls
+    # waited behind it in the buffer for as long.
+    p = batch_planner(engines=("a",))
+    for i in range(2):
+        p.admit(Call(replace(long_call(f"r{i}").route, streams=False)), 0.0)
+    sent = p.release(0.0)
+    assert [d.request_id for d in sent if isinstance(d, Dispatch)] == ["r0", "r1"]
+    p.admit(long_call("r2"), 0.1)
+    assert p.release(0.1) == [] and p.buffered == 1
+    cost = [d.cost for d in sent if isinstance(d, Dispatch)]
+    assert all(c is not None for c in cost)
+    due = min(c.queue_s + c.prefill_s for c in cost if c is not None)
+    wake = p.next_wakeup()
+    assert wake is not None and wake <= due  # a batch interval, or the estimate itself
+    t = due + 1e-6
+    released = [a.request_id for a in p.release(t) if isinstance(a, Dispatch)]
+    assert p.state("r0") is RequestState.PREFILLED and released == ["r2"]
+    # Its first token, reported with its answer, counts nothing twice.
+    queued = p.views()[0].queued_prefill_tokens
+    p.on_event(FirstToken("r0", observed=False), t + 5)
+    assert p.views()[0].queued_prefill_tokens == queued
+    # A streamed call waits for its first token as before.
+    assert p.state("r2") is RequestState.DISPATCHED
+    p.release(t + 100)
+    assert p.state("r2") is RequestState.DISPATCHED
+
+
 def test_a_call_its_engine_cannot_take_goes_to_a_stand_in_that_holds_as_much_of_it() -> None:
     p = batch_planner()
     choose = p.policy.choose
