@@ -49,7 +49,9 @@ class StaticDemand:
         """Per segment name, per workflow: its tasks not yet admitted."""
         self._expected_total = 0
         self._name_of: dict[BlockKey, str] = {}
-        """A segment's last block key -> its name, once a call of it showed its keys."""
+        """A segment's last block key -> its name, once a call of it showed its keys; kept
+        while the segment has calls in the window or announced (it grew by every distinct
+        static prompt a gateway ever saw)."""
 
     def expect(self, workflow: str, segments: dict[str, int]) -> None:
         """A submitted workflow will send `segments[name]` calls opening with static segment
@@ -78,12 +80,18 @@ class StaticDemand:
 
     def forget(self, workflow: str) -> None:
         """The workflow ended: what it announced and did not send is no demand."""
+        gone = set()
         for name in list(self._expected):
             per_wf = self._expected[name]
             calls = per_wf.pop(workflow, 0)
             self._expected_total -= calls
             if not per_wf:
                 del self._expected[name]
+                gone.add(name)
+        if gone:
+            for key in [k for k, n in self._name_of.items()
+                        if n in gone and k not in self._segments]:
+                del self._name_of[key]
 
     def expected(self, keys: tuple[BlockKey, ...]) -> int:
         """Calls of the segment `keys` that submitted workflows have yet to send."""
@@ -109,6 +117,8 @@ class StaticDemand:
                 self._total -= 1
             if not seen:
                 del self._segments[key]
+                if self._name_of.get(key) not in self._expected:
+                    self._name_of.pop(key, None)
 
     def replicas(self, keys: tuple[BlockKey, ...], engines: int, now: float) -> int:
         """How many engines should hold the segment now."""

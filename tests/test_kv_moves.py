@@ -655,6 +655,25 @@ def test_announced_demand_ends_with_its_calls_or_its_workflow() -> None:
     assert demand.replicas(keys, 4, 0.0) == 1  # one call seen, none ahead: not yet a share
 
 
+def test_segments_no_call_asks_for_any_more_are_forgotten() -> None:
+    # Every distinct static prompt (a personalised or dated system prompt) stayed named for
+    # good: 80,000 finished workflows held 80,000 names.
+    demand = StaticDemand(window_s=10.0)
+    for i in range(200):
+        keys = segment_keys(1000 + i)
+        demand.expect(f"wf{i}", {f"s{i}": 2})
+        demand.admitted(f"wf{i}", f"s{i}", keys)
+        demand.observe(keys, float(i))
+        demand.forget(f"wf{i}")  # its second call never came
+    kept = segment_keys(5000)
+    demand.expect("live", {"live": 3})
+    demand.admitted("live", "live", kept)  # announced calls still to come: kept
+    demand.observe(kept, 199.0)
+    assert demand.replicas(segment_keys(1199), 4, 205.0) >= 1  # still in the window
+    demand.replicas(kept, 4, 500.0)  # the window has passed every call
+    assert len(demand._name_of) == 1 and demand.expected(kept) == 2
+
+
 @pytest.mark.parametrize("name,link", [("kvgate-no-replicate", NAMED_LINKS["rdma"]),
                                        ("kvgate", TransferLink())])
 def test_no_replication_for_the_ablation_or_without_a_link(name: str, link: TransferLink
