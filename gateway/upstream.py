@@ -14,6 +14,7 @@ was silent for the read timeout) and `UpstreamBroken` (the answer began and then
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections.abc import Callable, Iterable
 from typing import cast
@@ -55,6 +56,30 @@ class UpstreamBroken(UpstreamError, ConnectionError):
     """The engine's answer began and then failed (connection lost or malformed)."""
 
 
+KEEPALIVE_IDLE_S = 30
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_PROBES = 3
+"""TCP keepalive on connections to engines: an engine whose host vanished from the network
+mid-call (no FIN, no RST) is noticed after about a minute, not at `request_timeout_s` (600 s
+by default) of silence."""
+
+
+def keep_probing(sock: socket.socket | None) -> None:
+    """Turn on TCP keepalive with the timings above (where the platform has them)."""
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                            ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+            option = getattr(socket, name, None)
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+    except OSError:  # a transport whose socket takes no options (TLS over a pipe, say)
+        pass
+
+
 class _Connection(asyncio.Protocol):
     """One connection to an engine, carrying one request at a time."""
 
@@ -75,6 +100,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        keep_probing(transport.get_extra_info("socket"))
 
     def data_received(self, data: bytes) -> None:
         try:

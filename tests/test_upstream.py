@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from gateway.http1 import END, Head, ProtocolError, ResponseParser
 from gateway.proxy import EventFramer
 from gateway.upstream import (
+    KEEPALIVE_IDLE_S,
     Upstream,
     UpstreamBroken,
     UpstreamConnectError,
@@ -217,6 +218,12 @@ async def test_answers_come_back_whole_over_one_kept_alive_connection(
         assert await resp.read() == b"hello %d" % i
         resp.release()
     assert len(e.peers) == 1
+    # The connection probes a silent peer (an engine whose host left the network mid-call
+    # was otherwise noticed only at the read timeout, 600 s by default).
+    (conns,) = up._idle.values()
+    sock = conns[0].transport.get_extra_info("socket")
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
     await up.close()
 
 
