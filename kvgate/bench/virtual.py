@@ -889,7 +889,9 @@ class VirtualRun:
             prompt_text=text,
             max_tokens=task.output_tokens)
         self._waiting[rid] = _Waiting(record, wf, task, route, keys.token_ids)
-        hints = RequestHints(workflow=wf.id, task=task.id, after=tuple(task.after))
+        # A spec's own task priority ranks the call as the workflow API's does.
+        hints = RequestHints(workflow=wf.id, task=task.id, after=tuple(task.after),
+                             priority=task.priority or None)
         segments = self.builder.segments(wf, task, pieces, self.block_size, keys.num_tokens)
         first = segments.ranges[0] if segments.ranges else None
         record.static_tokens = (min(first.end * self.block_size, keys.num_tokens)
