@@ -230,21 +230,72 @@ def test_engine_dead_before_answering_is_retried_on_another(
     assert durations == 4
 
 
-class DroppingEngine:
+class RecordingEngine:
+    """A minimal OpenAI-speaking upstream that records what the gateway forwarded."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[CIMultiDict[str], bytes]] = []
+        self.raw_headers: list[tuple[tuple[bytes, bytes], ...]] = []
+        self.release = threading.Event()
+        self.app = web.Application()
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/metrics", self.metrics)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "rec", "object": "model"}]})
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.requests.append((CIMultiDict(request.headers), raw))
+        self.raw_headers.append(request.raw_headers)
+        body = json.loads(raw)
+        if "fail_with" in body:
+            return web.json_response({"error": {"message": "slow down", "type": "rate_limit",
+                                                "param": None, "code": 429}},
+                                     status=body["fail_with"], headers={"retry-after": "7"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        # As vLLM: the answer's head goes out at once, its first event once the prompt is in.
+        await asyncio.sleep(body.get("first_after_s", 0))
+        if body.get("die_mid_event"):
+            # A whole event, then half of one, and the engine is gone.
+            await resp.write(b'data: {"n": 1}\n\n')
+            await asyncio.sleep(0.2)
+            await resp.write(b'data: {"n": 2, "par')
+            await asyncio.sleep(0.2)
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        end = b"\r\n\r\n" if body.get("crlf") else b"\n\n"
+        await resp.write(b'data: {"n": 1}' + end)
+        # Hold the rest until the test has seen the first chunk through the gateway.
+        released = await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
+        await resp.write(b'data: {"n": 2, "released": %s}\n\n' % str(released).lower().encode())
+        await resp.write(b"data: [DONE]\n\n")
+        if "linger_s" in body:
+            # The last event is out; the stream's end comes later (a slow engine, a busy loop).
+            await asyncio.sleep(body["linger_s"])
+        return resp
+
+
+class DroppingEngine(RecordingEngine):
     """An engine that takes each call, works on it for `work_s`, then drops the connection
     before any answer (a crash, a load balancer's idle timeout): a non-streamed call sees no
     head, a streamed one its head and no event. With `drop` false it answers."""
 
     def __init__(self, name: str, drop: bool, work_s: float = 1.0) -> None:
+        super().__init__()
         self.name, self.drop, self.work_s = name, drop, work_s
         self.calls = 0
-        self.app = web.Application()
         self.seen: list[str] = []
-        stub = RecordingEngine()
-        self.app.router.add_get("/health", stub.health)
-        self.app.router.add_get("/v1/models", stub.models)
-        self.app.router.add_get("/metrics", stub.metrics)
-        self.app.router.add_post("/v1/chat/completions", self.chat)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -317,62 +368,6 @@ def test_the_last_engines_failure_is_named_when_no_engine_is_left(
     assert status == 503 and dropper.calls == 1, out
     assert "the engine tried before failed: dropper: the engine closed the connection" in \
         out["error"]["message"], out
-
-
-class RecordingEngine:
-    """A minimal OpenAI-speaking upstream that records what the gateway forwarded."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[CIMultiDict[str], bytes]] = []
-        self.raw_headers: list[tuple[tuple[bytes, bytes], ...]] = []
-        self.release = threading.Event()
-        self.app = web.Application()
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_get("/metrics", self.metrics)
-        self.app.router.add_post("/v1/chat/completions", self.chat)
-
-    async def health(self, _: web.Request) -> web.Response:
-        return web.Response()
-
-    async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "rec", "object": "model"}]})
-
-    async def metrics(self, _: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        self.requests.append((CIMultiDict(request.headers), raw))
-        self.raw_headers.append(request.raw_headers)
-        body = json.loads(raw)
-        if "fail_with" in body:
-            return web.json_response({"error": {"message": "slow down", "type": "rate_limit",
-                                                "param": None, "code": 429}},
-                                     status=body["fail_with"], headers={"retry-after": "7"})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        # As vLLM: the answer's head goes out at once, its first event once the prompt is in.
-        await asyncio.sleep(body.get("first_after_s", 0))
-        if body.get("die_mid_event"):
-            # A whole event, then half of one, and the engine is gone.
-            await resp.write(b'data: {"n": 1}\n\n')
-            await asyncio.sleep(0.2)
-            await resp.write(b'data: {"n": 2, "par')
-            await asyncio.sleep(0.2)
-            assert request.transport is not None
-            request.transport.abort()
-            return resp
-        end = b"\r\n\r\n" if body.get("crlf") else b"\n\n"
-        await resp.write(b'data: {"n": 1}' + end)
-        # Hold the rest until the test has seen the first chunk through the gateway.
-        released = await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 30)
-        await resp.write(b'data: {"n": 2, "released": %s}\n\n' % str(released).lower().encode())
-        await resp.write(b"data: [DONE]\n\n")
-        if "linger_s" in body:
-            # The last event is out; the stream's end comes later (a slow engine, a busy loop).
-            await asyncio.sleep(body["linger_s"])
-        return resp
 
 
 @pytest.fixture
@@ -518,20 +513,15 @@ def read_until(sock: socket.socket, marker: bytes, got: bytes = b"") -> bytes:
     return got
 
 
-class FloodingEngine:
+class FloodingEngine(RecordingEngine):
     """An engine that streams `mb` MB of events as fast as it can, and notes whether the
     gateway dropped its connection before the end."""
 
     def __init__(self, mb: int = 16) -> None:
+        super().__init__()
         self.mb = mb
         self.dropped = threading.Event()
         self.finished = threading.Event()
-        stub = RecordingEngine()
-        self.app = web.Application()
-        self.app.router.add_get("/health", stub.health)
-        self.app.router.add_get("/v1/models", stub.models)
-        self.app.router.add_get("/metrics", stub.metrics)
-        self.app.router.add_post("/v1/chat/completions", self.chat)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         await request.read()
