@@ -800,7 +800,10 @@ class Proxy:
                                          "bytes")
             except UpstreamError as e:
                 if not resp.prepared:
-                    # Nothing of the answer reached the client: another engine may take it.
+                    # Nothing of the answer reached the client: another engine may take it,
+                    # unless this one is only slow (a 504, as for a silent JSON answer).
+                    if isinstance(e, TimeoutError):
+                        raise self._engine_failure(engine, e) from None
                     raise self._dropped(engine, flight, e) from None
                 writing.reschedule(loop.time() + write_s)
                 err = await self._engine_died(resp, engine, e)

@@ -355,6 +355,32 @@ def test_an_engine_that_drops_a_call_it_worked_on_is_not_sent_it_again(
     assert [(s.labels["engine"], s.value) for s in dropped] == [("dropper", dropper.calls)]
 
 
+def test_a_stream_silent_past_the_timeout_before_its_first_event_is_a_504_not_a_retry(
+    threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    slow, other = DroppingEngine("slow", True, 5.0), DroppingEngine("other", False, 0)
+    urls = {e.name: threaded_server(e.app).url for e in (slow, other)}
+    gw = spawn_gateway({"engines": [{"url": urls[n], "name": n} for n in urls],
+                        "policy": "round-robin", "health_interval_s": 60,
+                        "request_timeout_s": 1.0})
+    wait_healthy(gw)
+    answers = []
+    for i in range(2):  # round-robin: one of the two goes to the slow engine
+        req = urllib.request.Request(f"{gw.url}/v1/chat/completions", data=json.dumps(
+            {"model": "rec", "stream": True,
+             "messages": [{"role": "user", "content": f"call {i}"}]}).encode(),
+            headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                answers.append((r.status, r.read()))
+        except urllib.error.HTTPError as e:
+            answers.append((e.code, json.loads(e.read())))
+    assert slow.calls == 1 and len(other.seen) == 1  # the slow engine's call went nowhere else
+    (timed_out,) = [body for status, body in answers if status == 504]
+    assert timed_out["error"]["code"] == "engine_timeout"
+
+
 def test_the_last_engines_failure_is_named_when_no_engine_is_left(
     threaded_server: Callable[[web.Application], ThreadedServer],
     spawn_gateway: Callable[[dict[str, Any]], Child],
