@@ -49,7 +49,14 @@ from gateway.upstream import (
 )
 from kvindex.keys import KeyExtras, PromptKeys
 from kvindex.tokenizer import TokenizerError
-from planner.actions import Dispatch, Reject, Transfer, Warm
+from planner.actions import (
+    PREFILL_CAP_ARG,
+    PREFILL_CAPS_ARG,
+    Dispatch,
+    Reject,
+    Transfer,
+    Warm,
+)
 from planner.core import Call, reject_message
 from planner.events import Cancelled, Finished, FirstToken
 from planner.hints import (
@@ -98,6 +105,12 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
 RECORD_TIMEOUT_S = 5.0
 """How long a hint-mode call waits for its workflow record's first write."""
 REPORT_MODE = "kv_cache_report_mode"
+GATEWAY_XARGS = frozenset({REPORT_MODE, PREFILL_CAP_ARG, PREFILL_CAPS_ARG})
+"""`vllm_xargs` keys taken out of a client's call (the gateway sets the caps itself)."""
+PRIORITY_HEADER = "X-Vllm-Priority"
+"""vLLM 0.32's priority header (`entrypoints/generate/base/serving.py`), which outranks the
+body's `priority`: a client's would override the planner's rank at a priority-scheduled
+engine (and have vLLM preempt other callers' requests for it)."""
 """A `vllm_xargs` key the proxy drops: how the engine reports reused blocks in its KV events,
 which the gateway's index reads (vLLM's default, "incremental", announces each block once)."""
 
@@ -366,11 +379,13 @@ class Proxy:
                 # Before the call is traced, keyed or placed as part of that workflow.
                 await state.workflows.check_owner(hints.workflow, tenant.name)
         xargs = body.get("vllm_xargs")
-        if isinstance(xargs, dict) and REPORT_MODE in xargs:
+        if isinstance(xargs, dict) and not GATEWAY_XARGS.isdisjoint(xargs):
             # "full" makes vLLM announce every block a call reuses again: the index would take
-            # each for another copy, which no BlockRemoved ever takes back.
-            stripped = {**(stripped or body),
-                        "vllm_xargs": {k: v for k, v in xargs.items() if k != REPORT_MODE}}
+            # each for another copy, which no BlockRemoved ever takes back. The pacing caps
+            # are the planner's to set: a client's cap of 1 token a step held its engine's
+            # slot for thousands of steps, unknown to the planner.
+            stripped = {**(stripped or body), "vllm_xargs": {
+                k: v for k, v in xargs.items() if k not in GATEWAY_XARGS}}
         if stripped is not None:
             body = stripped
             try:
@@ -428,6 +443,7 @@ class Proxy:
             hints = replace(hints, task=route_req.request_id)
         # The client's x-request-id is forwarded untouched; vLLM uses it as its request id.
         headers = forward_headers(request.headers)
+        headers.popall(PRIORITY_HEADER, None)
         if state.engine_authorization is not None:
             headers["Authorization"] = state.engine_authorization
         elif state.tenancy.enabled:

@@ -48,7 +48,6 @@ class StartupFailure(Exception):
     """The gateway cannot start (a store it needs is unreachable): the message says which."""
 
 
-
 def event_source(entry: EngineEntry) -> EventSource:
     """How the listener recognises (and, in connect mode, reaches) an engine's events."""
     return EventSource(entry.engine_name, entry.topic, entry.kv_events, entry.kv_replay)

@@ -460,15 +460,21 @@ def test_the_kv_event_report_mode_is_taken_out_of_vllm_xargs(
     # index would count as copies no removal takes back; the client's other xargs stay.
     engine, gw = recorded
     engine.release.set()
+    # Nor may a client set the planner's pacing caps (a cap of 1 token a step held an
+    # engine's slot for thousands of steps) or vLLM's priority header, which outranks the
+    # planner's `priority` at a priority-scheduled engine.
     body = {"model": "rec", "messages": [], "stream": True,
-            "vllm_xargs": {"kv_cache_report_mode": "full", "client_note": "kept"}}
+            "vllm_xargs": {"kv_cache_report_mode": "full", "client_note": "kept",
+                           "kvgate_prefill_cap": 1, "kvgate_prefill_caps": [0, 1]}}
     req = urllib.request.Request(f"{gw.url}/v1/chat/completions", method="POST",
                                  data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          "X-Vllm-Priority": "-1000000"})
     with urllib.request.urlopen(req, timeout=30) as r:
         r.read()
     got = json.loads(engine.requests[-1][1])
     assert got == {**body, "vllm_xargs": {"client_note": "kept"}}
+    assert "X-Vllm-Priority" not in engine.requests[-1][0]
 
 
 def test_header_bytes_outside_latin_1_reach_the_engine_unchanged(

