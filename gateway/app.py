@@ -20,7 +20,7 @@ from gateway.admin import Admin
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, IndexAway
 from gateway.metrics import IngestCollector
-from gateway.proxy import PROXIED, Proxy
+from gateway.proxy import PROXIED, Proxy, expect_within
 from gateway.state import GatewayState
 from gateway.tenants import TENANT_KEY, NotPermitted
 from gateway.tracing import TRACE_SINCE_KEY
@@ -173,14 +173,18 @@ def build_app(config: GatewayConfig, executor: TaskExecutor | None = None) -> we
         return web.Response(body=generate_latest(state.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.router.add_post("/v1/chat/completions", proxy.handle)
-    app.router.add_post("/v1/completions", proxy.handle)
+    def counted(request: web.Request, status: int) -> None:
+        state.metrics.requests.labels(_route_label(request), str(status)).inc()
+
+    calls = expect_within(lambda: config.max_body_bytes, counted)
+    app.router.add_post("/v1/chat/completions", proxy.handle, expect_handler=calls)
+    app.router.add_post("/v1/completions", proxy.handle, expect_handler=calls)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/livez", livez)
     app.router.add_get("/metrics", metrics)
     Admin(state, proxy).routes(app)
-    workflows.routes(app)
+    workflows.routes(app, expect_within(lambda: config.workflows.max_body_bytes, counted))
     TimelineUI().routes(app)
     state.tracing.routes(app)
 

@@ -18,13 +18,14 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import _default_expect_handler
 from multidict import CIMultiDict
 
 from gateway.errors import (
@@ -123,6 +124,29 @@ def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> byt
     if body and fields and stripped.endswith(b"}") and not any(k in body for k in fields):
         return stripped[:-1] + b"," + json.dumps(fields)[1:].encode()
     return json.dumps({**body, **fields}).encode()
+
+
+ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
+"""How a route answers a request's `Expect` header (aiohttp's `expect_handler`)."""
+
+
+def expect_within(limit: Callable[[], int], counted: Callable[[web.Request, int], None]
+                  ) -> ExpectHandler:
+    """An expect handler (`Expect: 100-continue`, which curl sends for bodies over 1 KB) that
+    refuses a body past `limit()` from its Content-Length, before the client sends it; aiohttp's
+    own answered "100 Continue" to any size. Runs before the middlewares: `counted` counts the
+    answer."""
+    async def expect(request: web.Request) -> web.StreamResponse | None:
+        n, most = request.content_length, limit()
+        if n is not None and n > most:
+            counted(request, BodyTooLarge.status)
+            resp = BodyTooLarge(f"request body is {n} bytes; the limit is {most} bytes").response()
+            resp.force_close()  # the client may send the body regardless: not read here
+            return resp
+        await _default_expect_handler(request)
+        return None
+
+    return expect
 
 
 async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]]:

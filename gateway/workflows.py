@@ -31,7 +31,7 @@ from aiohttp import web
 
 from gateway.config import WorkflowSettings
 from gateway.errors import GatewayError, InvalidRequest
-from gateway.proxy import ENGINE_HEADER, read_json
+from gateway.proxy import ENGINE_HEADER, ExpectHandler, read_json
 from gateway.tenants import Tenant, caller, salt_label
 from gateway.tracing import TRACEPARENT, Tracing, trace_hex, workflow_trace_id
 from gateway.workflow_store import START, Json, WorkflowStore
@@ -510,9 +510,10 @@ class WorkflowService:
         self._handoff_listener: asyncio.Task[None] | None = None
         self._scan_now = asyncio.Event()
 
-    def routes(self, app: web.Application) -> None:
-        """Register the workflow API."""
-        app.router.add_post("/v1/workflows", self.handle_create)
+    def routes(self, app: web.Application, expect: ExpectHandler | None = None) -> None:
+        """Register the workflow API (`expect`: how a submission's `Expect: 100-continue` is
+        answered)."""
+        app.router.add_post("/v1/workflows", self.handle_create, expect_handler=expect)
         app.router.add_get("/v1/workflows", self.handle_list)
         app.router.add_get("/v1/workflows/{id}", self.handle_get)
         app.router.add_get("/v1/workflows/{id}/events", self.handle_events)

@@ -145,6 +145,24 @@ def test_body_over_the_limit_is_a_413(
     status, body = post(f"{gw.url}/v1/completions",
                         json.dumps({"model": MODEL, "prompt": "ok", "max_tokens": 1}).encode())
     assert status == 200
+    # A client that asks first (`Expect: 100-continue`, as curl does past 1 KB) is refused
+    # from its Content-Length before it sends the body (it was told to go on), and one within
+    # the limit is told to go on, on every route that takes a body.
+    host, port = gw.url.removeprefix("http://").split(":")
+    small = json.dumps({"model": MODEL, "prompt": "ok", "max_tokens": 1}).encode()
+    for path, size, answer in (("/v1/completions", 100_000_000, b"413"),
+                               ("/v1/chat/completions", 5000, b"413"),
+                               ("/v1/workflows", 100_000_000, b"413"),
+                               ("/v1/completions", len(small), b"100 Continue")):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n"
+                         % (path.encode(), size))
+            head = read_until(sock, b"\r\n\r\n")
+            assert head.split(b"\r\n")[0].split(b" ", 1)[1].startswith(answer), (path, head)
+            if answer == b"100 Continue":
+                sock.sendall(small)
+                assert b"200 OK" in read_until(sock, b"\r\n\r\n", head.split(b"\r\n\r\n", 1)[1])
 
 
 def wait_listening(child: Child, timeout: float = 60.0) -> int:
