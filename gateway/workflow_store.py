@@ -75,7 +75,13 @@ class WorkflowStore(Protocol):
         ...
 
     async def request_cancel(self, workflow_id: str) -> None:
-        """Ask whichever replica runs the workflow to cancel it."""
+        """Ask whichever replica runs the workflow to cancel it, and keep the request with the
+        workflow (`cancel_requested`): a replica that missed the message, or takes the
+        workflow over later, still sees it."""
+        ...
+
+    async def cancel_requested(self, workflow_ids: Sequence[str]) -> list[str]:
+        """Those of `workflow_ids` whose cancel was asked for (`request_cancel`)."""
         ...
 
     def cancel_requests(self) -> AsyncIterator[str]:
@@ -135,6 +141,10 @@ events per task: one of up to about 2,500 tasks (`max_tasks` is 1,000 by default
 whole stream."""
 
 
+SWEEP_EVERY_S = 1.0
+"""How often the memory store drops expired workflows (a read of one expired drops it at once)."""
+
+
 @dataclass
 class _Entry:
     workflow: Json
@@ -145,6 +155,7 @@ class _Entry:
     expires_at: float | None = None
     """time.monotonic() deadline, once a ttl was given."""
     grew: asyncio.Condition = field(default_factory=asyncio.Condition)
+    cancel_asked: bool = False
 
 
 class MemoryWorkflowStore:
@@ -159,6 +170,7 @@ class MemoryWorkflowStore:
         self._leases: dict[str, tuple[str, float]] = {}
         """Per workflow: owner and time.monotonic() expiry."""
         self._handoffs: asyncio.Queue[str] = asyncio.Queue()
+        self._swept_at = -SWEEP_EVERY_S
 
     def _entry(self, workflow_id: str) -> _Entry | None:
         e = self._entries.get(workflow_id)
@@ -168,7 +180,12 @@ class MemoryWorkflowStore:
         return e
 
     def _sweep(self) -> None:
+        """Drop expired entries, at most once a `SWEEP_EVERY_S` (each create swept them all:
+        2.6 ms at 10k workflows, 73 ms at 100k, on every new hint-mode workflow)."""
         now = time.monotonic()
+        if now - self._swept_at < SWEEP_EVERY_S:
+            return
+        self._swept_at = now
         for wf, e in list(self._entries.items()):
             if e.expires_at is not None and now >= e.expires_at:
                 del self._entries[wf]
@@ -247,7 +264,15 @@ class MemoryWorkflowStore:
 
     async def request_cancel(self, workflow_id: str) -> None:
         """See `WorkflowStore.request_cancel`."""
+        entry = self._entry(workflow_id)
+        if entry is not None:
+            entry.cancel_asked = True
         self._cancels.put_nowait(workflow_id)
+
+    async def cancel_requested(self, workflow_ids: Sequence[str]) -> list[str]:
+        """See `WorkflowStore.cancel_requested`."""
+        return [wf for wf in workflow_ids
+                if (entry := self._entry(wf)) is not None and entry.cancel_asked]
 
     async def cancel_requests(self) -> AsyncIterator[str]:
         """See `WorkflowStore.cancel_requests`."""
@@ -378,6 +403,13 @@ end
 return 0
 """
 
+# KEYS: the workflow's hash. Marks a cancel asked for, on a workflow that exists only (HSET
+# alone would make a hash of a workflow gone, one no snapshot reads and nothing expires).
+_ASK_CANCEL = """
+if redis.call('HEXISTS', KEYS[1], 'w') == 1 then redis.call('HSET', KEYS[1], 'c', '1') end
+return 0
+"""
+
 INDEX_LIMIT = 10_000
 """Workflow ids the Redis index keeps (the newest); older ones drop out of listings, and their
 snapshots stay readable by id until they expire."""
@@ -391,7 +423,8 @@ blocking read of the events waits less than this at a time."""
 class RedisWorkflowStore:
     """Workflows shared by gateway replicas through one Redis.
 
-      {ns}:wf:{id}      HASH    "w" -> the workflow-level fields (JSON), "t:{task}" -> a task
+      {ns}:wf:{id}      HASH    "w" -> the workflow-level fields (JSON), "t:{task}" -> a task,
+                        "c" -> present once its cancel was asked for
       {ns}:wf:{id}:ev   STREAM  entries {"e": event JSON}; the entry id is the event id
       {ns}:wf:cancel    pub/sub channel of workflow ids to cancel
       {ns}:wf:index     SORTED SET  workflow ids by created_s (the newest INDEX_LIMIT); ids whose
@@ -411,6 +444,7 @@ class RedisWorkflowStore:
         self._renew = client.register_script(_RENEW)
         self._update_fenced = client.register_script(_UPDATE_FENCED)
         self._release = client.register_script(_RELEASE)
+        self._ask_cancel = client.register_script(_ASK_CANCEL)
 
     @classmethod
     def from_url(cls, url: str, namespace: str = "kvgate") -> RedisWorkflowStore:
@@ -561,7 +595,18 @@ class RedisWorkflowStore:
 
     async def request_cancel(self, workflow_id: str) -> None:
         """See `WorkflowStore.request_cancel`."""
+        await self._ask_cancel(keys=[self._key(workflow_id)])
         await self.r.publish(self._cancel_channel, workflow_id)
+
+    async def cancel_requested(self, workflow_ids: Sequence[str]) -> list[str]:
+        """See `WorkflowStore.cancel_requested`."""
+        if not workflow_ids:
+            return []
+        async with self.r.pipeline(transaction=False) as pipe:
+            for wf in workflow_ids:
+                pipe.hexists(self._key(wf), "c")
+            asked: list[Any] = await pipe.execute()
+        return [wf for wf, yes in zip(workflow_ids, asked, strict=True) if yes]
 
     async def cancel_requests(self) -> AsyncIterator[str]:
         """See `WorkflowStore.cancel_requests`."""

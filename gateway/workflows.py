@@ -72,8 +72,9 @@ CANCEL_WAIT_S = 10.0
 """How long DELETE waits for the cancel to land (here or on the replica running it)."""
 
 MAX_RESUMES = 5
-"""A workflow taken over more often than this fails instead (whatever stops its replicas would
-stop the next one too)."""
+"""A workflow taken over more often than this after its replica was lost fails instead
+(whatever stops its replicas would stop the next one too). Hand-offs of a replica that stopped
+on purpose (a rolling deploy) do not count: seven steps of a rollout failed a long workflow."""
 
 MAX_HINT_TASKS = 1000
 """Task records a hint-mode workflow keeps (its latest calls'; the oldest are deleted)."""
@@ -544,6 +545,10 @@ class WorkflowService:
         if self._drivers:
             await asyncio.wait(self._drivers, timeout=CANCEL_WAIT_S)
         if self.store.shared and runs:
+            for run in runs:  # given over on purpose: not a loss `MAX_RESUMES` counts
+                run.workflow["handed_off"] = int(run.workflow.get("handed_off") or 0) + 1
+                with contextlib.suppress(Exception):
+                    await self.store.update(run.id, workflow=run.workflow, owner=self._owner)
             with contextlib.suppress(Exception):
                 await self.store.release(self.instance, [run.id for run in runs])
 
@@ -632,10 +637,17 @@ class WorkflowService:
         resumed = int(workflow.get("resumed") or 0) + 1
         workflow.update(replica=self.replica, resumed=resumed)
         recorded: dict[str, Json] = snap.get("tasks") or {}
+        if (await self.store.cancel_requested([workflow_id])
+                or any(r.get("state") == TaskState.CANCELLED.value for r in recorded.values())):
+            # Its cancel was asked for (its replica died before it could act, or ended it
+            # without the final write): it ends cancelled here, not run again.
+            await self._end_undriven(workflow, recorded, TaskState.CANCELLED, now)
+            return False
         try:
-            if resumed > MAX_RESUMES:
-                raise InvalidRequest(f"taken over {resumed - 1} times; the limit is "
-                                     f"{MAX_RESUMES}")
+            lost = resumed - int(workflow.get("handed_off") or 0)
+            if lost > MAX_RESUMES:
+                raise InvalidRequest(f"taken over {lost - 1} times after its replica was "
+                                     f"lost; the limit is {MAX_RESUMES}")
             spec = self.validate(doc.get("spec"))
             done = {t: str(r.get("output") or "") for t, r in recorded.items()
                     if r.get("state") == TaskState.DONE.value}
@@ -695,6 +707,11 @@ class WorkflowService:
                         log.warning("workflow %s: its lease passed to another replica; "
                                     "stopping here", wf)
                         run.inbox.put_nowait(_Abandon())
+                # A cancel asked for while this replica's subscription was away.
+                for wf in await self.store.cancel_requested(mine):
+                    run = self._runs.get(wf)
+                    if run is not None and not run.dag.over:
+                        run.inbox.put_nowait(_Cancel())
                 for wf in await self.store.orphans():
                     if wf in self._runs or not await self.store.claim(wf, self.instance, lease):
                         continue

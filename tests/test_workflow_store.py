@@ -131,6 +131,19 @@ async def test_a_cancel_request_reaches_the_listener(store: WorkflowStore) -> No
     await requests.aclose()  # type: ignore[attr-defined]
 
 
+async def test_a_cancel_request_stays_with_the_workflow(store: WorkflowStore) -> None:
+    # A message alone reached no one when the workflow's replica had died or was between
+    # subscriptions; the request is kept where a later driver reads it.
+    assert await store.create(meta("wf-1"), {"a": task_record([])})
+    assert await store.create(meta("wf-2"), {"a": task_record([])})
+    await store.request_cancel("wf-2")
+    await store.request_cancel("gone")  # no workflow: nothing is made of it
+    assert await store.cancel_requested(["wf-1", "wf-2", "gone"]) == ["wf-2"]
+    assert await store.get("gone") is None
+    snap = await store.get("wf-2")
+    assert snap is not None and snap["state"] == "running"  # the snapshot reads as before
+
+
 # -- Redis: replicas share everything ---------------------------------------------------------
 
 

@@ -259,6 +259,46 @@ async def test_a_workflow_taken_over_too_often_fails_naming_why() -> None:
     assert {r["state"] for r in snap["tasks"].values()} == {"failed"}
 
 
+async def test_hand_offs_of_replicas_that_stopped_on_purpose_do_not_count_as_losses() -> None:
+    # A rolling deploy hands a long workflow over at each step: seven steps failed it.
+    store, executor = MemoryWorkflowStore(), Recorder()
+    wf = await left_behind(store, {}, resumed=MAX_RESUMES + 2, handed_off=MAX_RESUMES + 1)
+    snap = await resumed(store, executor, wf)
+    assert snap["state"] == "done" and snap["resumed"] == MAX_RESUMES + 3
+
+
+async def test_a_replica_that_stops_counts_its_hand_off(redis_url: str) -> None:
+    store = RedisWorkflowStore.from_url(redis_url, f"t{uuid.uuid4().hex[:12]}")
+    gate = Gate("slow")
+    service = WorkflowService(WorkflowSettings(store="redis", redis_url=redis_url), store, gate,
+                              replica="a")
+    try:
+        wf = (await service.submit(chain()))["id"]
+        await asyncio.wait_for(gate.reached.wait(), 10)  # a task is in flight
+        await service.stop_runs()
+        snap = await store.get(wf)
+        assert snap is not None and snap["state"] == "running" and snap["handed_off"] == 1
+        assert await store.orphans() == [wf]  # given up, for another replica to take
+    finally:
+        gate.release.set()
+        await service.stop()
+
+
+async def test_a_cancel_asked_for_while_no_replica_drove_the_workflow_ends_it_on_takeover(
+) -> None:
+    # The DELETE was answered 202 and its message went to no one (the replica had died):
+    # the replica that took the workflow over ran it to the end. Cancelled tasks recorded
+    # by a replica that died before its last write were run again too.
+    for asked, tasks in ((True, {}), (False, {"first": {"state": "cancelled"}})):
+        store, executor = MemoryWorkflowStore(), Recorder()
+        wf = await left_behind(store, tasks)
+        if asked:
+            await store.request_cancel(wf)
+        snap = await resumed(store, executor, wf)
+        assert snap["state"] == "cancelled" and executor.bodies == {}, (asked, snap)
+        assert {r["state"] for r in snap["tasks"].values()} == {"cancelled"}
+
+
 async def test_a_record_no_run_could_leave_fails_the_workflow_naming_the_task() -> None:
     store, executor = MemoryWorkflowStore(), Recorder()
     wf = await left_behind(store, {"slow": {"state": "done", "output": "x"}})
