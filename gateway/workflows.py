@@ -508,6 +508,7 @@ class WorkflowService:
         self.instance = f"{replica}/{uuid.uuid4().hex[:12]}"
         """This process among the replicas: what its workflow leases name."""
         self._leaser: asyncio.Task[None] | None = None
+        self._taker: asyncio.Task[None] | None = None
         self._handoff_listener: asyncio.Task[None] | None = None
         self._scan_now = asyncio.Event()
 
@@ -526,6 +527,7 @@ class WorkflowService:
         self._listener = asyncio.create_task(self._listen_for_cancels())
         if self.store.shared:
             self._leaser = asyncio.create_task(self._keep_leases())
+            self._taker = asyncio.create_task(self._take_over())
             self._handoff_listener = asyncio.create_task(self._listen_for_handoffs())
 
     async def stop_runs(self) -> None:
@@ -533,12 +535,12 @@ class WorkflowService:
         requests in flight, of which their task calls are some). With a shared store they are
         handed over: their calls in flight aborted, their leases given up, and another
         replica goes on from the tasks done. Otherwise they are cancelled."""
-        for task in (self._leaser, self._handoff_listener):
+        for task in (self._leaser, self._taker, self._handoff_listener):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._leaser = self._handoff_listener = None
+        self._leaser = self._taker = self._handoff_listener = None
         runs = list(self._runs.values())
         for run in runs:
             run.inbox.put_nowait(_Abandon() if self.store.shared else _Cancel())
@@ -691,14 +693,13 @@ class WorkflowService:
                                 ttl_s=self.settings.ttl_s, owner=self._owner)
 
     async def _keep_leases(self) -> None:
-        """Every third of the lease (and at once when a stopping replica hands workflows
-        over): renew the leases of the workflows driven here (one lost to another replica
-        stops here), then take over the workflows nobody drives."""
+        """Every third of the lease: renew the leases of the workflows driven here (one lost
+        to another replica stops here), and act on cancels asked for while the announcement
+        missed this replica. A task of its own, so that taking over many workflows at once
+        (`_take_over`, whose checks of a large spec take a while) never lets them lapse."""
         lease = self.settings.lease_s
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._scan_now.wait(), lease / 3)
-            self._scan_now.clear()
+            await asyncio.sleep(lease / 3)
             try:
                 mine = [wf for wf, run in self._runs.items() if not run.abandoned]
                 for wf in await self.store.renew(self.instance, mine, lease):
@@ -712,6 +713,20 @@ class WorkflowService:
                     run = self._runs.get(wf)
                     if run is not None and not run.dag.over:
                         run.inbox.put_nowait(_Cancel())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("workflow leases: %r; retrying", e)
+
+    async def _take_over(self) -> None:
+        """Every third of the lease, and at once when a stopping replica hands workflows
+        over: take over the workflows nobody drives."""
+        lease = self.settings.lease_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._scan_now.wait(), lease / 3)
+            self._scan_now.clear()
+            try:
                 for wf in await self.store.orphans():
                     if wf in self._runs or not await self.store.claim(wf, self.instance, lease):
                         continue

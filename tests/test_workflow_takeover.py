@@ -348,6 +348,38 @@ async def test_a_replica_whose_lease_was_taken_over_writes_nothing_more(
         await stalled.stop()
 
 
+async def test_a_slow_takeover_does_not_let_the_replicas_own_leases_lapse(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Leases were renewed once per pass and the pass then took over every orphan, one after
+    # another: taking over many large specs outlasted the lease, and the replica lost (and
+    # aborted) its own workflows.
+    store = RedisWorkflowStore.from_url(redis_url, f"t{uuid.uuid4().hex[:12]}")
+    gate = Gate("slow")
+    service = WorkflowService(WorkflowSettings(store="redis", redis_url=redis_url,
+                                               lease_s=0.3), store, gate, replica="a")
+    taking = asyncio.Event()
+
+    async def slow_resume(workflow_id: str) -> bool:
+        taking.set()
+        await asyncio.sleep(1.5)  # five leases' worth of checking a large spec
+        return False
+
+    try:
+        mine = (await service.submit(chain()))["id"]
+        await asyncio.wait_for(gate.reached.wait(), 10)
+        orphan = await left_behind(store, {})  # no lease: the next pass takes it over
+        monkeypatch.setattr(service, "resume", slow_resume)
+        await service.start()
+        await asyncio.wait_for(taking.wait(), 10)
+        await asyncio.sleep(1.0)  # the takeover is under way, for over three leases
+        assert not await store.claim(mine, "b/other", 60.0)  # still this replica's
+        assert orphan != mine
+    finally:
+        gate.release.set()
+        await service.stop()
+
+
 class StaleRead(RedisWorkflowStore):
     """A store whose next `get` runs `hook` before it returns what it read (the reader acts
     on a snapshot another replica has since changed)."""
