@@ -133,6 +133,23 @@ class _EngineState:
     last_seq: int | None = None
     block_size: int = 0
     blocks: dict[EngineHash, _BlockState] = field(default_factory=dict)
+    """The engine's GPU blocks (vLLM's default medium)."""
+    offloaded: dict[str, dict[EngineHash, _BlockState]] = field(default_factory=dict)
+    """Per other medium (CPU, DISK: a KV offloading connector's copies), its blocks: a copy
+    offloaded under the same hash is another record, so its removal takes nothing of the GPU
+    block's (one table for all made the CPU copy's removal consume the GPU record, and the GPU
+    block's own removal then found nothing: its index entry stayed for good)."""
+
+    def table(self, tier: str) -> dict[EngineHash, _BlockState]:
+        """The records of `tier`'s blocks."""
+        if tier == DEFAULT_TIER:
+            return self.blocks
+        return self.offloaded.setdefault(tier, {})
+
+    def clear(self) -> None:
+        """Forget every block, in every medium."""
+        self.blocks.clear()
+        self.offloaded.clear()
     replaying: bool = False
     replay_target: int = 0
     replay_generation: int = -1
@@ -365,7 +382,7 @@ class EventIngestor:
 
     def _reset(self, state: _EngineState, engine: str, reason: str, result: IngestResult) -> None:
         self.stats.resyncs += 1
-        state.blocks.clear()
+        state.clear()
         state.last_seq = None
         result.ops.append(ClearEngine(engine, reason))
 
@@ -392,7 +409,7 @@ class EventIngestor:
             if isinstance(event, BlockStored):
                 self._stored(state, engine, event, ops)
             elif isinstance(event, AllBlocksCleared):
-                state.blocks.clear()
+                state.clear()
                 ops.append(ClearEngine(engine, "engine reset its prefix cache"))
         if removed:
             ops.append(RemoveKeys(engine, tuple(removed), removed_tier))
@@ -415,7 +432,9 @@ class EventIngestor:
             pending: tuple[int, ...] = ()
             blocks = 0
         else:
-            prev = state.blocks.get(parent)
+            prev = state.table(tier).get(parent)
+            if prev is None and tier != DEFAULT_TIER:
+                prev = state.blocks.get(parent)  # an offloaded block's parent still on GPU
             if prev is None:
                 self.stats.orphans += n
                 return
@@ -443,7 +462,7 @@ class EventIngestor:
                     self._remember(state, h, keys[0])
                 else:
                     self._remember(state, h, _Chain(tuple(keys), keys[-1], (), blocks, None, 1,
-                                                    tier))
+                                                    tier), tier)
             if added:
                 ops.append(AddKeys(engine, tuple(added), tier))
             return
@@ -458,22 +477,25 @@ class EventIngestor:
             blocks += full
             added.extend(keys)
             self._remember(state, h, _Chain(tuple(keys), tail, pending, blocks,
-                                            salt if blocks == 0 else None, 1, tier))
+                                            salt if blocks == 0 else None, 1, tier), tier)
             if blocks > 0:
                 salt = None
         if added:
             ops.append(AddKeys(engine, tuple(added), tier))
 
-    def _remember(self, state: _EngineState, h: EngineHash, new: _BlockState) -> None:
-        """Record a stored engine block; a hash already known is one more physical copy."""
+    def _remember(self, state: _EngineState, h: EngineHash, new: _BlockState,
+                  tier: str = DEFAULT_TIER) -> None:
+        """Record a stored engine block in `tier`; a hash already known there is one more
+        physical copy."""
         self.stats.blocks_stored += 1
-        existing = state.blocks.get(h)
+        table = state.table(tier)
+        existing = table.get(h)
         if existing is None:
-            state.blocks[h] = new
+            table[h] = new
         else:
             chain = _as_chain(existing)
             chain.copies += 1
-            state.blocks[h] = chain
+            table[h] = chain
 
     def _remember_new(
         self, state: _EngineState, hashes: Sequence[EngineHash], keys: Sequence[BlockKey]
@@ -488,8 +510,9 @@ class EventIngestor:
         return True
 
     def _removed(self, state: _EngineState, ev: BlockRemoved, removed: list[BlockKey]) -> None:
-        """Collect the index keys of the removed blocks into `removed`."""
-        blocks = state.blocks
+        """Collect the index keys of the removed blocks (of the event's medium) into
+        `removed`."""
+        blocks = state.table((ev.medium or DEFAULT_TIER).upper())
         hashes = ev.block_hashes
         found = list(map(blocks.get, hashes))
         if set(map(type, found)) == _COMPACT_ONLY and len(set(hashes)) == len(hashes):

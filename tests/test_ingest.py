@@ -201,6 +201,42 @@ def test_a_replay_round_that_brings_nothing_is_not_asked_again() -> None:
     assert any(isinstance(op, ClearEngine) for op in ops)
 
 
+def test_an_offloaded_copys_removal_leaves_the_gpu_block_indexed() -> None:
+    # A KV offloading connector stores a CPU copy under the GPU block's hash. With one table
+    # for both, a CPU copy announced by a placeholder the ingestor skips (vLLM 0.32's
+    # OffloadingConnector sends block_size 0 and no tokens) had its removal consume the GPU
+    # record, and the GPU block's own removal then found nothing: its entry stayed for good.
+    h = Harness()
+    placeholder = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=[],
+                              block_size=0, lora_id=None, medium="CPU", lora_name=None)
+    h.feed(0, payload(stored([1, 2], None, TOKENS[:32], 16)))
+    h.feed(1, payload(placeholder))
+    h.feed(2, payload(BlockRemoved(block_hashes=[1, 2], medium="CPU")))
+    assert h.index.engine_keys_sync(E) == {k: {"GPU": 1} for k in chain_keys(TOKENS[:32], 16)}
+    h.feed(3, payload(BlockRemoved(block_hashes=[1, 2], medium="GPU")))
+    assert h.keys() == set()
+    # With the copy announced in full, both are kept and go one by one.
+    h = Harness()
+    gpu = stored([1, 2], None, TOKENS[:32], 16)
+    cpu = BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=TOKENS[:32],
+                      block_size=16, lora_id=None, medium="CPU", lora_name=None)
+    h.feed(0, payload(gpu))
+    h.feed(1, payload(cpu))
+    assert h.index.engine_keys_sync(E) == {k: {"GPU": 1, "CPU": 1}
+                                           for k in chain_keys(TOKENS[:32], 16)}
+    h.feed(2, payload(BlockRemoved(block_hashes=[1, 2], medium="CPU")))
+    assert h.index.engine_keys_sync(E) == {k: {"GPU": 1} for k in chain_keys(TOKENS[:32], 16)}
+    h.feed(3, payload(BlockRemoved(block_hashes=[1, 2], medium="GPU")))
+    assert h.keys() == set() and h.ingestor.stats.unknown_removals == 0
+    # A block offloaded whose parent is only on GPU chains from it.
+    h.feed(4, payload(gpu))
+    h.feed(5, payload(BlockStored(block_hashes=[3], parent_block_hash=2,
+                                  token_ids=TOKENS[32:48], block_size=16, lora_id=None,
+                                  medium="CPU", lora_name=None)))
+    assert h.index.engine_keys_sync(E)[chain_keys(TOKENS[:48], 16)[-1]] == {"CPU": 1}
+    assert h.ingestor.stats.orphans == 0
+
+
 def test_older_positional_layout_ingests_identically() -> None:
     positional = msgspec.msgpack.encode(
         [0.0, [["BlockStored", [1, 2], None, TOKENS[:32], 16, None, "GPU", None]], 0])
