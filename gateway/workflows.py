@@ -402,6 +402,9 @@ class _Run:
     abandoned: bool = False
     resumed: bool = False
     """Taken over from another replica: every task record is written at its first step."""
+    resume_doc: Json | None = None
+    """What a replica needs to go on with it (`WorkflowStore.save_resume`), kept here too so
+    that records the store lost (a Redis restart without persistence) can be written again."""
 
     @property
     def id(self) -> str:
@@ -597,8 +600,9 @@ class WorkflowService:
                 raise RuntimeError(f"workflow id {wf_id} collided")  # 64 random bits: never
             created = True
             if self.store.shared:
-                await self.store.save_resume(wf_id, {"spec": document, "headers": run.headers,
-                                                     "trace": dict(trace_headers or {})})
+                run.resume_doc = {"spec": document, "headers": run.headers,
+                                  "trace": dict(trace_headers or {})}
+                await self.store.save_resume(wf_id, run.resume_doc)
         except BaseException as e:  # the store's errors, or the client gone: it does not run
             self.tracing.workflow_ended(wf_id, {**workflow, "state": "failed"})
             if created:
@@ -665,7 +669,8 @@ class WorkflowService:
             return False
         tasks = {t.id: (recorded[t.id] if dag.state(t.id) in TERMINAL and t.id in recorded
                         else task_record(dependencies(t))) for t in spec.tasks}
-        run = _Run(spec, dag, workflow, tasks, dict(doc.get("headers") or {}), resumed=True)
+        run = _Run(spec, dag, workflow, tasks, dict(doc.get("headers") or {}), resumed=True,
+                   resume_doc=doc)
         run.outputs = dict(done)
         self.tracing.workflow_started(
             workflow_id, dict(doc.get("trace") or {}),
@@ -704,7 +709,7 @@ class WorkflowService:
                 mine = [wf for wf, run in self._runs.items() if not run.abandoned]
                 for wf in await self.store.renew(self.instance, mine, lease):
                     run = self._runs.get(wf)
-                    if run is not None:
+                    if run is not None and not await self._recover(run):
                         log.warning("workflow %s: its lease passed to another replica; "
                                     "stopping here", wf)
                         run.inbox.put_nowait(_Abandon())
@@ -1086,8 +1091,36 @@ class WorkflowService:
                 log.warning("workflow %s: its state could not be written (%r); again in "
                             "%.1f s", run.id, e, delay)
                 await asyncio.sleep(delay)
+        if not written and await self._recover(run):
+            written = await self.store.update(run.id, owner=self._owner, **update)
         if not written:
             self._lost(run)
+
+    async def _recover(self, run: _Run) -> bool:
+        """A write of the run was refused, or its lease was not renewed, because the store no
+        longer has the workflow at all (Redis restarted without persistence, or lost its
+        data): write it again from this replica's state and go on, rather than stop driving
+        a workflow no replica could then take over. False if the store still has it (another
+        replica took it over) or it could not be written again."""
+        if not self.store.shared or run.resume_doc is None or run.abandoned:
+            return False
+        try:
+            if await self.store.get(run.id) is not None:
+                return False
+            if not await self.store.claim(run.id, self.instance, self.settings.lease_s):
+                return False
+            if not await self.store.create(run.workflow, run.tasks):
+                # Written again a moment ago (the lease renewal and a write both found it
+                # gone): recovered if this replica holds it.
+                return not await self.store.renew(self.instance, [run.id],
+                                                  self.settings.lease_s)
+            await self.store.save_resume(run.id, run.resume_doc)
+        except Exception as e:  # the store away again: the usual loss
+            log.warning("workflow %s: could not write it again (%r)", run.id, e)
+            return False
+        log.warning("workflow %s: the store had lost it (a Redis restart?); written again "
+                    "from this replica's state, it goes on", run.id)
+        return True
 
     @property
     def _owner(self) -> str | None:

@@ -380,6 +380,39 @@ async def test_a_slow_takeover_does_not_let_the_replicas_own_leases_lapse(
         await service.stop()
 
 
+async def test_a_workflow_the_store_lost_is_written_again_and_goes_on(redis_url: str) -> None:
+    # Redis restarted without persistence (the shipped k8s Redis keeps nothing on disk): the
+    # lease and the records are gone. The replica read that as its lease passed to another
+    # and stopped; no replica could take the workflow over, and it was lost.
+    ns = f"t{uuid.uuid4().hex[:12]}"
+    store = RedisWorkflowStore.from_url(redis_url, ns)
+    gate = Gate("slow")
+    service = WorkflowService(WorkflowSettings(store="redis", redis_url=redis_url,
+                                               lease_s=0.3), store, gate, replica="a")
+    try:
+        await service.start()
+        wf = (await service.submit(chain()))["id"]
+        await asyncio.wait_for(gate.reached.wait(), 10)
+        keys = [k async for k in store.r.scan_iter(f"{ns}:*")]
+        await store.r.delete(*keys)  # everything of this namespace, as a restart would
+        await asyncio.sleep(0.5)  # a lease renewal finds it gone, and writes it again
+        snap = await store.get(wf)
+        assert snap is not None and snap["state"] == "running"
+        assert snap["tasks"]["first"]["state"] == "done"  # this replica's records
+        gate.release.set()
+        for _ in range(300):
+            snap = await store.get(wf)
+            if snap is not None and snap["state"] != "running":
+                break
+            await asyncio.sleep(0.02)
+        assert snap is not None and snap["state"] == "done", snap
+        assert {r["state"] for r in snap["tasks"].values()} == {"done"}
+        assert sorted(gate.bodies) == ["first", "last", "slow"]  # none run twice
+    finally:
+        gate.release.set()
+        await service.stop()
+
+
 class StaleRead(RedisWorkflowStore):
     """A store whose next `get` runs `hook` before it returns what it read (the reader acts
     on a snapshot another replica has since changed)."""
