@@ -172,12 +172,15 @@ def _microbench(args: argparse.Namespace) -> int:
         from planner.core import planner_names
 
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-        unknown = [p for p in policies if p not in planner_names()]
-        if unknown or not policies:
-            print(f"kvgate microbench placement: unknown policy {unknown[0]!r}; known: "
-                  f"{', '.join(planner_names())}" if unknown else
-                  "kvgate microbench placement: --policy needs at least one policy",
+        known = planner_names()
+        unknown = [p for p in policies if p not in known]
+        if not policies:
+            print("kvgate microbench placement: --policy needs at least one policy",
                   file=sys.stderr)
+            return 2
+        if unknown:
+            print(f"kvgate microbench placement: unknown policy {unknown[0]!r}; known: "
+                  f"{', '.join(known)}", file=sys.stderr)
             return 2
         results = compare(policies, args.engines, args.agents, args.turns, args.output_tokens)
         print(format_results(results))
