@@ -565,9 +565,11 @@ def read_until(sock: socket.socket, marker: bytes, got: bytes = b"") -> bytes:
 
 class FloodingEngine(RecordingEngine):
     """An engine that streams `mb` MB of events as fast as it can, and notes whether the
-    gateway dropped its connection before the end."""
+    gateway dropped its connection before the end. The default is far more than the kernel
+    buffers between it and a client that stops reading can hold (with tcp_rmem's maximum at
+    32 MB, 16 MB fit whole in the gateway's upstream receive buffer and the engine finished)."""
 
-    def __init__(self, mb: int = 16) -> None:
+    def __init__(self, mb: int = 1024) -> None:
         super().__init__()
         self.mb = mb
         self.dropped = threading.Event()
