@@ -22,6 +22,7 @@ from pydantic import (
 
 from planner.core import planner_names
 from planner.documents import load_yaml
+from planner.hints import PRIORITY_LIMIT
 from planner.profile_file import ProfileFileError, load_profile_file
 from planner.profiles import DEFAULT_PROFILE, PROFILES, EngineProfile, get_profile
 from planner.transfer import TransferLink, parse_link
@@ -327,6 +328,16 @@ class TenantEntry(_Section):
     prefix_group: str | None = None
     """Tenants with the same group share cached prefixes (one `cache_salt`); by default a
     tenant shares with nobody."""
+    priority_floor: int = Field(default=0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)
+    """The most urgent explicit priority its calls may ask (vLLM's convention, lower first:
+    `X-KVGate-Priority`, `kvgate.priority`, `nvext.agent_hints.priority`, a task's `priority`,
+    and vLLM's own body `priority`); a call asking for more is raised to it. By default 0:
+    a tenant may put its own calls behind others, not ahead of them."""
+    min_deadline_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """The shortest deadline (`deadline_s`, `X-KVGate-Deadline`, a workflow's `deadline_s`)
+    its calls are ranked by; a shorter one is raised to it. By default (unset) a tenant's
+    deadlines rank nothing: a deadline of a millisecond would put every call of its ahead
+    of every other tenant's."""
 
     @field_validator("prefix_group")
     @classmethod

@@ -46,6 +46,11 @@ class GatewayMetrics:
             "kvgate_index_unavailable", "Index lookups and writes that could not reach the "
             "index's store (Redis): calls were routed without it meanwhile.", registry=r,
         )
+        self.hints_clamped = Counter(
+            "kvgate_hints_clamped", "Tenants' calls whose priority or deadline asked for more "
+            "than the tenant may (raised to its priority_floor / min_deadline_s), by hint.",
+            ["tenant", "hint"], registry=r,
+        )
         self.upstream_errors = Counter(
             "kvgate_upstream_errors", "Engine failures seen by the gateway, by kind.",
             ["engine", "kind"], registry=r,

@@ -399,6 +399,17 @@ class Proxy:
                                      "it", param="kv_transfer_params")
             # The tenant's salt, whatever the client sent: tenants are cached apart.
             stripped = {**(stripped or body), "cache_salt": tenant.salt}
+            # A tenant may not rank its calls ahead of others' past what it is allowed.
+            hints, clamped = tenant.clamp(hints)
+            asked = stripped.get("priority")
+            if asked is None:
+                if tenant.priority_floor > 0:  # vLLM's default, 0, is more than it may ask
+                    stripped["priority"] = tenant.priority_floor
+            elif (allowed := tenant.engine_priority(asked)) is not asked:
+                stripped["priority"] = allowed
+                clamped.append("body priority")
+            for hint in clamped:
+                state.metrics.hints_clamped.labels(tenant.name, hint).inc()
             if hints.workflow is not None and state.workflows is not None:
                 # Before the call is traced, keyed or placed as part of that workflow.
                 await state.workflows.check_owner(hints.workflow, tenant.name)

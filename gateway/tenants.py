@@ -15,12 +15,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
 from gateway.config import TenantEntry
 from gateway.errors import GatewayError
+from planner.hints import RequestHints
 
 
 class NotAuthenticated(GatewayError):
@@ -47,6 +48,36 @@ class Tenant:
     name: str
     salt: str | None
     """The `cache_salt` its calls carry; None for the operator (who makes no calls)."""
+    priority_floor: int = 0
+    """`TenantEntry.priority_floor`."""
+    min_deadline_s: float | None = None
+    """`TenantEntry.min_deadline_s` (None: its deadlines rank nothing)."""
+
+    def clamp(self, hints: RequestHints) -> tuple[RequestHints, list[str]]:
+        """Its call's hints with the priority and deadline it may ask, and the names of the
+        hints that were changed."""
+        priority, deadline = hints.priority, hints.deadline_s
+        changed = []
+        floor = self.priority_floor
+        if priority is not None and priority < floor:
+            priority = floor
+            changed.append("priority")
+        elif priority is None and floor > 0:
+            priority = floor  # no priority is vLLM's 0: held behind it unasked (not counted)
+        if deadline is not None and (self.min_deadline_s is None
+                                     or deadline < self.min_deadline_s):
+            deadline = self.min_deadline_s
+            changed.append("deadline_s")
+        if priority == hints.priority and deadline == hints.deadline_s:
+            return hints, changed
+        return replace(hints, priority=priority, deadline_s=deadline), changed
+
+    def engine_priority(self, value: object) -> object:
+        """vLLM's own body `priority` as the tenant may send it (a value the engine would
+        refuse is left for it to refuse)."""
+        if type(value) is int and value < self.priority_floor:
+            return self.priority_floor
+        return value
 
     @property
     def operator(self) -> bool:
@@ -78,7 +109,8 @@ class Tenancy:
     def __init__(self, tenants: Mapping[str, TenantEntry], admin_key: str | None) -> None:
         self._by_digest: dict[bytes, Tenant] = {}
         for name, entry in tenants.items():
-            tenant = Tenant(name, f"kvgate-tenant:{entry.prefix_group or name}")
+            tenant = Tenant(name, f"kvgate-tenant:{entry.prefix_group or name}",
+                            entry.priority_floor, entry.min_deadline_s)
             for key in entry.keys:
                 self._by_digest[_digest(key)] = tenant
         self._admin = _digest(admin_key) if admin_key else None

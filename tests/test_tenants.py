@@ -329,3 +329,74 @@ def test_with_tenants_a_call_naming_a_workflow_needs_the_store_to_say_whose_it_i
         model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].message.content is not None
 
+
+
+VIP, BATCH = "sk-vip-" + "4" * 25, "sk-batch-" + "5" * 23
+
+
+@pytest.mark.parametrize("policy", ["kvgate", "round-robin"])
+def test_a_tenant_ranks_its_calls_no_higher_than_it_may(
+        policy: str, threaded_server: Callable[[web.Application], ThreadedServer],
+        spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+    from tests.test_kv_moves_live import metrics
+
+    # kvgate's planner sends a priority-scheduled engine its own rank, an explicit priority
+    # a million per unit above everything else; a per-request router passes the client's
+    # own body `priority` on. Either way a tenant used to put its calls ahead of everyone's.
+    engine = RecordingEngine()
+    engine.release.set()
+    gw = spawn_gateway({"engines": [{"url": threaded_server(engine.app).url,
+                                     "scheduling_policy": "priority"}],
+                        "policy": policy, "admin_key": ADMIN, "tenants": {
+                            **TENANTS, "vip": {"keys": [VIP], "priority_floor": -10},
+                            "batch": {"keys": [BATCH], "priority_floor": 3}}})
+    wait_healthy(gw)
+
+    def sent_priority(key: str, asked: int | None) -> int:
+        hint = ({} if asked is None else {"kvgate": {"priority": asked}} if policy == "kvgate"
+                else {"priority": asked})
+        urllib.request.urlopen(urllib.request.Request(
+            f"{gw.url}/v1/chat/completions", method="POST",
+            data=json.dumps({"model": "rec", "messages": [], "stream": True, **hint}).encode(),
+            headers={"Content-Type": "application/json", **auth(key)}), timeout=30).read()
+        return int(json.loads(engine.requests[-1][1])["priority"])
+
+    if policy == "kvgate":
+        assert sent_priority(BETA, 0) >= 0
+        assert sent_priority(BETA, -5) >= 0  # raised to its floor, 0
+        assert sent_priority(VIP, -5) < -4_000_000  # within its floor
+        assert -11_000_000 < sent_priority(VIP, -50) < -9_000_000
+        assert sent_priority(BETA, 3) > 2_000_000  # behind others: always allowed
+        assert sent_priority(BATCH, None) > 2_000_000  # held behind, unasked
+    else:
+        assert sent_priority(BETA, -5) == 0
+        assert sent_priority(VIP, -5) == -5
+        assert sent_priority(VIP, -50) == -10
+        assert sent_priority(BETA, 3) == 3
+        assert sent_priority(BATCH, None) == 3
+    hint = "priority" if policy == "kvgate" else "body priority"
+    counted = metrics(gw.url)
+    assert counted[("kvgate_hints_clamped_total", (("hint", hint), ("tenant", "beta")))] == 1
+    assert counted[("kvgate_hints_clamped_total", (("hint", hint), ("tenant", "vip")))] == 1
+
+
+def test_a_tenants_deadline_ranks_only_as_far_as_configured() -> None:
+    from gateway.tenants import Tenancy
+    from planner.hints import RequestHints
+
+    config = parse_config({"engines": [{"url": "http://127.0.0.1:9"}], "tenants": {
+        **TENANTS, "vip": {"keys": [VIP], "min_deadline_s": 2.5}}})
+    tenancy = Tenancy(config.tenants, None)
+    beta, vip = (tenancy.resolve(auth(key)) for key in (BETA, VIP))
+    hints = RequestHints(workflow="w", priority=1, deadline_s=0.001)
+    assert beta.clamp(hints) == (RequestHints(workflow="w", priority=1), ["deadline_s"])
+    assert vip.clamp(hints) == (RequestHints(workflow="w", priority=1, deadline_s=2.5),
+                                ["deadline_s"])
+    assert vip.clamp(RequestHints(deadline_s=9.0)) == (RequestHints(deadline_s=9.0), [])
+    batch = Tenancy(parse_config({"engines": [{"url": "http://127.0.0.1:9"}], "tenants": {
+        "batch": {"keys": [BATCH], "priority_floor": 3}}}).tenants, None).resolve(auth(BATCH))
+    assert batch.clamp(RequestHints(deadline_s=1.0)) == (RequestHints(priority=3), ["deadline_s"])
+    assert batch.clamp(RequestHints(priority=7)) == (RequestHints(priority=7), [])
+    with pytest.raises(ConfigError, match="min_deadline_s"):
+        parse_config({"engines": [{"url": "http://127.0.0.1:9"}], "tenants": {
+            "vip": {"keys": [VIP], "min_deadline_s": 0}}})
