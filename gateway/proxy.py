@@ -402,10 +402,7 @@ class Proxy:
             # A tenant may not rank its calls ahead of others' past what it is allowed.
             hints, clamped = tenant.clamp(hints)
             asked = stripped.get("priority")
-            if asked is None:
-                if tenant.priority_floor > 0:  # vLLM's default, 0, is more than it may ask
-                    stripped["priority"] = tenant.priority_floor
-            elif (allowed := tenant.engine_priority(asked)) is not asked:
+            if asked is not None and (allowed := tenant.engine_priority(asked)) is not asked:
                 stripped["priority"] = allowed
                 clamped.append("body priority")
             for hint in clamped:
@@ -522,9 +519,15 @@ class Proxy:
                 recorder.dispatched(engine)
             sent = raw
             extra: dict[str, Any] = {}
-            if d.priority is not None and state.priority_engine(engine):
-                # vLLM's own field, for an engine running --scheduling-policy priority.
-                extra["priority"] = d.priority
+            if state.priority_engine(engine):
+                if d.priority is not None:
+                    # vLLM's own field, for an engine running --scheduling-policy priority.
+                    extra["priority"] = d.priority
+                elif "priority" not in body and (held := held_behind(request)):
+                    # A tenant kept behind others (a priority_floor above vLLM's default, 0)
+                    # under a policy that sends no priority of its own; an engine without
+                    # priority scheduling would refuse a priority.
+                    extra["priority"] = held
             if d.prefill_cap > 0:
                 # For kvgate's scheduler plugin (adapters/vllm_plugins/kvgate_pace.py).
                 # A client's malformed `vllm_xargs` is left for the engine to refuse.
@@ -1056,6 +1059,13 @@ def _usage_event(events: bytes) -> bytes | None:
         if event.startswith(b"data: {") and b'"usage":{' in event:
             return event[6:]
     return None
+
+
+def held_behind(request: web.Request) -> int:
+    """The priority a call goes to a priority-scheduled engine with when it asked none: its
+    tenant's `priority_floor` where that is above vLLM's default, 0, else 0 (none sent)."""
+    tenant = caller(request)
+    return tenant.priority_floor if tenant is not None and tenant.priority_floor > 0 else 0
 
 
 class _Recorder:

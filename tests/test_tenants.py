@@ -334,9 +334,11 @@ def test_with_tenants_a_call_naming_a_workflow_needs_the_store_to_say_whose_it_i
 VIP, BATCH = "sk-vip-" + "4" * 25, "sk-batch-" + "5" * 23
 
 
-@pytest.mark.parametrize("policy", ["kvgate", "round-robin"])
+@pytest.mark.parametrize("policy,scheduling", [("kvgate", "priority"),
+                                               ("round-robin", "priority"),
+                                               ("round-robin", "fcfs")])
 def test_a_tenant_ranks_its_calls_no_higher_than_it_may(
-        policy: str, threaded_server: Callable[[web.Application], ThreadedServer],
+        policy: str, scheduling: str, threaded_server: Callable[[web.Application], ThreadedServer],
         spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
     from tests.test_kv_moves_live import metrics
 
@@ -346,7 +348,7 @@ def test_a_tenant_ranks_its_calls_no_higher_than_it_may(
     engine = RecordingEngine()
     engine.release.set()
     gw = spawn_gateway({"engines": [{"url": threaded_server(engine.app).url,
-                                     "scheduling_policy": "priority"}],
+                                     "scheduling_policy": scheduling}],
                         "policy": policy, "admin_key": ADMIN, "tenants": {
                             **TENANTS, "vip": {"keys": [VIP], "priority_floor": -10},
                             "batch": {"keys": [BATCH], "priority_floor": 3}}})
@@ -359,8 +361,12 @@ def test_a_tenant_ranks_its_calls_no_higher_than_it_may(
             f"{gw.url}/v1/chat/completions", method="POST",
             data=json.dumps({"model": "rec", "messages": [], "stream": True, **hint}).encode(),
             headers={"Content-Type": "application/json", **auth(key)}), timeout=30).read()
-        return int(json.loads(engine.requests[-1][1])["priority"])
+        return int(json.loads(engine.requests[-1][1]).get("priority", 0))
 
+    if scheduling == "fcfs":
+        # vLLM refuses any priority but 0 without priority scheduling: none is added.
+        assert sent_priority(BATCH, None) == 0 and sent_priority(BETA, -5) == 0
+        return
     if policy == "kvgate":
         assert sent_priority(BETA, 0) >= 0
         assert sent_priority(BETA, -5) >= 0  # raised to its floor, 0
