@@ -338,6 +338,7 @@ class _Request:
     move_id: str | None = None
     pace_next: MoveRecord | None = None
     """While paced: the piece sent ahead of the one the request waits for (`PACE_AHEAD_S`)."""
+    admitted_s: float = 0.0
 
     def move(self, to: RequestState) -> None:
         if to not in TRANSITIONS[self.state]:
@@ -519,7 +520,7 @@ class Planner:
         rid = call.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid!r} is already in flight")
-        req = self._requests[rid] = _Request(call, segments=self._tag(call))
+        req = self._requests[rid] = _Request(call, segments=self._tag(call), admitted_s=now)
         if self.replicate:
             self._replicate(req, now)
         self._queued.append(rid)
@@ -799,7 +800,8 @@ class Planner:
         if self.priorities is not None:
             rank = self.priorities.rank
             reqs = self._requests
-            ranked.sort(key=lambda r: (rank(reqs[r].call.hints), order[r]))
+            ranked.sort(key=lambda r: (rank(reqs[r].call.hints, now - reqs[r].admitted_s),
+                                       order[r]))
         actions: list[Action] = []
         batch.release(
             ranked, lambda rid: self._offer(rid, now, actions, batch=batch, fresh=True),
@@ -918,7 +920,7 @@ class Planner:
         ttl = self.speculative_ttl_s
         if self._batch is not None and route.block_keys:
             self._batch.placed(now, engine, route.block_keys)
-        priority = (self.priorities.engine_priority(req.call.hints)
+        priority = (self.priorities.engine_priority(req.call.hints, now - req.admitted_s)
                     if self.priorities is not None else None)
         dispatch = Dispatch(
             rid, engine, req.outstanding.cached_tokens, placement.cost,

@@ -66,8 +66,8 @@ MAX_TOKENS = 2**31 - 1
 """The largest output length (`max_tokens`, `osl`, a task's `output_tokens`) the planner takes
 as an estimate; vLLM's own limit is the model's context, far below."""
 PRIORITY_LIMIT = 1_000_000
-"""An explicit priority lies within +-this (the engine's integer priority spends a million per
-unit on the workflow's rank beneath it)."""
+"""An explicit priority lies within +-this (the engine's integer priority spends 10**12 per
+unit on the workflow's rank beneath it, `planner.priorities.EXPLICIT_UNIT`)."""
 MAX_EXPECT_CHILDREN = 1000
 """A call announcing more children counts as announcing this many: the planner prepares at
 most this many destinations for a fan-out (a workflow spec's default task limit)."""

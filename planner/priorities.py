@@ -11,6 +11,11 @@ short programs without knowing their length. A call with a deadline (`deadline_s
 workflow with at most that many seconds left. An explicit `priority` hint (vLLM's convention:
 lower first) outranks all of these.
 
+Ranks age: a call that has waited in the buffer ranks as a workflow with that many seconds
+less left (`AGING`), so it goes ahead of every call admitted later with a rank less than that
+much shorter. Without it, a workflow with a long path ahead (or, in hint mode, much service
+attained) waited for as long as shorter work kept arriving while every engine was backed up.
+
 The rank is also handed to engines running `--scheduling-policy priority` as vLLM's integer
 `priority`, so the engine's own queue keeps the same order.
 """
@@ -28,6 +33,12 @@ PRIORITY_SCALE_S = 0.001
 """Engine `priority` resolution: one unit per millisecond of remaining critical path."""
 MAX_RANK_S = 1e9
 """A rank beyond this (a workflow declaring years of work) is sent to engines as this."""
+EXPLICIT_UNIT = 10**12
+"""One explicit priority in the engine's integer `priority`: more than any rank (MAX_RANK_S at
+PRIORITY_SCALE_S), so the explicit priority always decides first; `PRIORITY_LIMIT` of them
+stay within the 64-bit integer vLLM's engine core carries it in."""
+AGING = 1.0
+"""Seconds of rank a call gains per second it waits in the gateway's buffer."""
 
 
 MAX_HINTED = 100_000
@@ -113,9 +124,9 @@ class WorkflowPriorities:
         self._workflows.pop(workflow, None)
         self._hinted.pop(workflow, None)
 
-    def rank(self, hints: RequestHints) -> tuple[int, float, float]:
-        """Sort key, smallest first: (explicit priority, workflow rank in seconds, -task
-        path)."""
+    def rank(self, hints: RequestHints, waited_s: float = 0.0) -> tuple[int, float, float]:
+        """Sort key, smallest first: (explicit priority, workflow rank in seconds less what
+        the call has waited (`AGING`), -task path)."""
         explicit = hints.priority if hints.priority is not None else 0
         rank, task_path = 0.0, 0.0
         if hints.workflow is not None:
@@ -127,15 +138,18 @@ class WorkflowPriorities:
                 task_path = wf.path_s.get(hints.task or "", 0.0)
         if hints.deadline_s is not None and hints.deadline_s < rank:
             rank = hints.deadline_s
-        return (explicit, rank, -task_path)
+        return (explicit, rank - AGING * waited_s if waited_s > 0 else rank, -task_path)
 
     @property
     def _token_s(self) -> float:
         """Seconds one sequence alone takes per output token (attained service in time)."""
         return self.profile.decode_step_time(1, 0)
 
-    def engine_priority(self, hints: RequestHints) -> int:
+    def engine_priority(self, hints: RequestHints, waited_s: float = 0.0) -> int:
         """The rank as vLLM's integer `priority` (lower runs first)."""
-        explicit, rank, _ = self.rank(hints)
-        rank = rank if rank < MAX_RANK_S else MAX_RANK_S  # also NaN: an integer for vLLM
-        return explicit * 1_000_000 + int(rank / PRIORITY_SCALE_S)
+        explicit, rank, _ = self.rank(hints, waited_s)
+        # Within +-MAX_RANK_S (NaN too): an integer for vLLM, below one explicit step.
+        rank = rank if -MAX_RANK_S < rank < MAX_RANK_S else (
+            -MAX_RANK_S if rank < 0 else MAX_RANK_S)
+        return explicit * EXPLICIT_UNIT + min(EXPLICIT_UNIT - 1, max(
+            1 - EXPLICIT_UNIT, int(rank / PRIORITY_SCALE_S)))

@@ -308,6 +308,50 @@ def test_buffer_releases_the_workflow_closest_to_done_first() -> None:
     p.on_event(WorkflowOver("short"), 3.0)
 
 
+def test_a_long_workflow_waiting_behind_shorter_ones_is_not_starved() -> None:
+    # Every engine backed up, one slot freed a second, and a new short workflow every second:
+    # by rank alone the long workflow's call lost every release for as long as they came.
+    p = batch_planner(engines=("a",))
+    long = (TaskSpec("t", (), 1000, 16), TaskSpec("u", ("t",), 1000, 2000))
+    p.on_event(WorkflowSubmitted("long", long), 0.0)
+    assert p.priorities is not None
+    path_s = p.priorities.rank(RequestHints(workflow="long", task="t"))[1]
+    p.admit(long_call("fill0"), 0.0)
+    p.admit(long_call("fill1"), 0.0)
+    p.release(0.0)
+    p.admit(long_call("l", "long", "t"), 0.0)
+    in_flight = ["fill0", "fill1"]
+    went = None
+    for second in range(1, 200):
+        now = float(second)
+        p.on_event(WorkflowSubmitted(f"s{second}", (TaskSpec("t", (), 1000, 16),)), now)
+        p.admit(long_call(f"s{second}", f"s{second}", "t"), now)
+        p.on_event(FirstToken(in_flight.pop(0)), now)
+        (d,) = [a for a in p.release(now) if isinstance(a, Dispatch)]
+        in_flight.append(d.request_id)
+        if d.request_id == "l":
+            went = now
+            break
+    # It waited about as long as its path is longer than theirs, then went ahead.
+    assert went is not None and path_s - 2 < went < path_s + 2, (went, path_s)
+
+
+def test_an_explicit_priority_decides_before_any_rank_at_the_engine() -> None:
+    from planner.priorities import MAX_RANK_S, WorkflowPriorities
+
+    pr = WorkflowPriorities(PROFILE)
+    pr.submit("far", (TaskSpec("t", (), 100, 10_000_000),))  # a path of days
+    far = pr.engine_priority(RequestHints(workflow="far", task="t"))
+    assert far > pr.engine_priority(RequestHints(workflow="w"))
+    # One explicit step outranks it; none overflows vLLM's 64-bit integer.
+    assert pr.engine_priority(RequestHints(workflow="w", priority=1)) > far
+    assert pr.engine_priority(RequestHints(workflow="far", task="t", priority=-1)) < 0
+    assert pr.engine_priority(RequestHints(workflow="w", priority=1_000_000),
+                              ) < 2**63
+    assert pr.engine_priority(RequestHints(priority=-1_000_000),
+                              waited_s=2 * MAX_RANK_S) >= -(2**63)
+
+
 def test_a_failed_attempt_leaves_its_task_on_the_critical_path() -> None:
     p = batch_planner(engines=("a",))
     p.on_event(WorkflowSubmitted("w", (TaskSpec("t", (), 1000, 16),

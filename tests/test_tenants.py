@@ -368,12 +368,14 @@ def test_a_tenant_ranks_its_calls_no_higher_than_it_may(
         assert sent_priority(BATCH, None) == 0 and sent_priority(BETA, -5) == 0
         return
     if policy == "kvgate":
+        from planner.priorities import EXPLICIT_UNIT as UNIT
+
         assert sent_priority(BETA, 0) >= 0
         assert sent_priority(BETA, -5) >= 0  # raised to its floor, 0
-        assert sent_priority(VIP, -5) < -4_000_000  # within its floor
-        assert -11_000_000 < sent_priority(VIP, -50) < -9_000_000
-        assert sent_priority(BETA, 3) > 2_000_000  # behind others: always allowed
-        assert sent_priority(BATCH, None) > 2_000_000  # held behind, unasked
+        assert sent_priority(VIP, -5) < -4 * UNIT  # within its floor
+        assert -11 * UNIT < sent_priority(VIP, -50) < -9 * UNIT
+        assert sent_priority(BETA, 3) > 2 * UNIT  # behind others: always allowed
+        assert sent_priority(BATCH, None) > 2 * UNIT  # held behind, unasked
     else:
         assert sent_priority(BETA, -5) == 0
         assert sent_priority(VIP, -5) == -5
