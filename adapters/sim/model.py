@@ -740,8 +740,10 @@ class EngineModel:
             return
         waiting.insert(bisect_right(waiting, req.priority_key, key=_PRIORITY_KEY), req)
 
-    def abort_request(self, request_id: str, now: float) -> SimRequest | None:
-        """Stop a request (client went away) and release its blocks."""
+    def abort_request(self, request_id: str, now: float,
+                      reason: FinishReason = FinishReason.ABORT) -> SimRequest | None:
+        """Stop a request (its client went away; or, with `STOP`, its API server found a stop
+        string in its output) and release its blocks."""
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -751,7 +753,7 @@ class EngineModel:
             del self.loading[request_id]
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._finish(req, FinishReason.ABORT, now)
+        self._finish(req, reason, now)
         return req
 
     def has_work(self) -> bool:

@@ -54,6 +54,18 @@ from adapters.sim.nixl import (
     producer_params,
     request_params,
 )
+from adapters.sim.outputs import (
+    Forced,
+    Logprobs,
+    OutputError,
+    OutputText,
+    StopSpec,
+    chat_logprobs,
+    check_sampling,
+    completion_logprobs,
+    forced_output,
+    tool_call_id,
+)
 from adapters.sim.publisher import KVEventPublisher
 from adapters.vllm_plugins.kvgate_pace_caps import read_caps
 from kvindex.tokenizer import Tokenizer, TokenizerError
@@ -147,6 +159,38 @@ class _Stream:
     request: SimRequest
     queue: asyncio.Queue[TokenOutput] = field(default_factory=asyncio.Queue)
     last_token_at: float | None = None
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What a request asks of its output beyond its tokens (adapters/sim/outputs.py)."""
+
+    stop: StopSpec
+    top_logprobs: int | None
+    forced: Forced | None = None
+
+
+@dataclass
+class _Answer:
+    """One request's output as its API server builds it: the text (stops applied) and the
+    logprobs of its tokens."""
+
+    text: OutputText
+    logprobs: Logprobs | None
+    forced: Forced | None
+
+    def take(self, out: TokenOutput) -> tuple[list[int], bool]:
+        """Take the engine's new tokens: the ones the answer keeps, and whether it is over
+        (the engine finished it, or a stop ended it here)."""
+        start = len(self.text.ids)
+        self.text.add(out.new_token_ids)
+        return self.text.ids[start:], out.finish_reason is not None or self.text.stopped
+
+    def reason(self, engine_reason: FinishReason | None) -> str | None:
+        """The answer's `finish_reason`."""
+        if self.text.stopped:
+            return FinishReason.STOP.value
+        return engine_reason.value if engine_reason is not None else None
 
 
 class SimEngine:
@@ -430,7 +474,8 @@ class SimEngine:
     # -- request plumbing -----------------------------------------------------------------------
 
     def _submit(self, prompt_ids: list[int], body: dict[str, Any],
-                priority_header: str | None, received: float, chat: bool) -> _Stream:
+                priority_header: str | None, received: float, chat: bool,
+                plan: list[int] | None = None) -> _Stream:
         """Queue a request in the engine model; its id inside the engine is always unique.
 
         `received` is when the handler began (engine time): the profile's `request_overhead_s`
@@ -497,6 +542,12 @@ class SimEngine:
         )
         rng = random.Random(digest)
         natural = 1 + int(rng.expovariate(1.0 / self.settings.mean_output_tokens))
+        output_plan = None
+        if plan is not None:
+            # An output forced into a shape: those tokens, then EOS (padded for ignore_eos).
+            natural = len(plan) + 1
+            eos = self.tokenizer.eos_token_id
+            output_plan = plan + [eos] * max(1, max_tokens - len(plan))
         produce, remote, peer = False, None, None
         if self.settings.kv_connector is not None:
             try:
@@ -521,6 +572,7 @@ class SimEngine:
             remote_prefill=remote,
             prefill_cap=first_cap,
             prefill_caps=later_caps,
+            output_plan=output_plan,
         )
         if peer is not None and remote is not None:
             self._peers[rid] = peer
@@ -565,28 +617,74 @@ class SimEngine:
             if out.finish_reason is not None:
                 return
 
-    async def _collect(self, stream: _Stream) -> tuple[list[int], FinishReason]:
-        """Every output token of a non-streaming request, and why it finished."""
-        ids: list[int] = []
+    async def _collect(self, stream: _Stream, answer: _Answer) -> str:
+        """Every output token of a non-streaming request into `answer`; its finish
+        reason."""
         reason: FinishReason | None = None
         try:
             async for out in self._tokens(stream):
-                ids.extend(out.new_token_ids)
+                _, over = answer.take(out)
                 reason = out.finish_reason
+                if over:
+                    break
+            self._stop(stream, answer)
         finally:
             self._release(stream)
-        assert reason is not None
         if reason is FinishReason.ERROR:
             raise APIError(500, "Internal server error", "InternalServerError")
-        return ids, reason
+        finish = answer.reason(reason)
+        assert finish is not None
+        return finish
 
-    def _usage(self, req: SimRequest, streamed: bool = False) -> dict[str, Any]:
+    def _stop(self, stream: _Stream, answer: _Answer) -> None:
+        """A stop string or token ended the answer: the engine stops the request there (a
+        finished request to its statistics, as vLLM's output processor counts it)."""
+        if not answer.text.stopped or stream.request.finish_reason is not None:
+            return
+        req = self.model.abort_request(stream.request.request_id, self.now(), FinishReason.STOP)
+        if req is not None:
+            self.metrics.request_finished(req)
+            self.metrics.after_step(self.model)
+
+    def _asked(self, body: dict[str, Any], chat: bool) -> _Asked:
+        """Read and check what the request asks of its output (400 naming the field)."""
+        try:
+            check_sampling(body)
+            top = chat_logprobs(body) if chat else completion_logprobs(body)
+            forced = None
+            if chat:
+                seed = xxhash.xxh64_intdigest(json.dumps(
+                    [body.get("messages"), body.get("seed")], sort_keys=True,
+                    default=str).encode(), seed=self.settings.seed)
+                forced = forced_output(body, seed)
+            min_tokens = body.get("min_tokens")
+            stop = StopSpec.read(body, min_tokens if isinstance(min_tokens, int) else 0)
+        except OutputError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return _Asked(stop, top, forced)
+
+    def _answer(self, stream: _Stream, asked: _Asked) -> _Answer:
+        decode = self.tokenizer.decode
+        text = OutputText(decode, asked.stop, self.tokenizer.eos_token_id)
+        logprobs = (Logprobs(stream.request.sample_seed, decode, self._word_ids,
+                             asked.top_logprobs)
+                    if asked.top_logprobs is not None else None)
+        return _Answer(text, logprobs, asked.forced)
+
+    def _plan(self, asked: _Asked) -> list[int] | None:
+        return self.tokenizer.encode(asked.forced.text) if asked.forced is not None else None
+
+    def _usage(self, req: SimRequest, streamed: bool = False,
+               completion_tokens: int | None = None) -> dict[str, Any]:
         """The answer's `usage`; a streamed chunk leaves out what is unset, as vLLM writes its
-        chunks with `exclude_unset` (no `"prompt_tokens_details": null` there)."""
+        chunks with `exclude_unset` (no `"prompt_tokens_details": null` there).
+        `completion_tokens`: the answer's own count where a stop cut it short (the engine may
+        have computed a token or two more meanwhile)."""
+        done = len(req.output_token_ids) if completion_tokens is None else completion_tokens
         usage: dict[str, Any] = {
             "prompt_tokens": req.num_prompt_tokens,
-            "total_tokens": req.num_prompt_tokens + len(req.output_token_ids),
-            "completion_tokens": len(req.output_token_ids),
+            "total_tokens": req.num_prompt_tokens + done,
+            "completion_tokens": done,
         }
         if self.settings.enable_prompt_tokens_details:
             cached = max(req.num_cached_tokens, 0)
@@ -618,7 +716,9 @@ class SimEngine:
         if not isinstance(body, dict):
             raise APIError(400, "Request body must be a JSON object.")
         model = body.get("model")
-        if model is not None and model != self.settings.model and model not in self._loras:
+        # An empty name stands for the served model, as vLLM reads it (serve/engine/serving.py).
+        if (model is not None and model != "" and model != self.settings.model
+                and model not in self._loras):
             # vLLM 0.32's serve/engine/serving.py words it so (its aliases: the served names).
             raise APIError(404, f"The model `{model}` does not exist. Valid aliases: "
                                 f"{self.settings.model}.", "NotFoundError", param="model")
@@ -653,6 +753,7 @@ class SimEngine:
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise APIError(400, "`tools` must be a list.")
+        asked = self._asked(body, chat=True)
         try:
             prompt_ids = self.tokenizer.encode_chat(
                 messages, tools=tools, add_generation_prompt=body.get("add_generation_prompt", True)
@@ -660,35 +761,50 @@ class SimEngine:
         except TokenizerError as e:
             raise APIError(400, str(e)) from None
         stream = self._submit(prompt_ids, body, request.headers.get(PRIORITY_HEADER), received,
-                              chat=True)
+                              chat=True, plan=self._plan(asked))
         rid = f"chatcmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self._answering(body)
+        answer = self._answer(stream, asked)
         if _flag(body, "stream"):
-            return await self._stream_chat(request, body, stream, rid, created)
-        ids, reason = await self._collect(stream)
+            return await self._stream_chat(request, body, stream, answer, rid, created)
+        reason = await self._collect(stream, answer)
+        text = answer.text
+        forced = answer.forced
+        tool_calls: list[dict[str, Any]] = []
+        content: str | None = text.text
+        if forced is not None and forced.tool is not None:
+            tool_calls = [forced.tool_call(rid, text.text)]
+            content = ""
+            if forced.required and reason == FinishReason.STOP.value:
+                reason = "tool_calls"
         return web.json_response({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": self._text(ids), "refusal": None,
+                "message": {"role": "assistant", "content": content, "refusal": None,
                             "annotations": None, "audio": None, "function_call": None,
-                            "tool_calls": [], "reasoning": None},
-                "logprobs": None, "finish_reason": reason.value, "stop_reason": None,
+                            "tool_calls": tool_calls, "reasoning": None},
+                "logprobs": (answer.logprobs.chat(0, text.ids)
+                             if answer.logprobs is not None else None),
+                "finish_reason": reason, "stop_reason": text.stop_reason,
                 "token_ids": None,
             }],
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": self._usage(stream.request),
+            "usage": self._usage(stream.request, completion_tokens=len(text.ids)),
             "prompt_logprobs": None, "prompt_token_ids": None,
             "kv_transfer_params": self._transfer_params(stream.request),
             "ec_transfer_params": None, "metrics": None,
         })
 
-    async def _stream_chat(
-        self, request: web.Request, body: dict[str, Any], stream: _Stream, rid: str, created: int
-    ) -> web.StreamResponse:
+    async def _stream_chat(self, request: web.Request, body: dict[str, Any], stream: _Stream,
+                           answer: _Answer, rid: str, created: int) -> web.StreamResponse:
         model = self._answering(body)
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options") or {}
+        include_usage = bool(options.get("include_usage"))
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
+        forced = answer.forced
+        tool = forced is not None and forced.tool is not None
         resp = web.StreamResponse()
 
         def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None,
@@ -697,41 +813,67 @@ class SimEngine:
                                        "created": created, "model": model, "choices": choices}
             if usage is not None:
                 payload["usage"] = usage
+            elif continuous:
+                payload["usage"] = self._usage(stream.request, streamed=True,
+                                               completion_tokens=len(answer.text.ids))
             if fingerprint:
                 payload["system_fingerprint"] = SYSTEM_FINGERPRINT
             return _sse(payload)
 
         try:
             resp = await _sse_response(request)
-            ids: list[int] = []
-            sent = ""
+            started = False
             failed = False
             async for out in self._tokens(stream):
                 if out.finish_reason is FinishReason.ERROR:
                     await resp.write(_sse(STREAM_ERROR))
                     failed = True
                     break
-                if not ids:
+                if not started:
                     # vLLM sends the role chunk with the first output, i.e. after prefill.
+                    started = True
                     await resp.write(chunk([{"index": 0,
                                              "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]))
-                ids.extend(out.new_token_ids)
-                text = self._text(ids)
-                delta, sent = text[len(sent):], text
-                choice: dict[str, Any] = {"index": 0, "delta": {"content": delta},
-                                          "logprobs": None, "finish_reason": None}
+                start = len(answer.text.ids)
+                new_ids, over = answer.take(out)
+                text = answer.text.delta(over)
+                delta: dict[str, Any] = {"content": text}
+                if tool:
+                    assert forced is not None
+                    call: dict[str, Any] = {"index": 0, "function": {"arguments": (
+                        "" if forced.required else text)}}
+                    if start == 0:
+                        call = {"id": tool_call_id(rid), "type": "function", "index": 0,
+                                "function": {"name": forced.tool,
+                                             "arguments": call["function"]["arguments"]}}
+                    elif forced.required and over:
+                        call["function"]["arguments"] = forced.tool_call(
+                            rid, answer.text.text)["function"]["arguments"]
+                    delta = {"tool_calls": [call]}
+                choice: dict[str, Any] = {
+                    "index": 0, "delta": delta,
+                    "logprobs": (answer.logprobs.chat(start, new_ids)
+                                 if answer.logprobs is not None else None),
+                    "finish_reason": None}
                 last = chunk([choice])
-                if out.finish_reason is not None:
-                    choice["finish_reason"] = out.finish_reason.value
-                    choice["stop_reason"] = None
+                if over:
+                    reason = answer.reason(out.finish_reason)
+                    if tool and forced is not None and forced.required and reason == "stop":
+                        reason = "tool_calls"
+                    choice["finish_reason"] = reason
+                    choice["stop_reason"] = answer.text.stop_reason
                     # vLLM stamps its fingerprint on the last message only: the terminal
                     # chunk, or the usage chunk where one follows.
                     last = chunk([choice], fingerprint=not include_usage)
                 await resp.write(last)
+                if over:
+                    self._stop(stream, answer)
+                    break
             if include_usage and not failed:  # vLLM: the error event, then [DONE]
-                await resp.write(chunk([], self._usage(stream.request, streamed=True),
-                                       fingerprint=True))
+                await resp.write(chunk([], self._usage(
+                    stream.request, streamed=True, completion_tokens=len(answer.text.ids)),
+                    fingerprint=True))
             await resp.write(b"data: [DONE]\n\n")
         finally:
             self._release(stream)
@@ -742,54 +884,74 @@ class SimEngine:
         received = self.now()
         body = await self._json_body(request)
         self._check_n(body)
+        asked = self._asked(body, chat=False)
         prompt_ids = self._completion_prompt(body.get("prompt"))
+        echo = self._text(prompt_ids) if _flag(body, "echo") else ""
         stream = self._submit(prompt_ids, body, request.headers.get(PRIORITY_HEADER), received,
                               chat=False)
         rid = f"cmpl-{_base_request_id(request, body)}"
         created = int(time.time())
         model = self._answering(body)
+        answer = self._answer(stream, asked)
         if _flag(body, "stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            options = body.get("stream_options") or {}
+            include_usage = bool(options.get("include_usage"))
+            continuous = include_usage and bool(options.get("continuous_usage_stats"))
             try:
                 resp = await _sse_response(request)
-                ids: list[int] = []
-                sent = ""
                 failed = False
+                offset = 0
                 async for out in self._tokens(stream):
                     if out.finish_reason is FinishReason.ERROR:
                         await resp.write(_sse(STREAM_ERROR))
                         failed = True
                         break
-                    ids.extend(out.new_token_ids)
-                    text = self._text(ids)
-                    delta, sent = text[len(sent):], text
-                    reason = out.finish_reason.value if out.finish_reason else None
-                    choice = {"index": 0, "text": delta, "logprobs": None,
-                              "finish_reason": reason, "stop_reason": None}
+                    start = len(answer.text.ids)
+                    new_ids, over = answer.take(out)
+                    text = answer.text.delta(over)
+                    if start == 0 and echo:
+                        text = echo + text  # vLLM's first chunk carries the prompt
+                    reason = answer.reason(out.finish_reason) if over else None
+                    choice = {"index": 0, "text": text,
+                              "logprobs": (answer.logprobs.completion(start, new_ids, offset)
+                                           if answer.logprobs is not None else None),
+                              "finish_reason": reason,
+                              "stop_reason": answer.text.stop_reason if over else None}
+                    offset += len(text)
                     piece: dict[str, Any] = {"id": rid, "object": "text_completion",
                                              "created": created, "model": model,
                                              "choices": [choice]}
+                    if continuous:
+                        piece["usage"] = self._usage(stream.request, streamed=True,
+                                                     completion_tokens=len(answer.text.ids))
                     if reason is not None and not include_usage:
                         piece["system_fingerprint"] = SYSTEM_FINGERPRINT
                     await resp.write(_sse(piece))
+                    if over:
+                        self._stop(stream, answer)
+                        break
                 if include_usage and not failed:  # vLLM: the error event, then [DONE]
                     await resp.write(_sse({"id": rid, "object": "text_completion",
                                            "created": created, "model": model, "choices": [],
-                                           "usage": self._usage(stream.request,
-                                                                streamed=True),
+                                           "usage": self._usage(
+                                               stream.request, streamed=True,
+                                               completion_tokens=len(answer.text.ids)),
                                            "system_fingerprint": SYSTEM_FINGERPRINT}))
                 await resp.write(b"data: [DONE]\n\n")
             finally:
                 self._release(stream)
             return resp
-        out_ids, final = await self._collect(stream)
+        final = await self._collect(stream, answer)
+        done = answer.text
         return web.json_response({
             "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": self._text(out_ids), "logprobs": None,
-                         "finish_reason": final.value, "stop_reason": None, "token_ids": None,
-                         "prompt_logprobs": None, "prompt_token_ids": None}],
+            "choices": [{"index": 0, "text": echo + done.text,
+                         "logprobs": (answer.logprobs.completion(0, done.ids, len(echo))
+                                      if answer.logprobs is not None else None),
+                         "finish_reason": final, "stop_reason": done.stop_reason,
+                         "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}],
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": self._usage(stream.request),
+            "usage": self._usage(stream.request, completion_tokens=len(done.ids)),
             "kv_transfer_params": self._transfer_params(stream.request),
             "ec_transfer_params": None, "metrics": None,
         })
