@@ -21,9 +21,9 @@ import re
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import redis.exceptions
@@ -59,6 +59,7 @@ from planner.workflow import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STORE_READ_S = 5.0
 """How long a call waits to read a workflow's owner from the store (tenants configured)."""
@@ -514,6 +515,8 @@ class WorkflowService:
         self._taker: asyncio.Task[None] | None = None
         self._handoff_listener: asyncio.Task[None] | None = None
         self._scan_now = asyncio.Event()
+        self._stopping = asyncio.Event()
+        """Set when the server stops: event streams end (their clients resume elsewhere)."""
 
     def routes(self, app: web.Application, expect: ExpectHandler | None = None) -> None:
         """Register the workflow API (`expect`: how a submission's `Expect: 100-continue` is
@@ -537,7 +540,11 @@ class WorkflowService:
         """Stop the workflows running here (the server calls this before it waits for the
         requests in flight, of which their task calls are some). With a shared store they are
         handed over: their calls in flight aborted, their leases given up, and another
-        replica goes on from the tasks done. Otherwise they are cancelled."""
+        replica goes on from the tasks done. Otherwise they are cancelled. Event streams end
+        at once, without a final event, so their clients reconnect (to another replica) with
+        the last id they read: left open they kept the server from stopping for two minutes
+        (aiohttp's shutdown timeout, twice)."""
+        self._stopping.set()
         for task in (self._leaser, self._taker, self._handoff_listener):
             if task is not None:
                 task.cancel()
@@ -903,9 +910,13 @@ class WorkflowService:
         await resp.prepare(request)
         quiet_since = time.monotonic()
         try:
-            while True:
+            while not self._stopping.is_set():
                 try:
-                    batch = await self.store.events(wf_id, last, wait_s=SSE_KEEPALIVE_S)
+                    waited = await self._unless_stopping(
+                        self.store.events(wf_id, last, wait_s=SSE_KEEPALIVE_S))
+                    if waited is None:
+                        break  # the server is stopping: the client resumes elsewhere
+                    batch = waited
                     snap = None if batch else await self.store.get(wf_id)
                     if snap is not None and snap.get("source") == "api" \
                             and snap.get("state") != "running":
@@ -942,6 +953,25 @@ class WorkflowService:
         except ConnectionResetError:
             pass  # the client stopped reading: its stream ends here, as it wished
         return resp
+
+    async def _unless_stopping(self, read: Awaitable[T]) -> T | None:
+        """`read`'s result, or None (with `read` cancelled) if the server begins to stop
+        first."""
+        job = asyncio.ensure_future(read)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((job, stop), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            job.cancel()
+            stop.cancel()
+            raise
+        stop.cancel()
+        if job.done():
+            return job.result()
+        job.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
+        return None
 
     # -- running ------------------------------------------------------------------------------
 

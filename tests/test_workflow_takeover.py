@@ -156,6 +156,55 @@ def test_a_stopping_replica_hands_its_workflow_over_at_once(
         b.stop()
 
 
+def test_a_stopping_replica_ends_its_event_streams_and_they_resume_on_another(
+    engines: list[Child], redis_url: str, logs: Path,
+) -> None:
+    import threading
+    import urllib.request
+
+    # An open stream (an SDK's `wait`, a timeline page) used to keep the stopping replica up
+    # for two minutes: aiohttp's shutdown timeout, twice, then a SIGKILL in a rolling deploy.
+    a = start_replica("replica-a", engines, redis_url, logs, lease_s=120.0)
+    b = start_replica("replica-b", engines, redis_url, logs, lease_s=120.0)
+    try:
+        spec = chain()
+        spec["tasks"][2]["think_time_s"] = 300  # the workflow outlasts the test
+        wf = submit(a, spec)["id"]
+        wait_for(lambda: read(b, wf)["tasks"]["slow"]["state"] == "running")
+        seen: list[tuple[str, dict[str, Any]]] = []
+        ended = threading.Event()
+
+        def follow() -> None:
+            with urllib.request.urlopen(f"{a.url}/v1/workflows/{wf}/events", timeout=300) as r:
+                event_id = ""
+                for line in r:
+                    if line.startswith(b"id: "):
+                        event_id = line[4:].decode().strip()
+                    elif line.startswith(b"data: "):
+                        seen.append((event_id, json.loads(line[6:])))
+            ended.set()
+
+        threading.Thread(target=follow, daemon=True).start()
+        wait_for(lambda: len(seen) > 0)
+        started = time.monotonic()
+        a.stop(timeout=60)
+        assert time.monotonic() - started < 15, a.log_tail()
+        assert a.proc.returncode == 0, a.log_tail()
+        assert ended.wait(10)
+        # Ended without the workflow's final event: it goes on at B, where the client resumes.
+        assert all(e["type"] != "workflow" for _, e in seen)
+        wait_for(lambda: read(b, wf)["replica"] == "replica-b", timeout_s=30)
+        assert call("DELETE", f"{b.url}/v1/workflows/{wf}")[0] == 200
+        request = urllib.request.Request(f"{b.url}/v1/workflows/{wf}/events",
+                                         headers={"Last-Event-ID": seen[-1][0]})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            rest = [json.loads(line[6:]) for line in r if line.startswith(b"data: ")]
+        assert rest[-1]["type"] == "workflow" and rest[-1]["state"] == "cancelled"
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_a_workflow_with_no_replica_left_waits_for_the_next_one(
     engines: list[Child], redis_url: str, logs: Path,
 ) -> None:
