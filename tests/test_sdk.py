@@ -271,6 +271,27 @@ async def test_a_join_too_wide_for_a_header_sends_its_parents_in_the_body(
     assert all("kvgate" not in b for b in recorder.bodies[:-1])
 
 
+async def test_a_join_after_more_siblings_than_a_call_may_name_names_the_latest(
+    kv: Client, recorder: Recorder
+) -> None:
+    from planner.hints import MAX_AFTER
+
+    @task("w")
+    async def step() -> str:
+        return await chat(kv)
+
+    @workflow
+    async def wider() -> None:
+        await asyncio.gather(*(step() for _ in range(MAX_AFTER + 1)))
+        async with task("join"):
+            await chat(kv)
+
+    # It used to fail the agent's own call: the gateway refuses more than MAX_AFTER parents.
+    await wider.run()
+    after = recorder.bodies[-1]["kvgate"]["after"]
+    assert len(after) == MAX_AFTER and len(set(after)) == MAX_AFTER
+
+
 async def test_a_sibling_that_starts_late_does_not_extend_a_finished_sibling(
     kv: Client, recorder: Recorder
 ) -> None:
@@ -662,13 +683,19 @@ async def test_events_resume_after_the_stream_breaks_off_and_take_long_events() 
     async def events(request: web.Request) -> web.StreamResponse:
         asked.append(request.headers.get("Last-Event-ID"))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        if len(asked) != 2:
+            await resp.prepare(request)
         if len(asked) == 1:
             for n in (1, 2):
                 await resp.write(f'id: {n}\ndata: {{"type": "task", "n": {n}}}\n\n'.encode())
             await resp.write(b'data: {"type": "error", "error": {"message": "store away", '
                              b'"code": "workflow_store_unavailable"}}\n\n')
         elif len(asked) == 2:
+            # The store still away: the reconnect's snapshot read is a 503, tried again.
+            return web.json_response({"error": {
+                "message": "the workflow store could not be reached", "type": "server_error",
+                "param": None, "code": "workflow_store_unavailable"}}, status=503)
+        elif len(asked) == 3:
             await resp.write(b": keep-alive\n\n")  # and the connection drops
         else:
             task = json.dumps({"type": "task", "n": 3, "output": long_output})
@@ -688,10 +715,35 @@ async def test_events_resume_after_the_stream_breaks_off_and_take_long_events() 
     finally:
         await client.aclose()
         await runner.cleanup()
-    assert asked == [None, "2", "2"]
+    assert asked == [None, "2", "2", "2"]
     assert [(e["event_id"], e.get("n")) for e in got] == [("1", 1), ("2", 2), ("3", 3),
                                                          ("4", None)]
     assert got[2]["output"] == long_output and got[-1]["type"] == "workflow"
+
+
+async def test_a_chain_of_tasks_each_starting_the_next_keeps_none_of_them_alive() -> None:
+    import gc
+
+    # The task factory a workflow installs stays on its loop; it recorded each task's
+    # creator itself, so a self-rescheduling loop kept every finished link alive.
+    async with workflow("once"):
+        pass
+    links = 3_000
+    over = asyncio.Event()
+    alive: list[int] = []
+
+    async def link(n: int) -> None:
+        if n == links:
+            gc.collect()
+            alive.append(sum(1 for o in gc.get_objects()
+                             if isinstance(o, asyncio.Task) and o.done()))
+            over.set()
+            return
+        asyncio.get_running_loop().create_task(link(n + 1))
+
+    asyncio.get_running_loop().create_task(link(0))
+    await over.wait()
+    assert alive[0] < 50, alive
 
 
 def test_a_negative_expect_children_is_refused() -> None:

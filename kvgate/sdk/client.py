@@ -193,25 +193,29 @@ class Client:
             headers = self._headers()
             if last_event_id is not None:
                 headers["Last-Event-ID"] = last_event_id
+            problem: KVGateError
             try:
                 async with self._client().get(url, headers=headers, timeout=timeout) as resp:
                     if resp.status != 200:
-                        raise _error(resp.status, await resp.read())
-                    async for event_id, data in _sse(resp.content):
-                        event = {**json.loads(data), "event_id": event_id}
-                        if event.get("type") == "error":
-                            error = event.get("error") or {}
-                            problem: KVGateError = KVGateError(
-                                str(error.get("message") or data), 503, error.get("code"))
-                            break
-                        failures = 0
-                        last_event_id = event_id or last_event_id
-                        yield event
-                        if event.get("type") == "workflow":
-                            return
+                        problem = _error(resp.status, await resp.read())
+                        if resp.status not in RESUMABLE_STATUS:
+                            raise problem
                     else:
-                        problem = GatewayUnreachable(f"{url}: the stream ended before the "
-                                                     "workflow's final event")
+                        async for event_id, data in _sse(resp.content):
+                            event = {**json.loads(data), "event_id": event_id}
+                            if event.get("type") == "error":
+                                error = event.get("error") or {}
+                                problem = KVGateError(
+                                    str(error.get("message") or data), 503, error.get("code"))
+                                break
+                            failures = 0
+                            last_event_id = event_id or last_event_id
+                            yield event
+                            if event.get("type") == "workflow":
+                                return
+                        else:
+                            problem = GatewayUnreachable(f"{url}: the stream ended before "
+                                                         "the workflow's final event")
             except (aiohttp.ClientError, TimeoutError) as e:
                 problem = GatewayUnreachable(f"{url}: {type(e).__name__}: {e}")
             failures += 1
@@ -223,16 +227,27 @@ class Client:
                    poll_s: float = 0.2) -> WorkflowSnapshot:
         """Wait until the workflow ends; its final snapshot. A submitted workflow is followed
         through its events; a hint-mode one is polled until no call of it is open."""
+        async def read() -> WorkflowSnapshot:
+            failures = 0
+            while True:
+                try:
+                    return await self.get(workflow_id)
+                except KVGateError as e:
+                    failures += 1
+                    if e.status not in RESUMABLE_STATUS or failures > EVENTS_RESUMES:
+                        raise
+                await asyncio.sleep(min(EVENTS_RESUME_S * 2 ** (failures - 1), 2.0))
+
         async def follow() -> WorkflowSnapshot:
-            snap = await self.get(workflow_id)
+            snap = await read()
             if snap.source == "hints":
                 while not snap.over:
                     await asyncio.sleep(poll_s)
-                    snap = await self.get(workflow_id)
+                    snap = await read()
                 return snap
             async for _ in self.events(workflow_id):
                 pass
-            return await self.get(workflow_id)
+            return await read()
 
         started = time.monotonic()
         try:
@@ -273,6 +288,10 @@ EVENTS_RESUMES = 5
 """How many times in a row `Client.events` resumes a stream that broke off."""
 EVENTS_RESUME_S = 0.2
 """Its first wait before resuming (doubled each time, at most 2 s)."""
+RESUMABLE_STATUS = frozenset({429, 502, 503, 504})
+"""Answers to a stream's reconnect (or a wait's poll) that are tried again: the gateway's
+store away for a moment, a replica restarting behind a load balancer; any other error is
+raised at once."""
 
 
 async def _sse(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str | None, str]]:

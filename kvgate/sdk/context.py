@@ -46,7 +46,13 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, cast, overload
 
-from planner.hints import MAX_AFTER_HEADER, MAX_TOKENS, PRIORITY_LIMIT, names_a_store_key
+from planner.hints import (
+    MAX_AFTER,
+    MAX_AFTER_HEADER,
+    MAX_TOKENS,
+    PRIORITY_LIMIT,
+    names_a_store_key,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -69,13 +75,22 @@ _clock = itertools.count(1)
 """One order for task creations and finished units."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Birth:
-    """Who created an asyncio task, and when (on `_clock`); `serial` names it for good."""
+    """Who created an asyncio task, and when (on `_clock`); `serial` names it for good.
 
-    creator: _Lane
+    `creator` is the creating task's own birth, not the task: holding the task kept every
+    finished task of a chain (each started by the one before) alive for as long as its
+    newest lived. A chain longer than the walks go (`MAX_LINEAGE`) starts a new root."""
+
+    creator: _Birth | None
     at: int
     serial: int
+    depth: int = 0
+
+
+MAX_LINEAGE = 10_000
+"""How far back a task's creators are followed."""
 
 
 _births: weakref.WeakKeyDictionary[asyncio.Task[Any], _Birth] = weakref.WeakKeyDictionary()
@@ -98,7 +113,7 @@ def _install_factory() -> None:
         task = (previous(loop, coro, **kwargs) if previous is not None
                 else asyncio.Task(coro, loop=loop, **kwargs))
         if isinstance(task, asyncio.Task):
-            _births[task] = _Birth(creator, next(_clock), next(_clock))
+            _births[task] = _born_of(creator)
         return task
 
     loop.set_task_factory(factory)
@@ -106,27 +121,36 @@ def _install_factory() -> None:
 
 
 def _birth(lane: _Lane) -> _Birth | None:
-    return _births.get(lane) if lane is not None else None
-
-
-def _serial(lane: _Lane) -> int:
-    """A number for the task that is never reused (0: no task)."""
     if lane is None:
-        return 0
+        return None
     birth = _births.get(lane)
     if birth is None:
         # Created before the factory was in place (or around it): a root of its own.
         birth = _births[lane] = _Birth(None, 0, next(_clock))
-    return birth.serial
+    return birth
+
+
+def _born_of(creator: _Lane) -> _Birth:
+    """The birth of a task `creator` starts now."""
+    parent = _birth(creator)
+    if parent is not None and parent.depth + 1 >= MAX_LINEAGE:
+        parent = None
+    return _Birth(parent, next(_clock), next(_clock), parent.depth + 1 if parent else 0)
+
+
+def _serial(lane: _Lane) -> int:
+    """A number for the task that is never reused (0: no task)."""
+    birth = _birth(lane)
+    return birth.serial if birth is not None else 0
 
 
 def _lineage(lane: _Lane) -> frozenset[int]:
     """The task and every task that started it, up to a root."""
     out = [_serial(lane)]
     birth = _birth(lane)
-    while birth is not None and birth.creator is not None and len(out) < 10_000:
-        out.append(_serial(birth.creator))
-        birth = _birth(birth.creator)
+    while birth is not None and birth.creator is not None and len(out) < MAX_LINEAGE:
+        birth = birth.creator
+        out.append(birth.serial)
     return frozenset(out)
 
 
@@ -194,7 +218,7 @@ class _Scope:
         """`lane` starts working here; its context was copied from `came_from`'s. A task the
         factory did not see being created is taken as started by `came_from` just now."""
         if lane is not None and lane is not came_from and lane not in _births:
-            _births[lane] = _Birth(came_from, next(_clock), next(_clock))
+            _births[lane] = _born_of(came_from)
 
     def _threshold(self, lane_serial: int, lane: _Lane) -> float:
         """New work in `lane` sees the units of the asyncio task `lane_serial` that finished
@@ -205,10 +229,10 @@ class _Scope:
             return math.inf
         birth = _birth(lane)
         seen = 0
-        while birth is not None and birth.creator is not None and seen < 10_000:
-            if _serial(birth.creator) in lineage:
+        while birth is not None and birth.creator is not None and seen < MAX_LINEAGE:
+            if birth.creator.serial in lineage:
                 return float(birth.at)
-            birth = _birth(birth.creator)
+            birth = birth.creator
             seen += 1
         return -math.inf
 
@@ -420,6 +444,10 @@ def start_call(retry: bool = False) -> Call | None:
     if retry and lane is not None and lane in scope.open_calls:
         return scope.open_calls[lane]
     after, extends = scope.parents(lane)
+    if len(after) > MAX_AFTER:
+        # The gateway takes at most MAX_AFTER parents (a 400 beyond): a join of more names the
+        # latest of them; a hint must never break the call it goes with.
+        after = after[-MAX_AFTER:]
     call_id = scope.next_call_id()
     headers = {WORKFLOW_HEADER: scope.run.id, TASK_HEADER: call_id}
     if after and len(",".join(after)) <= MAX_AFTER_HEADER:
