@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -128,6 +128,14 @@ class WorkflowStore(Protocol):
         """Ids of workflows a stopping replica gave up (`release`), as it gives them up."""
         ...
 
+    async def heartbeat(self, owner: str, lease_s: float) -> None:
+        """`owner` (a replica) is alive for the next `lease_s` seconds."""
+        ...
+
+    async def alive(self, owners: Collection[str]) -> set[str]:
+        """Which of `owners` have a heartbeat that has not run out."""
+        ...
+
 
 # -- in memory ------------------------------------------------------------------------------------
 
@@ -164,6 +172,7 @@ class MemoryWorkflowStore:
     shared = False
 
     def __init__(self) -> None:
+        self._beats: dict[str, float] = {}
         self._entries: dict[str, _Entry] = {}
         self._cancels: asyncio.Queue[str] = asyncio.Queue()
         self._resume: dict[str, Json] = {}
@@ -331,6 +340,15 @@ class MemoryWorkflowStore:
         """See `WorkflowStore.orphans`."""
         return [wf for wf in self._resume
                 if self._entry(wf) is not None and self._holder(wf) is None]
+
+    async def heartbeat(self, owner: str, lease_s: float) -> None:
+        """See `WorkflowStore.heartbeat`."""
+        self._beats[owner] = time.monotonic() + lease_s
+
+    async def alive(self, owners: Collection[str]) -> set[str]:
+        """See `WorkflowStore.alive`."""
+        now = time.monotonic()
+        return {o for o in owners if self._beats.get(o, 0.0) > now}
 
 
 def _listed(workflow: Mapping[str, Any], tasks: Mapping[str, Mapping[str, Any]]) -> Json:
@@ -617,6 +635,25 @@ class RedisWorkflowStore:
         """See `WorkflowStore.handoffs`."""
         async for wf in self._listen(self._handoff_channel):
             yield wf
+
+    def _beat_key(self, owner: str) -> str:
+        # Beside the workflows' keys (`wf:`), so no workflow id can name it.
+        return f"{self.ns}:replica:{owner}"
+
+    async def heartbeat(self, owner: str, lease_s: float) -> None:
+        """See `WorkflowStore.heartbeat`."""
+        await self.r.set(self._beat_key(owner), b"1", px=max(1, int(lease_s * 1000)))
+
+    async def alive(self, owners: Collection[str]) -> set[str]:
+        """See `WorkflowStore.alive`."""
+        names = list(owners)
+        if not names:
+            return set()
+        async with self.r.pipeline(transaction=False) as pipe:
+            for o in names:
+                pipe.exists(self._beat_key(o))
+            there: list[int] = await pipe.execute()
+        return {o for o, n in zip(names, there, strict=True) if n}
 
     async def _listen(self, channel: str) -> AsyncIterator[str]:
         pubsub = self.r.pubsub(ignore_subscribe_messages=True)

@@ -458,14 +458,16 @@ def workflow_summary(snapshot: Json) -> Json:
 
 def hint_state(snapshot: Json) -> Json:
     """A hint-mode workflow's state from its tasks: running while a call is open, then done
-    (failed if a call failed) until the next call arrives."""
+    (failed if its latest call failed: an agent that went on after a failed call recovered
+    from it) until the next call arrives."""
     tasks = snapshot["tasks"].values()
     terminal = {s.value for s in TERMINAL}
     if not tasks or any(t["state"] not in terminal for t in tasks):
         return {**snapshot, "state": "running", "finished_s": None}
-    failed = any(t["state"] == TaskState.FAILED.value for t in tasks)
+    last = max(tasks, key=lambda t: t["finished_s"] or 0.0)
+    failed = last["state"] == TaskState.FAILED.value
     return {**snapshot, "state": "failed" if failed else "done",
-            "finished_s": max(t["finished_s"] or 0.0 for t in tasks)}
+            "finished_s": last["finished_s"] or 0.0}
 
 
 class WorkflowService:
@@ -532,6 +534,10 @@ class WorkflowService:
         the workflows driven here and take over those no replica drives."""
         self._listener = asyncio.create_task(self._listen_for_cancels())
         if self.store.shared:
+            try:
+                await self.store.heartbeat(self.instance, self.settings.lease_s)
+            except STORE_ERRORS as e:
+                log.warning("workflow store: no heartbeat yet (%r); retried with the leases", e)
             self._leaser = asyncio.create_task(self._keep_leases())
             self._taker = asyncio.create_task(self._take_over())
             self._handoff_listener = asyncio.create_task(self._listen_for_handoffs())
@@ -713,6 +719,8 @@ class WorkflowService:
         while True:
             await asyncio.sleep(lease / 3)
             try:
+                # This replica is alive: the hint-mode calls it has open are not lost.
+                await self.store.heartbeat(self.instance, lease)
                 mine = [wf for wf, run in self._runs.items() if not run.abandoned]
                 for wf in await self.store.renew(self.instance, mine, lease):
                     run = self._runs.get(wf)
@@ -799,7 +807,11 @@ class WorkflowService:
                     else await self.store.get(workflow_id))
         if snap is None or (viewer is not None and not viewer.may_see(snap.get("tenant"))):
             raise WorkflowNotFound(f"no workflow {workflow_id!r} (unknown or expired)")
-        return hint_state(snap) if snap.get("source") == "hints" else snap
+        if snap.get("source") != "hints":
+            return snap
+        with store_unavailable("read the workflow"):
+            await self._settle_lost([snap])
+        return hint_state(snap)
 
     async def recent(self, limit: int, viewer: Tenant | None = None) -> list[Json]:
         """Summaries of the newest `limit` workflows (see `workflow_summary`), newest first
@@ -807,8 +819,40 @@ class WorkflowService:
         with store_unavailable("list the workflows"):
             snaps = await self.store.recent(
                 limit, None if viewer is None else lambda w: viewer.may_see(w.get("tenant")))
+            await self._settle_lost(snaps)
         return [workflow_summary(hint_state(s) if s.get("source") == "hints" else s)
                 for s in snaps]
+
+    async def _settle_lost(self, snaps: Sequence[Json]) -> None:
+        """Hint-mode calls left open by a replica that is gone (it crashed, or lost the store,
+        mid-call: nothing else would ever end them) are failed, in `snaps` and in the store.
+        They used to keep their workflow running until it expired (`ttl_s`), and a client's
+        `wait` with it."""
+        if not self.store.shared:
+            return
+        terminal = {s.value for s in TERMINAL}
+        open_at: dict[str, list[tuple[Json, str, Json]]] = {}
+        for snap in snaps:
+            if snap.get("source") != "hints":
+                continue
+            for task, rec in snap["tasks"].items():
+                where = rec.get("instance")
+                if rec.get("state") not in terminal and where and where != self.instance:
+                    open_at.setdefault(where, []).append((snap, task, rec))
+        if not open_at:
+            return
+        alive = await self.store.alive(open_at)
+        for where, calls in open_at.items():
+            if where in alive:
+                continue
+            for snap, task, rec in calls:
+                rec.update(state=TaskState.FAILED.value, finished_s=self.clock(),
+                           error=f"lost: the gateway replica that took the call ({where}) "
+                                 "stopped before it was answered")
+                log.warning("workflow %s, task %s: %s", snap["id"], task, rec["error"])
+                await self.store.update(snap["id"], tasks={task: rec},
+                                        events=[task_event(snap["id"], task, rec)],
+                                        ttl_s=self.settings.ttl_s)
 
     async def cancel(self, workflow_id: str, viewer: Tenant | None = None
                      ) -> tuple[Json, bool]:
@@ -1259,7 +1303,7 @@ class WorkflowService:
         if not hints:
             return
         rec = task_record(after, TaskState.READY)
-        rec.update(request_id=request_id, ready_s=self.clock())
+        rec.update(request_id=request_id, ready_s=self.clock(), instance=self.instance)
         self._hint_attempts[(workflow, task)] = attempt
         try:
             await self._hint_write(workflow, task, rec)

@@ -484,3 +484,29 @@ async def test_a_long_stream_keeps_its_latest_events_and_their_ids(
         ("4", 3), ("5", 4), ("6", 5), ("7", 6), ("8", 7)]
     assert [eid for eid, _ in await store.events("hints-1", "6")] == ["7", "8"]
     assert [eid for eid, _ in await store.events("hints-1", "1")] == ["4", "5", "6", "7", "8"]
+
+
+async def test_a_replicas_heartbeat_says_it_is_alive_until_it_runs_out(
+        store: WorkflowStore) -> None:
+    assert await store.alive(["a/1", "b/2"]) == set()
+    await store.heartbeat("a/1", 0.3)
+    await store.heartbeat("b/2", 30.0)
+    assert await store.alive(["a/1", "b/2", "c/3"]) == {"a/1", "b/2"}
+    await asyncio.sleep(0.5)
+    assert await store.alive(["a/1", "b/2"]) == {"b/2"}
+    assert await store.alive([]) == set()
+
+
+def test_a_hint_mode_workflow_reads_as_its_latest_call_ended() -> None:
+    from gateway.workflows import hint_state
+
+    def rec(state: str, finished: float) -> dict[str, Any]:
+        return {**task_record([]), "state": state, "finished_s": finished}
+
+    snap = {"id": "w", "source": "hints", "tasks": {"a": rec("done", 1.0)}}
+    assert hint_state(snap)["state"] == "done"
+    snap["tasks"]["b"] = rec("failed", 2.0)
+    assert hint_state(snap)["state"] == "failed"
+    # The agent went on after the failed call: recovered, as its latest call says.
+    snap["tasks"]["c"] = rec("done", 3.0)
+    assert hint_state(snap)["state"] == "done" and hint_state(snap)["finished_s"] == 3.0

@@ -6,6 +6,7 @@ the tasks already done; nothing a finished task produced is computed again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -203,6 +204,61 @@ def test_a_stopping_replica_ends_its_event_streams_and_they_resume_on_another(
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_hint_mode_call_its_replica_died_with_is_failed_and_the_next_one_counts(
+    engines: list[Child], redis_url: str, logs: Path,
+) -> None:
+    import threading
+
+    # Nothing else would ever end such a call's record: its workflow read `running` until it
+    # expired (an hour by default), and a client's `wait` with it.
+    a = start_replica("replica-a", engines, redis_url, logs)
+    b = start_replica("replica-b", engines, redis_url, logs)
+    wf = f"agent-{uuid.uuid4().hex[:8]}"
+
+    def ask(gw: Child, task: str, tokens: int) -> None:
+        with contextlib.suppress(Exception):
+            call("POST", f"{gw.url}/v1/chat/completions", {
+                "model": MODEL, "max_tokens": tokens, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Plan the trip."}]},
+                headers={"X-KVGate-Workflow": wf, "X-KVGate-Task": task})
+
+    try:
+        ask(a, "first", 2)
+        threading.Thread(target=ask, args=(a, "long", 100_000), daemon=True).start()
+        wait_for(lambda: read(b, wf)["tasks"].get("long", {}).get("state") == "running")
+        a.kill()
+        wait_for(lambda: read(b, wf)["state"] != "running", timeout_s=4 * LEASE_S + 10)
+        snap = read(b, wf)
+        assert snap["state"] == "failed"
+        long = snap["tasks"]["long"]
+        assert long["state"] == "failed" and "stopped before it was answered" in long["error"]
+        # Written so: a reader that never checks (an export from Redis) sees it too.
+        events = sse_until(f"{b.url}/v1/workflows/{wf}/events", "long", "failed")
+        assert events
+        # The agent goes on: its workflow is done again once its next call is.
+        ask(b, "retry", 2)
+        assert read(b, wf)["state"] == "done"
+    finally:
+        a.stop()
+        b.stop()
+
+
+def sse_until(url: str, task: str, state: str) -> list[dict[str, Any]]:
+    """A hint-mode workflow's events up to `task`'s event with `state` (its stream never
+    ends by itself)."""
+    import urllib.request
+
+    seen = []
+    with urllib.request.urlopen(url, timeout=30) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                seen.append(event)
+                if event.get("task") == task and event.get("state") == state:
+                    return seen
+    return []
 
 
 def test_a_workflow_with_no_replica_left_waits_for_the_next_one(
