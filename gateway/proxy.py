@@ -65,6 +65,7 @@ from planner.hints import (
     NO_HINTS,
     HintError,
     RequestHints,
+    lax_int,
     names_a_store_key,
     parse_hints,
 )
@@ -402,9 +403,13 @@ class Proxy:
             # A tenant may not rank its calls ahead of others' past what it is allowed.
             hints, clamped = tenant.clamp(hints)
             asked = stripped.get("priority")
-            if asked is not None and (allowed := tenant.engine_priority(asked)) is not asked:
+            if asked is not None:
+                # vLLM reads "-5", -5.0 and True as integers: so does the clamp, and the
+                # engine gets the integer.
+                allowed = tenant.engine_priority(asked)
                 stripped["priority"] = allowed
-                clamped.append("body priority")
+                if lax_int(asked) is not None and allowed != lax_int(asked):
+                    clamped.append("body priority")
             for hint in clamped:
                 state.metrics.hints_clamped.labels(tenant.name, hint).inc()
             if hints.workflow is not None and state.workflows is not None:
@@ -523,7 +528,7 @@ class Proxy:
                 if d.priority is not None:
                     # vLLM's own field, for an engine running --scheduling-policy priority.
                     extra["priority"] = d.priority
-                elif "priority" not in body and (held := held_behind(request)):
+                elif lax_int(body.get("priority", 0)) == 0 and (held := held_behind(request)):
                     # A tenant kept behind others (a priority_floor above vLLM's default, 0)
                     # under a policy that sends no priority of its own; an engine without
                     # priority scheduling would refuse a priority.

@@ -73,6 +73,24 @@ MAX_EXPECT_CHILDREN = 1000
 most this many destinations for a fan-out (a workflow spec's default task limit)."""
 
 
+def lax_int(value: object) -> int | None:
+    """`value` as pydantic's lax mode reads it into vLLM's `priority: int` field, else None."""
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            try:
+                f = float(value)
+            except ValueError:
+                return None
+            return int(f) if f.is_integer() else None
+    return None
+
+
 def _ident(value: object, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise HintError(f"{where} must be a non-empty string")

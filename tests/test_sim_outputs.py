@@ -176,5 +176,11 @@ def test_echo_continuous_usage_and_sampling_ranges(client: openai.OpenAI) -> Non
             client.chat.completions.create(model=MODEL, messages=ASK,
                                            extra_body={field: value})
         assert e.value.body["param"] == field  # type: ignore[index]
+    # vLLM's `priority` is a lax integer field: "3", 3.0 and True are integers, "x" is not.
+    for lax in ("3", 3.0, True):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                       extra_body={"priority": lax})
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        client.chat.completions.create(model=MODEL, messages=ASK, extra_body={"priority": "x"})
     # An empty model name stands for the served model, as vLLM reads it.
     assert client.chat.completions.create(model="", messages=ASK, max_tokens=2).model == MODEL

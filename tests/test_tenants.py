@@ -378,13 +378,19 @@ def test_a_tenant_ranks_its_calls_no_higher_than_it_may(
         assert sent_priority(BATCH, None) > 2 * UNIT  # held behind, unasked
     else:
         assert sent_priority(BETA, -5) == 0
+        # vLLM's lax integer field reads these as -1,000,000 (and True as 1): so does the clamp.
+        for sneaky in ("-1000000", -1000000.0, " -7 "):
+            assert sent_priority(BETA, sneaky) == 0  # type: ignore[arg-type]
+        assert sent_priority(BATCH, True) == 3  # type: ignore[arg-type]
+        assert sent_priority(BATCH, "0") == 3  # type: ignore[arg-type]
         assert sent_priority(VIP, -5) == -5
         assert sent_priority(VIP, -50) == -10
         assert sent_priority(BETA, 3) == 3
         assert sent_priority(BATCH, None) == 3
     hint = "priority" if policy == "kvgate" else "body priority"
     counted = metrics(gw.url)
-    assert counted[("kvgate_hints_clamped_total", (("hint", hint), ("tenant", "beta")))] == 1
+    assert counted[("kvgate_hints_clamped_total", (("hint", hint), ("tenant", "beta")))] == (
+        1 if policy == "kvgate" else 4)
     assert counted[("kvgate_hints_clamped_total", (("hint", hint), ("tenant", "vip")))] == 1
 
 

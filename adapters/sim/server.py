@@ -69,6 +69,7 @@ from adapters.sim.outputs import (
 from adapters.sim.publisher import KVEventPublisher
 from adapters.vllm_plugins.kvgate_pace_caps import read_caps
 from kvindex.tokenizer import Tokenizer, TokenizerError
+from planner.hints import lax_int
 from planner.profiles import EngineProfile
 from planner.transfer import NAMED_LINKS, TransferLink
 
@@ -1200,9 +1201,11 @@ def _xarg(value: Any) -> bool:
 
 def _priority(body: dict[str, Any], header: str | None) -> int:
     """The request's `priority` as vLLM 0.32 takes it (see the module docstring)."""
-    priority = body.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise APIError(400, f"`priority` must be an integer, got {priority!r}.",
+    asked = body.get("priority", 0)
+    # vLLM's `priority: int` is a lax pydantic field: True, 3.0 and "3" are read as integers.
+    priority = lax_int(asked)
+    if priority is None:
+        raise APIError(400, f"`priority` must be an integer, got {asked!r}.",
                        param="body.priority")
     if not _INT64_MIN <= priority <= _INT64_MAX:
         # The protocol's `Field(ge=_INT64_MIN, le=_INT64_MAX)`, reported like vLLM's validation
