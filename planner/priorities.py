@@ -17,7 +17,11 @@ much shorter. Without it, a workflow with a long path ahead (or, in hint mode, m
 attained) waited for as long as shorter work kept arriving while every engine was backed up.
 
 The rank is also handed to engines running `--scheduling-policy priority` as vLLM's integer
-`priority`, so the engine's own queue keeps the same order.
+`priority`, as it stands when the call is dispatched (its wait in the buffer taken off), so the
+engine's own queue keeps the order of the calls released together. A call does not age further
+once it waits at its engine: under batch release that queue is kept short (a couple of prefill
+steps, `planner.release.PREFILL_STEPS_QUEUED`), and the values stay comparable between gateway
+replicas sharing an engine, which no clock of one replica's would be.
 """
 
 from __future__ import annotations

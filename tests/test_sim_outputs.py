@@ -59,10 +59,12 @@ def test_a_stop_token_id_ends_the_answer_and_is_its_stop_reason(
         client: openai.OpenAI) -> None:
     full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    stop_id = _third_token(client, full.choices[0].text)
     cut = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=10,
-                                    extra_body={"ignore_eos": True, "stop_token_ids": [
-                                        _third_token(client, full.choices[0].text)]})
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
     assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra is not None
+    assert cut.choices[0].model_extra["stop_reason"] == stop_id
     assert cut.usage is not None and cut.usage.completion_tokens == 3
     assert full.choices[0].text.startswith(cut.choices[0].text)
 
@@ -170,12 +172,21 @@ def test_echo_continuous_usage_and_sampling_ranges(client: openai.OpenAI) -> Non
         stream_options={"include_usage": True, "continuous_usage_stats": True})]  # type: ignore[typeddict-unknown-key]
     assert all(u is not None for u in usage)
     assert [u.completion_tokens for u in usage if u is not None][-1] == 4
-    for field, value in (("temperature", -1), ("top_p", 0), ("presence_penalty", 3),
-                         ("min_p", 2), ("top_k", 0)):
+    # vLLM's SamplingParams._verify_args: its words, and its parameter where it names one.
+    for field, value, param in (("temperature", -1, "temperature"),
+                                ("temperature", 2.5, "temperature"),
+                                ("top_p", 0, "top_p"), ("presence_penalty", 3, None),
+                                ("repetition_penalty", 0, None), ("min_p", 2, None),
+                                ("top_k", -2, None)):
         with pytest.raises(openai.BadRequestError, match=field) as e:
             client.chat.completions.create(model=MODEL, messages=ASK,
                                            extra_body={field: value})
-        assert e.value.body["param"] == field  # type: ignore[index]
+        assert e.value.body["param"] == param  # type: ignore[index]
+    for fine in ({"top_k": 0}, {"top_k": -1}, {"temperature": 2}):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                       extra_body=fine)
+    with pytest.raises(openai.BadRequestError, match="empty string"):
+        client.chat.completions.create(model=MODEL, messages=ASK, stop=["a", ""])
     # vLLM's `priority` is a lax integer field: "3", 3.0 and True are integers, "x" is not.
     for lax in ("3", 3.0, True):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
@@ -184,3 +195,45 @@ def test_echo_continuous_usage_and_sampling_ranges(client: openai.OpenAI) -> Non
         client.chat.completions.create(model=MODEL, messages=ASK, extra_body={"priority": "x"})
     # An empty model name stands for the served model, as vLLM reads it.
     assert client.chat.completions.create(model="", messages=ASK, max_tokens=2).model == MODEL
+
+
+def test_structured_output_follows_refs_and_bounds_and_stays_small(
+        client: openai.OpenAI) -> None:
+    import time
+
+    # What pydantic (and `openai`'s `.parse()`) send for nested models: `$ref`s to `$defs`.
+    schema = {"$defs": {"City": {"type": "object", "required": ["name"],
+                                 "properties": {"name": {"type": "string"}}}},
+              "type": "object", "required": ["city", "n", "id"], "properties": {
+                  "city": {"$ref": "#/$defs/City"},
+                  "n": {"type": "integer", "exclusiveMinimum": 0, "maximum": 3},
+                  "huge": {"type": "array", "minItems": 3_000_000, "items": {"type": "string"},
+                           "description": "left out: not required"}}}
+    answer = client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format={  # type: ignore[arg-type]
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    data = json.loads(answer.choices[0].message.content or "")
+    assert isinstance(data["city"]["name"], str) and 0 < data["n"] <= 3
+    assert "id" in data  # required, though no property says what it is
+    # A schema asking millions of items is answered at once, not built on the event loop.
+    started = time.monotonic()
+    big = {"type": "object", "required": ["xs"], "properties": {
+        "xs": {"type": "array", "minItems": 3_000_000, "items": {"type": "string",
+                                                                 "minLength": 10**9}}}}
+    client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=5, response_format={  # type: ignore[arg-type]
+            "type": "json_schema", "json_schema": {"name": "big", "schema": big}})
+    assert time.monotonic() - started < 5
+
+
+def test_streamed_completion_logprob_offsets_are_the_whole_answers(
+        client: openai.OpenAI) -> None:
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "logprobs": 2,
+            "echo": True, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**body)  # type: ignore[call-overload]
+    parts = [c.choices[0].logprobs for c in client.completions.create(  # type: ignore[call-overload]
+        stream=True, **body) if c.choices and c.choices[0].logprobs]
+    offsets = [o for p in parts for o in p.text_offset or []]
+    assert whole.choices[0].logprobs is not None
+    assert offsets == whole.choices[0].logprobs.text_offset
+    assert offsets[0] == len("Once upon a time")  # after the echoed prompt

@@ -33,29 +33,50 @@ class OutputError(ValueError):
         self.param = param
 
 
-def _check_range(body: dict[str, Any], key: str, lo: float, hi: float, *,
-                 lo_open: bool = False) -> None:
+def _number(body: dict[str, Any], key: str, default: float) -> float:
     v = body.get(key)
     if v is None:
-        return
+        return default
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise OutputError(f"{key} must be a number, got {v!r}.", key)
-    if v < lo or v > hi or (lo_open and v == lo) or math.isnan(v):
-        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise OutputError(f"{key} must be in {bound}, got {v}.", key)
+    return float(v)
 
 
 def check_sampling(body: dict[str, Any]) -> None:
-    """vLLM's `SamplingParams._verify_args` on the fields clients set."""
-    _check_range(body, "temperature", 0.0, math.inf)
-    _check_range(body, "top_p", 0.0, 1.0, lo_open=True)
-    _check_range(body, "presence_penalty", -2.0, 2.0)
-    _check_range(body, "frequency_penalty", -2.0, 2.0)
-    _check_range(body, "repetition_penalty", 0.0, math.inf, lo_open=True)
-    _check_range(body, "min_p", 0.0, 1.0)
-    k = body.get("top_k")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1 or k == 0):
-        raise OutputError(f"top_k must be -1 (disable), or at least 1, got {k}.", "top_k")
+    """vLLM 0.32's `SamplingParams._verify_args` on the fields clients set, in its order and
+    words (a message that names its parameter in vLLM names it here too)."""
+    presence = _number(body, "presence_penalty", 0.0)
+    if not -2.0 <= presence <= 2.0:
+        raise OutputError(f"presence_penalty must be in [-2, 2], got {presence}.", "")
+    frequency = _number(body, "frequency_penalty", 0.0)
+    if not -2.0 <= frequency <= 2.0:
+        raise OutputError(f"frequency_penalty must be in [-2, 2], got {frequency}.", "")
+    repetition = _number(body, "repetition_penalty", 1.0)
+    if not math.isfinite(repetition):
+        raise OutputError(f"repetition_penalty must be a finite number, got {repetition}.", "")
+    if repetition <= 0.0:
+        raise OutputError(
+            f"repetition_penalty must be greater than zero, got {repetition}.", "")
+    temperature = _number(body, "temperature", 1.0)
+    for bad, words in ((not math.isfinite(temperature), "must be a finite number"),
+                       (temperature < 0.0, "must be non-negative"),
+                       (temperature > 2.0, "must be in [0, 2]")):
+        if bad:
+            raise OutputError(f"temperature {words}, got {temperature}. "
+                              f"(parameter=temperature, value={temperature})", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise OutputError(f"top_p must be in (0, 1], got {top_p}. "
+                          f"(parameter=top_p, value={top_p})", "top_p")
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int):
+            raise OutputError(f"top_k must be an integer, got {type(top_k).__name__}", "")
+        if top_k < -1:
+            raise OutputError(f"top_k must be 0 (disable), or at least 1, got {top_k}.", "")
+    min_p = _number(body, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise OutputError(f"min_p must be in [0, 1], got {min_p}.", "")
 
 
 @dataclass(frozen=True)
@@ -75,11 +96,13 @@ class StopSpec:
         if stop is None:
             strings: tuple[str, ...] = ()
         elif isinstance(stop, str):
-            strings = (stop,) if stop else ()
+            strings = (stop,)
         elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            strings = tuple(s for s in stop if s)
+            strings = tuple(stop)
         else:
             raise OutputError("stop must be a string or a list of strings.", "stop")
+        if any(not s for s in strings):
+            raise OutputError("stop cannot contain an empty string.", "")
         ids = body.get("stop_token_ids")
         if ids is None:
             token_ids: frozenset[int] = frozenset()
@@ -99,17 +122,30 @@ class StopSpec:
 class OutputText:
     """A request's output as its API server sees it token by token: the text, where a stop
     string or stop token ended it, and the text held back from a stream while it might still
-    turn into a stop string (vLLM's `stop_buffer_length`)."""
+    turn into a stop string (vLLM's `stop_buffer_length`). The text is decoded when read (on
+    every token only while stop strings are being looked for)."""
 
     decode: Callable[[list[int]], str]
     spec: StopSpec
     eos: int
     ids: list[int] = field(default_factory=list)
-    text: str = ""
     stop_reason: str | int | None = None
     stopped: bool = False
     """A stop string or stop token id ended it (the engine must stop the request)."""
+    _text: str = ""
+    _covers: int = 0
+    """Output ids `_text` is decoded from."""
+    _wanted: int = 0
+    """Output ids the text is of: all, but a stop token left out of it."""
     _sent: int = 0
+
+    @property
+    def text(self) -> str:
+        if self._covers != self._wanted:
+            eos = self.eos
+            self._text = self.decode([i for i in self.ids[:self._wanted] if i != eos])
+            self._covers = self._wanted
+        return self._text
 
     @property
     def _held(self) -> int:
@@ -120,6 +156,7 @@ class OutputText:
         """Take the engine's new tokens; how many of them the answer keeps (those after a
         stop are dropped)."""
         kept = 0
+        strings = self.spec.strings
         for token in new_ids:
             if self.stopped:
                 break
@@ -128,18 +165,15 @@ class OutputText:
             past_min = len(self.ids) > self.spec.min_tokens
             if token in self.spec.token_ids and past_min:
                 self.stopped, self.stop_reason = True, token
-                if self.spec.include:
-                    self.text = self._decoded()
+                self._wanted = len(self.ids) if self.spec.include else len(self.ids) - 1
                 continue
-            before = len(self.text)
-            self.text = self._decoded()
-            if self.spec.strings and past_min:
+            if strings and past_min:
+                before = len(self.text)
+                self._wanted = len(self.ids)
                 self._check_strings(len(self.text) - before)
+            else:
+                self._wanted = len(self.ids)
         return kept
-
-    def _decoded(self) -> str:
-        eos = self.eos
-        return self.decode([i for i in self.ids if i != eos])
 
     def _check_strings(self, new_chars: int) -> None:
         if new_chars <= 0:
@@ -154,14 +188,15 @@ class OutputText:
             return
         end, at, s = best
         self.stopped, self.stop_reason = True, s
-        self.text = text[:end] if self.spec.include else text[:at]
+        self._text = text[:end] if self.spec.include else text[:at]
 
     def delta(self, finished: bool) -> str:
         """The text not yet sent that may be sent now."""
-        upto = len(self.text) if finished or self.stopped else max(0, len(self.text) - self._held)
+        text = self.text
+        upto = len(text) if finished or self.stopped else max(0, len(text) - self._held)
         if upto <= self._sent:
             return ""
-        out = self.text[self._sent:upto]
+        out = text[self._sent:upto]
         self._sent = upto
         return out
 
@@ -327,12 +362,27 @@ def forced_output(body: dict[str, Any], seed: int) -> Forced | None:
 
 _WORDS = ("alpha", "delta", "river", "stone", "maple", "orbit", "cedar", "lumen")
 
+MAX_ITEMS = 16
+"""An array made for a schema holds at most this many items (and a string at most
+`MAX_CHARS` characters), whatever its `minItems`/`minLength` ask: a real engine would stop at
+`max_tokens` anyway, and a schema asking millions froze the server while it was built."""
+MAX_CHARS = 256
 
-def example(schema: dict[str, Any], rng: random.Random, depth: int = 0) -> Any:
+
+def example(schema: dict[str, Any], rng: random.Random, depth: int = 0,
+            root: dict[str, Any] | None = None) -> Any:
     """A value valid against a JSON schema's common keywords (type, properties, required,
-    items, enum, const, anyOf/oneOf, minimum/maximum, min/maxItems, min/maxLength)."""
+    items, enum, const, anyOf/oneOf/allOf, local `$ref`s to `$defs`/`definitions`, minimum,
+    maximum and their exclusive forms, min/maxItems, min/maxLength)."""
     if not isinstance(schema, dict) or depth > 8:
         return None
+    root = schema if root is None else root
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, dict) else None
+        return example(target if isinstance(target, dict) else {}, rng, depth + 1, root)
     if "const" in schema:
         return schema["const"]
     if isinstance(schema.get("enum"), list) and schema["enum"]:
@@ -340,35 +390,58 @@ def example(schema: dict[str, Any], rng: random.Random, depth: int = 0) -> Any:
     for key in ("anyOf", "oneOf", "allOf"):
         options = schema.get(key)
         if isinstance(options, list) and options:
-            return example(options[0], rng, depth + 1)
+            return example(options[0], rng, depth + 1, root)
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind is None:
-        kind = "object" if "properties" in schema else "string"
+        kind = "object" if "properties" in schema or "required" in schema else "string"
     if kind == "object":
-        props = schema.get("properties") or {}
+        props = schema.get("properties")
+        props = props if isinstance(props, dict) else {}
         required = schema.get("required")
-        names = [n for n in props if required is None or n in required] if isinstance(
-            props, dict) else []
-        return {n: example(props[n], rng, depth + 1) for n in names}
+        names = list(props) if not isinstance(required, list) else [
+            n for n in props if n in required] + [
+            n for n in required if isinstance(n, str) and n not in props]
+        return {n: example(props.get(n, {"type": "string"}), rng, depth + 1, root)
+                for n in names}
     if kind == "array":
-        lo = int(schema.get("minItems", 1))
-        hi = int(schema.get("maxItems", max(lo, 2)))
-        return [example(schema.get("items") or {}, rng, depth + 1)
-                for _ in range(min(max(lo, min(2, hi)), _INT64_MAX))]
-    if kind == "integer":
-        low = int(schema.get("minimum", 0))
-        return min(low + rng.randrange(10), int(schema.get("maximum", _INT64_MAX)))
-    if kind == "number":
-        least = float(schema.get("minimum", 0.0))
-        return min(least + round(rng.random() * 10, 2), float(schema.get("maximum", math.inf)))
+        least = _bound(schema.get("minItems"), 1)
+        most = _bound(schema.get("maxItems"), max(least, 2))
+        count = min(max(least, min(2, most)), MAX_ITEMS)
+        return [example(schema.get("items") or {}, rng, depth + 1, root) for _ in range(count)]
+    if kind in ("integer", "number"):
+        return _number_in(schema, rng, kind == "integer")
     if kind == "boolean":
         return rng.random() < 0.5
     if kind == "null":
         return None
     word = _WORDS[rng.randrange(len(_WORDS))]
-    lo = int(schema.get("minLength", 0))
-    hi = int(schema.get("maxLength", max(lo, 64)))
-    word = (word * (lo // len(word) + 1))[:max(lo, min(len(word), hi))]
-    return word
+    least = min(_bound(schema.get("minLength"), 0), MAX_CHARS)
+    most = _bound(schema.get("maxLength"), max(least, 64))
+    return (word * (least // len(word) + 1))[:max(least, min(len(word), most))]
+
+
+def _bound(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else default
+
+
+def _number_in(schema: dict[str, Any], rng: random.Random, integer: bool) -> int | float:
+    """A number within the schema's bounds (inclusive and exclusive)."""
+    lo, hi = -math.inf, math.inf
+    for key, strict in (("minimum", False), ("exclusiveMinimum", True)):
+        v = schema.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            lo = max(lo, v + (1 if integer else 1e-6) if strict else v)
+    for key, strict in (("maximum", False), ("exclusiveMaximum", True)):
+        v = schema.get(key)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            hi = min(hi, v - (1 if integer else 1e-6) if strict else v)
+    if integer:
+        low = math.ceil(lo) if lo > -math.inf else 0
+        high = math.floor(hi) if hi < math.inf else low + 9
+        return low if high <= low else low + rng.randrange(min(high - low, 9) + 1)
+    start = lo if lo > -math.inf else 0.0
+    stop = hi if hi < math.inf else start + 10.0
+    return start if stop <= start else start + rng.random() * (stop - start)

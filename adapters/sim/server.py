@@ -661,7 +661,7 @@ class SimEngine:
             min_tokens = body.get("min_tokens")
             stop = StopSpec.read(body, min_tokens if isinstance(min_tokens, int) else 0)
         except OutputError as e:
-            raise APIError(400, str(e), param=e.param) from None
+            raise APIError(400, str(e), param=e.param or None) from None
         return _Asked(stop, top, forced)
 
     def _answer(self, stream: _Stream, asked: _Asked) -> _Answer:
@@ -901,7 +901,7 @@ class SimEngine:
             try:
                 resp = await _sse_response(request)
                 failed = False
-                offset = 0
+                offset = len(echo)
                 async for out in self._tokens(stream):
                     if out.finish_reason is FinishReason.ERROR:
                         await resp.write(_sse(STREAM_ERROR))
@@ -913,12 +913,15 @@ class SimEngine:
                     if start == 0 and echo:
                         text = echo + text  # vLLM's first chunk carries the prompt
                     reason = answer.reason(out.finish_reason) if over else None
-                    choice = {"index": 0, "text": text,
-                              "logprobs": (answer.logprobs.completion(start, new_ids, offset)
-                                           if answer.logprobs is not None else None),
+                    logprobs = None
+                    if answer.logprobs is not None:
+                        # Offsets by the tokens' own texts (after the echoed prompt), as the
+                        # answer given whole has them, not by the text sent so far.
+                        logprobs = answer.logprobs.completion(start, new_ids, offset)
+                        offset += sum(map(len, logprobs["tokens"]))
+                    choice = {"index": 0, "text": text, "logprobs": logprobs,
                               "finish_reason": reason,
                               "stop_reason": answer.text.stop_reason if over else None}
-                    offset += len(text)
                     piece: dict[str, Any] = {"id": rid, "object": "text_completion",
                                              "created": created, "model": model,
                                              "choices": [choice]}
