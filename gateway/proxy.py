@@ -389,7 +389,8 @@ class Proxy:
         if hints.workflow is not None and names_a_store_key(hints.workflow):
             raise InvalidRequest(f"workflow id {hints.workflow!r} is reserved (it would name a "
                                  "key of the workflow store: index, running, or one ending in "
-                                 ":ev or :lease)", param="kvgate")
+                                 ":ev or :lease; or be resolved away in a URL: . and ..)",
+                                 param="kvgate")
         tenant = caller(request)
         if tenant is not None:
             if "kv_transfer_params" in body:

@@ -250,6 +250,8 @@ NO_HINTS = RequestHints()
 
 def names_a_store_key(workflow_id: str) -> bool:
     """The id would name one of the Redis workflow store's own keys (`{ns}:wf:index`,
-    `:running`, a workflow's `:ev` stream or `:lease`), so no workflow may have it, in either
-    store (the gateway refuses it; the SDK, where the id is set)."""
-    return workflow_id in ("index", "running") or workflow_id.endswith((":ev", ":lease"))
+    `:running`, a workflow's `:ev` stream or `:lease`), or is a path segment a URL resolves
+    away (`.`, `..`: `GET /v1/workflows/..` could never read it), so no workflow may have it,
+    in either store (the gateway refuses it; the SDK, where the id is set)."""
+    return (workflow_id in ("index", "running", ".", "..")
+            or workflow_id.endswith((":ev", ":lease")))

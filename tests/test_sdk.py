@@ -669,7 +669,7 @@ async def test_objects_with_an_async_call_and_partials_are_decorated_by_their_na
     assert recorder.hints()[-1][0].startswith("Researcher-")
     with pytest.raises(TypeError, match="<lambda> is not one"):
         task(lambda: 1)
-    for reserved in ("running", "index", "w:ev", "w:lease"):
+    for reserved in ("running", "index", "w:ev", "w:lease", ".", ".."):
         with pytest.raises(ValueError, match="reserved"):
             workflow("x", id=reserved)
 
@@ -793,6 +793,11 @@ def test_a_dag_builds_the_workflow_spec() -> None:
         {"segment": "sys"}, {"output_of": "plan", "role": "user"}],
         "params": {"temperature": 0.5}}
     assert doc["tasks"][2]["after"] == ["plan"]
+    assert dag.problems() == []
+    # The spec's own task fields are fields, not OpenAI `params` (where they did nothing).
+    dag.task("exact", [user("Go.")], output_tokens=40, priority=-2)
+    assert dag.to_dict()["tasks"][3] == {"id": "exact", "messages": [
+        {"role": "user", "content": "Go."}], "output_tokens": 40, "priority": -2}
     assert dag.problems() == []
 
 

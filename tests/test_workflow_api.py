@@ -467,6 +467,13 @@ def test_ids_that_name_the_stores_own_keys_are_unknown_and_unlabelled(
                             "messages": [{"role": "user", "content": "hi"}]},
                            headers={"X-KVGate-Workflow": "index"})
     assert status == 400 and "workflow id 'index' is reserved" in body["error"]["message"]
+    # `GET /v1/workflows/..` resolves to another path: such an id could never be read back.
+    for dots in (".", ".."):
+        status, _, body = call("POST", f"{a.url}/v1/chat/completions",
+                               {"model": MODEL, "max_tokens": 1,
+                                "messages": [{"role": "user", "content": "hi"}]},
+                               headers={"X-KVGate-Workflow": dots})
+        assert status == 400 and "resolved away in a URL" in body["error"]["message"]
     with urllib.request.urlopen(f"{a.url}/metrics", timeout=10) as r:
         routes = {s.labels["route"] for f in text_string_to_metric_families(r.read().decode())
                   for s in f.samples if s.name == "kvgate_requests_total"}

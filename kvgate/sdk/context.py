@@ -391,7 +391,7 @@ def _check_name(name: str | None, what: str) -> None:
     if what == "workflow id" and name is not None and names_a_store_key(name):
         raise ValueError(f"the workflow id {name!r} is reserved (it would name a key of the "
                          "gateway's workflow store: index, running, or one ending in :ev or "
-                         ":lease)")
+                         ":lease; or be resolved away in a URL: . and ..)")
     if what == "task" and name == LOOSE_CALL:
         raise ValueError(f"the task name {LOOSE_CALL!r} is reserved: calls made outside any "
                          f"task are {LOOSE_CALL}-1, {LOOSE_CALL}-2, ...")

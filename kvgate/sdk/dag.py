@@ -83,9 +83,12 @@ class Dag:
     def task(self, task_id: str, messages: Sequence[Message], *,
              after: Iterable[TaskRef | str] = (), tools: SegmentRef | str | None = None,
              max_tokens: int | None = None, think_time_s: float = 0.0,
+             output_tokens: int | None = None, priority: int = 0,
              **params: Any) -> TaskRef:
         """Add one LLM call. It runs once the tasks in `after`, and those whose output it
-        uses, are done. `params` are extra OpenAI fields (temperature, ...)."""
+        uses, are done. `output_tokens` asks for exactly that many tokens (a benchmark's
+        synthetic length), `priority` ranks the call (vLLM's convention: lower first);
+        `params` are extra OpenAI fields (temperature, ...)."""
         if task_id in self._tasks:
             raise ValueError(f"task {task_id!r} is already defined")
         spec: dict[str, Any] = {
@@ -102,6 +105,10 @@ class Dag:
             spec["max_tokens"] = max_tokens
         if think_time_s:
             spec["think_time_s"] = think_time_s
+        if output_tokens is not None:
+            spec["output_tokens"] = output_tokens
+        if priority:
+            spec["priority"] = priority
         if params:
             spec["params"] = params
         self._tasks[task_id] = spec
