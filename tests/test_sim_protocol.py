@@ -613,14 +613,22 @@ def test_a_prefix_cache_reset_answers_success_as_vllm(tmp_path: Path) -> None:
     with running_sim(tmp_path, "sim-reset", ["--time-scale", "5"]) as sim:
         model = served_model(sim)
         complete(sim, model, list(range(20, 60)), max_tokens=1)
-        decoding = threading.Thread(target=_http, args=(sim.url + "/v1/completions", {
-            "model": model, "prompt": list(range(100, 140)), "max_tokens": 200,
-            "min_tokens": 200}, 60.0))
+        answers: list[bytes] = []
+        decoding = threading.Thread(target=lambda: answers.append(_http(
+            sim.url + "/v1/completions", {"model": model, "prompt": list(range(100, 140)),
+                                          "max_tokens": 200, "min_tokens": 200}, 60.0)))
         decoding.start()
         time.sleep(0.5)
         busy = _http(sim.url + "/reset_prefix_cache", {})
+        # vLLM's `reset_running_requests` preempts the running request first: the reset
+        # succeeds, and the request resumes (recomputing) and still ends whole.
+        forced = _http(sim.url + "/reset_prefix_cache?reset_running_requests=true", {})
         decoding.join()
         idle = _http(sim.url + "/reset_prefix_cache", {})
+        status, _ = _refused(sim.url + "/reset_prefix_cache?reset_running_requests=maybe", {})
+    assert status == 400
+    assert json.loads(forced) == {"success": True}
+    assert json.loads(answers[0])["usage"]["completion_tokens"] == 200
     assert json.loads(busy) == {"success": False} and not reset_done(busy)
     assert json.loads(idle) == {"success": True} and reset_done(idle)
     assert reset_done(b"")  # an older vLLM's empty 200

@@ -916,8 +916,13 @@ class EngineModel:
             extra_keys=head + later,
         ))
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached block (vLLM's /reset_prefix_cache); False while requests run."""
+    def reset_prefix_cache(self, reset_running: bool = False) -> bool:
+        """Drop every cached block (vLLM's /reset_prefix_cache); False while requests hold
+        blocks. With `reset_running` (vLLM's `reset_running_requests`), the running requests
+        are preempted first, the last first, so they resume in order (and recompute)."""
+        if reset_running:
+            while self.running:
+                self._preempt(self.running[-1])
         return self.pool.reset_prefix_cache()
 
     # -- scheduling -----------------------------------------------------------------------------

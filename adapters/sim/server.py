@@ -1100,10 +1100,14 @@ class SimEngine:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def reset_prefix_cache(self, _: web.Request) -> web.Response:
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """POST /reset_prefix_cache (vLLM's dev endpoint): 200 and `{"success": bool}`, false
-        while requests hold blocks (vLLM 0.32's entrypoints/serve/dev/cache/api_router.py)."""
-        success = self.model.reset_prefix_cache()
+        while requests hold blocks (vLLM 0.32's entrypoints/serve/dev/cache/api_router.py).
+        `?reset_running_requests=true` preempts the running requests first, so it succeeds
+        while they run; `reset_external` is taken (the sim has no connector-managed cache)."""
+        running = _query_flag(request, "reset_running_requests")
+        _query_flag(request, "reset_external")
+        success = self.model.reset_prefix_cache(reset_running=running)
         if success and self.publisher is not None:
             await self.publisher.publish(self.model.pool.drain_events())
         return web.json_response({"success": success})
@@ -1229,6 +1233,20 @@ def _priority(body: dict[str, Any], header: str | None) -> int:
         except ValueError:
             pass
     return priority
+
+
+def _query_flag(request: web.Request, name: str) -> bool:
+    """A boolean query parameter as FastAPI reads one (vLLM's routes are FastAPI's)."""
+    value = request.query.get(name)
+    if value is None:
+        return False
+    v = value.strip().lower()
+    if v in ("1", "true", "t", "yes", "y", "on"):
+        return True
+    if v in ("0", "false", "f", "no", "n", "off"):
+        return False
+    raise APIError(400, f"{name}: Input should be a valid boolean, unable to interpret input",
+                   param=name)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
