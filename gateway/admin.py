@@ -7,12 +7,13 @@ is disabled.
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from gateway.config import EngineEntry
+from gateway.config import EngineEntry, same_engine
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.kv_events import BadEndpoint
 from gateway.proxy import Proxy, read_json
@@ -75,12 +76,17 @@ class Admin:
         assert state.pool is not None
         out: list[dict[str, Any]] = []
         for v in state.planner.views():
+            # Read before the index is awaited: another admin call may remove the engine
+            # meanwhile (it used to be a KeyError, a 500).
+            pooled = state.pool.engines.get(v.name)
+            if pooled is None:
+                continue
             out.append({
-                "name": v.name, "url": state.pool.engines[v.name].url, "healthy": v.healthy,
+                "name": v.name, "url": pooled.url, "healthy": v.healthy,
                 "models": sorted(v.models), "running": v.num_running, "waiting": v.num_waiting,
                 "kv_usage": v.kv_usage, "in_flight": v.in_flight,
-                "process_start_time": state.pool.engines[v.name].start_time,
-                "index_keys": len(await state.index.engine_keys(v.name)),
+                "process_start_time": pooled.start_time,
+                "index_keys": await state.index.engine_key_count(v.name),
                 "mapped_engine_blocks": state.ingestor.engine_blocks(v.name),
                 "last_event_seq": state.ingestor.last_seq(v.name),
             })
@@ -101,6 +107,9 @@ class Admin:
         assert self.state.pool is not None
         if entry.engine_name in self.state.pool.engines:
             raise EngineExists(f"engine {entry.engine_name!r} is already in the pool")
+        clash = same_engine(entry.url, [e.url for e in self.state.pool.engines.values()])
+        if clash:
+            raise EngineExists(clash)
         try:
             await self.state.add_engine(entry)
         except BadEndpoint as e:
@@ -115,7 +124,7 @@ class Admin:
         self._authorize(request)
         name = request.match_info["name"]
         if not await self.state.remove_engine(name):
-            raise EngineNotFound(f"no engine named {name!r} in the pool")
+            raise EngineNotFound(f"no engine named {name!r} in the pool or the index")
         return web.json_response({"removed": name})
 
     async def engine_index(self, request: web.Request) -> web.Response:
@@ -123,6 +132,11 @@ class Admin:
         self._authorize(request)
         name = request.match_info["name"]
         keys = await self.state.index.engine_keys(name)
+        assert self.state.pool is not None
+        if not keys and name not in self.state.pool.engines:
+            # A typo read as "holds nothing"; an engine the pool dropped whose entries are
+            # still in the index is answered (and DELETE purges it).
+            raise EngineNotFound(f"no engine named {name!r} in the pool or the index")
         return web.json_response({
             "engine": name,
             "keys": {str(k): tiers for k, tiers in keys.items()},
@@ -138,6 +152,10 @@ class Admin:
                  else "/v1/chat/completions")
         body.setdefault("model", "-")
         rr = await self.proxy.route_request(request, route, body, dispatched=False)
+        # From the index itself: routing goes on without it while its store is away (and
+        # matches nothing then), but this answer says what it holds, or 503.
+        matches = await self.state.index.match(rr.block_keys, time.monotonic()) \
+            if rr.block_keys else {}
         return web.json_response({
             "prompt_tokens": rr.prompt_tokens,
             "blocks": len(rr.block_keys),
@@ -145,7 +163,7 @@ class Admin:
             "keys": [str(k) for k in rr.block_keys],
             "matches": {e: {"blocks": m.blocks, "confirmed_blocks": m.confirmed_blocks,
                             "weighted_blocks": m.weighted_blocks}
-                        for e, m in rr.matches.items()},
+                        for e, m in matches.items()},
         })
 
     def routes(self, app: web.Application) -> None:

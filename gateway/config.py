@@ -146,6 +146,16 @@ class EngineEntry(_Section):
             raise ValueError(problem)
         return v.rstrip("/")
 
+    @field_validator("name")
+    @classmethod
+    def _header_safe_name(cls, v: str | None) -> str | None:
+        # It goes into the `x-kvgate-engine` header of every answer, metrics labels and logs:
+        # a line break in it made every call placed there a 500.
+        if v is not None and not ENGINE_NAME.fullmatch(v):
+            raise ValueError(f"engine name {v!r}: printable ASCII without spaces, at most "
+                             "128 characters")
+        return v
+
     @field_validator("profile")
     @classmethod
     def _known_profile(cls, v: str) -> str:
@@ -318,6 +328,8 @@ PLACEHOLDER_KEYS = frozenset({"replace-with-a-long-random-key", "change-me-to-a-
 """Example values of the shipped configs: a gateway started with one would serve /admin to
 anyone who has read them."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+ENGINE_NAME = re.compile(r"[!-~]{1,128}")
+"""An engine's name: printable ASCII without spaces (it is a header value and a label)."""
 
 
 class TenantEntry(_Section):
@@ -476,12 +488,11 @@ class GatewayConfig(_Section):
             dupes = sorted({v for v in values if values.count(v) > 1})
             if dupes:
                 raise ValueError(f"{what} must be unique, repeated: {', '.join(dupes)}")
-        seen: dict[tuple[str, str, int], str] = {}
-        for e in self.engines:
-            other = seen.setdefault(engine_address(e.url), e.url)
-            if other != e.url or sum(1 for x in self.engines if x.url == e.url) > 1:
-                raise ValueError(f"engines {other} and {e.url} are one engine (the same "
-                                 "address); list it once")
+        urls = [e.url for e in self.engines]
+        for i, url in enumerate(urls):
+            problem = same_engine(url, urls[:i])
+            if problem:
+                raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -498,6 +509,17 @@ class GatewayConfig(_Section):
             raise ValueError("tracing.endpoint and tracing.headers are for an OTLP exporter: "
                              "add otlp-http or otlp-grpc to tracing.exporter")
         return self
+
+
+def same_engine(url: str, others: Sequence[str]) -> str | None:
+    """Why the engine at `url` cannot join those at `others` as an engine of its own (the
+    same address as one of them, e.g. `localhost` beside `127.0.0.1`), or None."""
+    address = engine_address(url)
+    for other in others:
+        if engine_address(other) == address:
+            return (f"engines {other} and {url} are one engine (the same address); "
+                    "list it once")
+    return None
 
 
 def _model_at(loc: Sequence[int | str]) -> type[BaseModel] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -245,12 +246,19 @@ class GatewayState:
         await self.pool.refresh(entry.engine_name)
 
     async def remove_engine(self, name: str) -> bool:
-        """An engine leaves the pool: stop routing to it and purge its index entries."""
+        """An engine leaves the pool: stop routing to it and purge its index entries; False
+        if neither the pool nor the index knows it. The purge of an engine the pool no
+        longer holds is done again (one whose purge failed while the index's store was away
+        answered 503, then 404 for good, and its entries stayed in the shared index): the
+        caller asks again once the store is back."""
         assert self.pool is not None and self.listener is not None
-        if not self.pool.remove(name):
+        pooled = self.pool.remove(name)
+        if pooled:
+            self.policy_context.paced_engines.discard(name)
+            self.metrics.forget_engine(name)
+            with contextlib.suppress(IndexUnavailable):  # the purge below says so (503)
+                await self.listener.remove_source(name)
+        elif not await self.index.engine_key_count(name):
             return False
-        self.policy_context.paced_engines.discard(name)
-        self.metrics.forget_engine(name)
-        await self.listener.remove_source(name)
         await self.index.clear_engine(name)
         return True

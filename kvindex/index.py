@@ -98,6 +98,10 @@ class KVIndexBackend(Protocol):
         """Every confirmed key of an engine with its copy count per tier (tests, debugging)."""
         ...
 
+    async def engine_key_count(self, engine: str) -> int:
+        """How many (tier, key) entries the engine holds confirmed, without listing them."""
+        ...
+
     async def stats(self) -> IndexStats:
         """Current size."""
         ...
@@ -557,6 +561,21 @@ class InMemoryIndex:
     async def engine_keys(self, engine: str) -> dict[BlockKey, dict[str, int]]:
         """See KVIndexBackend.engine_keys."""
         return self.engine_keys_sync(engine)
+
+    async def engine_key_count(self, engine: str) -> int:
+        """See KVIndexBackend.engine_key_count: counted in slices of `CLEAR_CHUNK` keys, with
+        the event loop free in between (listing them held it 0.25 s per 500k keys)."""
+        bit = self._engine_bit.get(engine)
+        if bit is None:
+            return 0
+        mask = 1 << bit
+        count = 0
+        for table in list(self._tiers.values()):
+            held = list(table.values())
+            for start in range(0, len(held), CLEAR_CHUNK):
+                count += sum(1 for m in held[start:start + CLEAR_CHUNK] if m & mask)
+                await asyncio.sleep(0)
+        return count
 
     async def stats(self) -> IndexStats:
         """See KVIndexBackend.stats."""

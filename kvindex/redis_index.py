@@ -421,6 +421,13 @@ class RedisIndex:
                                       weighted_blocks=blocks - float(_str(flat[i + 3])))
         return dict(sorted(out.items()))
 
+    async def engine_key_count(self, engine: str) -> int:
+        """See KVIndexBackend.engine_key_count: the size of the engine's member set."""
+        try:
+            return int(await self._r.scard(f"{self._ns}:e:{engine}"))
+        except (RedisError, OSError) as e:
+            raise IndexUnavailable(f"the Redis index cannot be reached: {e}") from e
+
     async def engine_keys(self, engine: str) -> dict[BlockKey, dict[str, int]]:
         """See KVIndexBackend.engine_keys."""
         flat = await self._run(self._engine_keys, [self._ns, engine])

@@ -319,7 +319,10 @@ def test_an_engine_leaving_the_pool_is_purged(cluster: Cluster) -> None:
         status, body, _ = http("DELETE", f"{gw.url}/admin/engines/{cluster.engine_name(name)}",
                                admin=True)
         assert status == 200, body
-        assert cluster.index_keys(gw, name) == set()
+        # Nothing of it is left: neither the pool nor the index knows it.
+        status, body, _ = http(
+            "GET", f"{gw.url}/admin/index/{cluster.engine_name(name)}", admin=True)
+        assert status == 404, body
     status, body, _ = http("POST", f"{gw.url}/v1/chat/completions", chat(5))
     assert status == 503
     # Nor do the metrics say they are healthy, or keep any series of theirs (a pool whose
@@ -453,3 +456,117 @@ def test_connect_mode_subscribes_to_engines_that_bind(tmp_path: Path) -> None:
     finally:
         gw.stop()
         sim.stop()
+
+
+class CuttableProxy:
+    """A TCP relay to 127.0.0.1:`target` on a free port, in a thread, that can be cut (every
+    connection reset, new ones refused) and restored: a store away while its data stays."""
+
+    def __init__(self, target: int) -> None:
+        import asyncio
+        import threading
+
+        self.target = target
+        self.port = free_port()
+        self.cut_now = False
+        self._links: set[Any] = set()
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def pipe(reader: Any, writer: Any) -> None:
+            try:
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            except (OSError, RuntimeError):
+                pass
+            finally:
+                writer.close()
+
+        async def handle(reader: Any, writer: Any) -> None:
+            if self.cut_now:
+                writer.transport.abort()
+                return
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+            link = (writer, up_writer)
+            self._links.add(link)
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+            self._links.discard(link)
+
+        async def serve() -> None:
+            await asyncio.start_server(handle, "127.0.0.1", self.port)
+            ready.set()
+
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(serve(), self.loop)
+        ready.wait(10)
+
+    def cut(self) -> None:
+        def abort() -> None:
+            self.cut_now = True
+            for a, b in list(self._links):
+                a.transport.abort()
+                b.transport.abort()
+        self.loop.call_soon_threadsafe(abort)
+
+    def restore(self) -> None:
+        self.cut_now = False
+
+
+@pytest.mark.skipif(not redis_server_available(), reason="redis-server not installed")
+def test_an_engine_removed_while_the_index_is_away_is_purged_once_it_is_back(
+    cluster: Cluster,
+) -> None:
+    cluster.add_engine("a")
+    cluster.add_engine("b")
+    with RedisServer() as url:
+        proxy = CuttableProxy(int(url.rsplit(":", 1)[1].split("/")[0]))
+        gw = cluster.start_gateway(redis_url=f"redis://127.0.0.1:{proxy.port}/0")
+        cluster.start_sim("a")
+        cluster.start_sim("b")
+        wait_healthy(gw)
+        http("POST", f"{gw.url}/v1/chat/completions", chat(5))
+        wait_for(lambda: bool(cluster.index_keys(gw, "a") | cluster.index_keys(gw, "b")),
+                 "blocks in the index")
+        holder = next(n for n in ("a", "b") if cluster.index_keys(gw, n))
+        name = cluster.engine_name(holder)
+        _, listed, _ = http("GET", f"{gw.url}/admin/engines", admin=True)
+        counts = {e["name"]: e["index_keys"] for e in listed["engines"]}
+        assert counts[name] == len(cluster.index_keys(gw, holder)) > 0
+        proxy.cut()
+        time.sleep(0.2)
+        status, body, _ = http("DELETE", f"{gw.url}/admin/engines/{name}", admin=True)
+        assert status == 503 and body["error"]["code"] == "index_unavailable", body
+        # What the index holds is not known meanwhile: a 503, not an empty 200.
+        status, body, _ = http("POST", f"{gw.url}/admin/index/match", chat(5), admin=True)
+        assert status == 503, body
+        proxy.restore()
+        # The engine left the pool; its entries, still in Redis, are purged when asked again
+        # (it used to be a 404 for good, the entries matched by every replica).
+        assert cluster.index_keys(gw, holder)
+        status, body, _ = http("DELETE", f"{gw.url}/admin/engines/{name}", admin=True)
+        assert status == 200, body
+        status, body, _ = http("GET", f"{gw.url}/admin/index/{name}", admin=True)
+        assert status == 404 and body["error"]["code"] == "engine_not_found", body
+        status, body, _ = http("DELETE", f"{gw.url}/admin/engines/{name}", admin=True)
+        assert status == 404, body
+
+
+def test_an_engine_added_at_run_time_is_checked_as_the_config_checks_it(
+        cluster: Cluster) -> None:
+    gw = start(cluster, ["a"])
+    url = f"http://127.0.0.1:{cluster.engines['a']['port']}"
+    for entry, status_code, fragment in (
+            # A line break in a name went into every answer's x-kvgate-engine header: 500s.
+            ({"url": "http://127.0.0.1:9", "name": "bad\r\nX-Injected: 1"}, 400, "engine name"),
+            ({"url": "http://127.0.0.1:9", "name": ""}, 400, "engine name"),
+            # One engine under a second address is not a second engine.
+            ({"url": url.replace("127.0.0.1", "localhost"), "name": "again"}, 409,
+             "are one engine"),
+            ({"url": url, "name": "dup"}, 409, "are one engine")):
+        status, body, _ = http("POST", f"{gw.url}/admin/engines", entry, admin=True)
+        assert status == status_code and fragment in body["error"]["message"], body
+    _, engines, _ = http("GET", f"{gw.url}/admin/engines", admin=True)
+    assert [e["name"] for e in engines["engines"]] == [cluster.engine_name("a")]
+    status, body, _ = http("GET", f"{gw.url}/admin/index/no-such-engine", admin=True)
+    assert status == 404, body

@@ -176,7 +176,7 @@ def test_calls_carry_the_planners_rank_to_the_real_engines_priority_scheduling(
     # engine that runs vLLM's priority scheduling beside kvgate's pacing scheduler (as
     # `kvgate vllm-pool --engine-pace --engine-priority` and configs/k8s run it): both are
     # answered, and the placement the planner traced carries the rank the proxy sends as
-    # `priority` to such an engine (an explicit priority ranks by millions, vLLM's lower-first
+    # `priority` to such an engine (an explicit priority ranks by 10^12, vLLM's lower-first
     # integer). vLLM 0.32 takes a `priority` under any policy, so what the engine does with
     # it is not observed here but in test_priority_order.py (an engine with one sequence
     # slot, where the calls queue); the engine model's priority policy follows vLLM's
@@ -195,4 +195,7 @@ def test_calls_carry_the_planners_rank_to_the_real_engines_priority_scheduling(
     _, trace, _ = call("GET", f"{stack.gateway.url}/v1/workflows/tier-prio/trace")
     ranks = [span["attributes"]["kvgate.priority"] for span in trace["spans"]
              if span["name"] == "placement"]
-    assert ranks and all(2_000_000 <= r < 3_000_000 for r in ranks), ranks
+    from planner.priorities import EXPLICIT_UNIT
+
+    # Explicit priority 2, then the workflow's rank in milliseconds beneath it.
+    assert ranks and all(2 * EXPLICIT_UNIT <= r < 3 * EXPLICIT_UNIT for r in ranks), ranks
