@@ -700,7 +700,9 @@ class Proxy:
         if flight.trace is not None:
             state.later(flight.trace.end, max(flight.status, 0), flight.output_tokens or None,
                         "the engine was unreachable; the call is sent elsewhere"
-                        if flight.status == RETRYING else error, flight.answer, time.time_ns())
+                        if flight.status == RETRYING else error,
+                        # A stream's usage is in its usage event (`include_usage`).
+                        flight.answer or flight.usage_event, time.time_ns())
 
     # -- forwarding -----------------------------------------------------------------------------
 

@@ -598,8 +598,8 @@ class Tracing:
                 )
 
                 url = urlparse(s.endpoint or "http://127.0.0.1:4317")
-                target = url.netloc if url.port is not None else f"{url.hostname}:4317"
-                exporter = GrpcExporter(endpoint=target, insecure=url.scheme == "http",
+                exporter = GrpcExporter(endpoint=grpc_target(url.geturl()),
+                                        insecure=url.scheme == "http",
                                         headers=dict(s.headers), timeout=5)
             self._add_processor(BatchSpanProcessor(exporter, schedule_delay_millis=delay_ms))
 
@@ -876,6 +876,16 @@ def _closes_object(text: str) -> bool:
     """Whether `text` is one JSON object and nothing else."""
     doc, end = _DECODER.raw_decode(text)
     return isinstance(doc, dict) and end == len(text)
+
+
+def grpc_target(endpoint: str) -> str:
+    """The `host:port` a gRPC channel dials for an OTLP endpoint URL (port 4317 when it names
+    none; an IPv6 host in brackets, as gRPC reads it)."""
+    url = urlparse(endpoint)
+    if url.port is not None:
+        return url.netloc.rsplit("@", 1)[-1]
+    host = url.hostname or "127.0.0.1"
+    return f"[{host}]:4317" if ":" in host else f"{host}:4317"
 
 
 def usage_of(answer: bytes | None) -> Mapping[str, Any] | None:

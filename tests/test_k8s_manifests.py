@@ -292,6 +292,14 @@ def test_only_the_gateway_and_the_engines_reach_redis_and_the_engines() -> None:
     assert engines["spec"]["podSelector"]["matchLabels"] == vllm
     assert [p["podSelector"]["matchLabels"] for p in engines["spec"]["ingress"][0]["from"]] == [
         gateway, vllm]
+    # Prometheus reaches the engines' HTTP port (the one its vllm-k8s job keeps), nothing else.
+    scrape = engines["spec"]["ingress"][1]
+    (source,) = scrape["from"]
+    assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert "namespaceSelector" in source
+    http = next(p for p in find("StatefulSet", "vllm")["spec"]["template"]["spec"][
+        "containers"][0]["ports"] if p["name"] == "http")
+    assert scrape["ports"] == [{"protocol": "TCP", "port": http["containerPort"]}]
     listed = yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"]
     assert sorted(listed) == sorted(p.name for p in K8S.glob("*.yaml")
                                     if p.name != "kustomization.yaml")

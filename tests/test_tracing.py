@@ -322,8 +322,11 @@ def test_hint_mode_calls_share_the_workflow_trace_and_link_the_clients(
             headers["X-KVGate-After"] = after
         if traceparent:
             headers["traceparent"] = traceparent
+        # The worker asks for the stream's usage: its task span carries the prompt's tokens.
+        options = {"include_usage": True} if task == "worker" else None
         stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,
-                                                stream=True, extra_headers=headers)
+                                                stream=True, extra_headers=headers,
+                                                stream_options=options)  # type: ignore[arg-type]
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     expected = trace_hex(workflow_trace_id(workflow))
@@ -339,6 +342,9 @@ def test_hint_mode_calls_share_the_workflow_trace_and_link_the_clients(
     # The client's own trace is linked, not joined: the workflow keeps one trace.
     assert plan["links"] == [{"trace_id": CLIENT_TRACE, "span_id": CLIENT_SPAN}]
     assert one(tasks, "task worker")["attributes"]["kvgate.task.after"] == ["plan"]
+    # From the stream's usage event (it was read from a whole answer only).
+    assert one(tasks, "task worker")["attributes"]["gen_ai.usage.input_tokens"] > 10
+    assert "gen_ai.usage.input_tokens" not in plan["attributes"]
     for task in tasks:
         # What a workflow-API task's span carries, a hint-mode one's carries too.
         assert task["attributes"]["kvgate.task.state"] == "done"
@@ -565,3 +571,23 @@ def test_the_console_exporter_prints_spans_as_json(
     finally:
         gw.stop()
     assert '"kvgate.request.id": "printed"' in gw.log_path.read_text()
+
+
+def test_an_otlp_grpc_endpoint_is_dialled_as_grpc_reads_it() -> None:
+    from gateway.tracing import grpc_target
+
+    assert grpc_target("http://collector:4317") == "collector:4317"
+    assert grpc_target("http://collector") == "collector:4317"
+    # An IPv6 host without a port was dialled as `::1:4317`, which gRPC cannot read.
+    assert grpc_target("http://[::1]") == "[::1]:4317"
+    assert grpc_target("http://[::1]:5000") == "[::1]:5000"
+
+
+def test_latency_histograms_reach_past_the_longest_call() -> None:
+    from gateway.config import GatewayConfig
+    from gateway.metrics import LATENCY_BUCKETS
+
+    # A call may run request_timeout_s and wait as long to be placed: every such call read
+    # as the top bucket (300 s) in a quantile.
+    timeout = GatewayConfig.model_fields["request_timeout_s"].default
+    assert LATENCY_BUCKETS[-1] >= 2 * timeout
