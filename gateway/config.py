@@ -285,6 +285,10 @@ class TracingSettings(_Section):
     """Traces the memory store keeps; the least recently active go first."""
     max_spans_per_trace: int = Field(default=10_000, gt=0)
     """Spans the memory store keeps per trace (a long hint-mode workflow stops growing)."""
+    max_spans: int = Field(default=200_000, gt=0)
+    """Spans the memory store keeps in all (about 1.2 KB each): past it the least recently
+    active traces go first. Without it the two limits above allowed ten million spans, about
+    12 GB."""
     batch_delay_s: float = Field(default=1.0, gt=0)
     """How long OTLP and console exporters gather spans before a send."""
 

@@ -36,6 +36,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
+from itertools import islice
 from typing import Any
 from urllib.parse import urlparse
 
@@ -155,9 +156,12 @@ class MemoryStore(SpanExporter):
     """The last `max_traces` traces (least recently active dropped first), each its latest
     `max_spans` spans (older ones dropped and counted), for `GET /v1/traces`."""
 
-    def __init__(self, max_traces: int, max_spans: int) -> None:
+    def __init__(self, max_traces: int, max_spans: int, max_total: int | None = None) -> None:
         self.max_traces = max_traces
         self.max_spans = max_spans
+        self.max_total = max_total if max_total is not None else max_traces * max_spans
+        """Spans kept in all: past it, the least recently active traces go first."""
+        self._total = 0
         self._traces: OrderedDict[int, deque[ReadableSpan]] = OrderedDict()
         self._dropped: dict[int, int] = {}
         self._workflow_of: dict[int, str] = {}
@@ -182,7 +186,12 @@ class MemoryStore(SpanExporter):
                     self._traces.move_to_end(tid)
                 if len(kept) == kept.maxlen:
                     self._dropped[tid] = self._dropped.get(tid, 0) + 1
+                else:
+                    self._total += 1
                 kept.append(span)
+                while self._total > self.max_total and len(self._traces) > 1:
+                    oldest = next(iter(self._traces))
+                    self._evict(oldest if oldest != tid else next(islice(self._traces, 1, 2)))
                 workflow = (span.attributes or {}).get(WORKFLOW_ATTR)
                 if isinstance(workflow, str):
                     self._workflow_of.setdefault(tid, workflow)
@@ -193,7 +202,7 @@ class MemoryStore(SpanExporter):
         return SpanExportResult.SUCCESS
 
     def _evict(self, tid: int) -> None:
-        del self._traces[tid]
+        self._total -= len(self._traces.pop(tid))
         self._dropped.pop(tid, None)
         self._workflow_of.pop(tid, None)
         for workflow in self._named.pop(tid, ()):
@@ -579,7 +588,7 @@ class Tracing:
         delay_ms = s.batch_delay_s * 1000
         for name in s.exporter:
             if name == "memory":
-                self.store = MemoryStore(s.max_traces, s.max_spans_per_trace)
+                self.store = MemoryStore(s.max_traces, s.max_spans_per_trace, s.max_spans)
                 self._add_processor(_StoreProcessor(self.store))
                 continue
             exporter: SpanExporter

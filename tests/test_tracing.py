@@ -484,6 +484,27 @@ def test_the_memory_store_drops_the_least_recently_active_trace() -> None:
     assert [t["root"] for t in tracing.store.summaries(10)] == ["c", "a"]
 
 
+def test_the_memory_store_keeps_at_most_its_span_budget_in_all() -> None:
+    from opentelemetry import trace as otel
+
+    # 1,000 traces of 10,000 spans each were allowed: about 12 GB of spans.
+    tracing = Tracing(parse_config({"engines": [{"url": "http://127.0.0.1:1"}],
+                                    "tracing": {"max_spans": 10}}).tracing)
+    roots = []
+    for name in ("a", "b", "c"):
+        root = tracing.tracer.start_span(name)
+        ctx = otel.set_span_in_context(root)
+        for i in range(3):
+            tracing.tracer.start_span(f"{name}{i}", ctx).end()
+        root.end()
+        roots.append(root)
+    assert tracing.store is not None
+    # 12 spans asked, 10 kept: the least recently active trace (a) went whole.
+    assert [t["root"] for t in tracing.store.summaries(10)] == ["c", "b"]
+    assert sum(t["spans"] for t in tracing.store.summaries(10)) == 8
+    assert tracing.store.spans(roots[0].get_span_context().trace_id) is None
+
+
 def test_a_full_trace_keeps_its_latest_spans_and_counts_the_dropped() -> None:
     """A hint-mode workflow that runs for weeks is one trace: past its cap the oldest spans
     go, so its latest calls stay visible, and the listing says how many went."""
