@@ -140,6 +140,10 @@ class GatewayMetrics:
         self._left: set[str] = set()
         """Engines removed from the pool (until one joins again under the name): calls placed
         on them before they left count into no series, which would come back for good."""
+        self._generation: dict[str, int] = {}
+        """Per engine, how many times it left the pool (its series start again on return)."""
+        self._counted_in: dict[str, int] = {}
+        """Per call in flight, the generation of its engine's gauge it was counted in."""
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (id(metric), labels)
@@ -157,6 +161,7 @@ class GatewayMetrics:
             return  # placed before it left: its series are gone, and stay gone
         child = self._child
         child(self.in_flight, engine).inc()
+        self._counted_in[dispatch.request_id] = self._generation.get(engine, 0)
         child(self.routed, engine).inc()
         child(self.routed_prompt_tokens, engine).inc(prompt_tokens)
         child(self.routed_cached_tokens, engine).inc(dispatch.cached_tokens)
@@ -181,6 +186,7 @@ class GatewayMetrics:
         and go, as pods do, would otherwise grow them without end; Prometheus reads a counter
         that vanishes as ended, and the totals it scraped stay in its history)."""
         self._left.add(engine)
+        self._generation[engine] = self._generation.get(engine, 0) + 1
         with contextlib.suppress(KeyError):
             self.healthy.remove(engine)
         per_engine = {id(m): m for m in (self.in_flight, self.routed, self.retries,
@@ -191,9 +197,13 @@ class GatewayMetrics:
             with contextlib.suppress(KeyError):
                 per_engine[key[0]].remove(*key[1])
 
-    def finished(self, engine: str) -> None:
+    def finished(self, engine: str, request_id: str | None = None) -> None:
         """A call at `engine` is over (nothing to count once the engine has left the pool:
-        its gauge went with it)."""
+        its gauge went with it; nor when it was counted before the engine left and came back,
+        in a gauge that is gone: it took the new one below zero)."""
+        counted = self._counted_in.pop(request_id, None) if request_id is not None else None
+        if counted is not None and counted != self._generation.get(engine, 0):
+            return
         child = self._children.get((id(self.in_flight), (engine,)))
         if child is not None:
             child.dec()

@@ -693,7 +693,7 @@ class Proxy:
         """The request ended at its engine: undo the dispatch accounting and tell the planner
         (with the streamed token count)."""
         state = self.state
-        state.later(state.metrics.finished, flight.dispatch.engine)
+        state.later(state.metrics.finished, flight.dispatch.engine, flight.dispatch.request_id)
         state.notify(Finished(flight.route.request_id, flight.output_tokens, error))
         if flight.recorder is not None and flight.status != RETRYING:
             flight.recorder.finished(flight, error, cancelled=flight.gone and error is not None)

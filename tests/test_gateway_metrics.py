@@ -275,3 +275,22 @@ def test_a_removed_engine_leaves_no_series_even_when_its_calls_end_later() -> No
     m.engine_joined("gone")  # back under the name: counted again
     m.count(m.retries, "gone")
     assert 'kvgate_retries_total{engine="gone"} 1.0' in generate_latest(m.registry).decode()
+
+
+def test_a_call_counted_before_its_engine_left_and_came_back_leaves_the_new_gauge_alone() -> None:
+    from gateway.metrics import GatewayMetrics
+    from planner.actions import Dispatch
+
+    m = GatewayMetrics()
+
+    def in_flight() -> float | None:
+        return m.registry.get_sample_value("kvgate_engine_in_flight", {"engine": "e"})
+
+    m.dispatched(Dispatch("old", "e", 0), 100, (), 0.0)
+    m.forget_engine("e")  # removed (DELETE /admin/engines/e) with the call still there
+    m.engine_joined("e")  # and added back
+    m.dispatched(Dispatch("new", "e", 0), 100, (), 1.0)
+    m.finished("e", "old")  # it took the new gauge to 0, then to -1 once "new" ended
+    assert in_flight() == 1.0
+    m.finished("e", "new")
+    assert in_flight() == 0.0
