@@ -138,8 +138,13 @@ class KVEventListener:
                                   f"{e}") from None
         self._sources[source.engine] = source
         self._by_topic[source.topic.encode()] = source.engine
-        if source.replay_endpoint:
+        if source.replay_endpoint and (self.bind or source.endpoint):
             self.ingestor.replay_available.add(source.engine)
+        else:
+            # Not subscribed to its events (a replica of several sharing one index, fed by
+            # another): it must not replay them either. Its probe was a first contact that
+            # cleared the engine's shared entries, its subscriber's counts with them.
+            self.ingestor.replay_available.discard(source.engine)
 
     async def remove_source(self, engine: str) -> None:
         """An engine left: stop listening to it and purge its index entries."""

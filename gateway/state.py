@@ -93,7 +93,10 @@ class GatewayState:
         self.index: KVIndexBackend = make_index(config)
         self.ingestor = EventIngestor(
             config.index.block_size,
-            replay_available={e.engine_name for e in config.engines if e.kv_replay},
+            # Only for the engines whose events this replica subscribes to (bind mode takes
+            # every engine's; connect mode its `kv_events`): see KVEventListener.add_source.
+            replay_available={e.engine_name for e in config.engines
+                              if e.kv_replay and (config.kv_events_bind or e.kv_events)},
         )
         self.planner = make_planner(config.policy, self.policy_context,
                                     speculative_ttl_s=config.index.speculative_ttl_s,

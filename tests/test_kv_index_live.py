@@ -570,3 +570,30 @@ def test_an_engine_added_at_run_time_is_checked_as_the_config_checks_it(
     assert [e["name"] for e in engines["engines"]] == [cluster.engine_name("a")]
     status, body, _ = http("GET", f"{gw.url}/admin/index/no-such-engine", admin=True)
     assert status == 404, body
+
+
+def test_a_replica_that_does_not_subscribe_never_replays_into_the_shared_index(
+    cluster: Cluster, redis_url: str
+) -> None:
+    from gateway.kv_events import PROBE_INTERVAL_S
+
+    # One subscriber feeds the shared index; the other replica has the same engine entries
+    # (their replay endpoints among them). Its probe of an engine it never heard from was a
+    # first contact: it cleared the engine's shared entries and replayed them.
+    cluster.add_engine("a")
+    first = cluster.start_gateway(redis_url=redis_url)
+    second = cluster.start_gateway(ingest=False, redis_url=redis_url)
+    cluster.start_sim("a")
+    wait_healthy(first)
+    wait_healthy(second)
+    http("POST", f"{first.url}/v1/chat/completions", chat(5))
+    wait_for(lambda: bool(cluster.index_keys(first, "a")), "blocks in the shared index")
+    time.sleep(3 * PROBE_INTERVAL_S)
+
+    def last_seq(gw: Child) -> Any:
+        _, body, _ = http("GET", f"{gw.url}/admin/engines", admin=True)
+        return body["engines"][0]["last_event_seq"]
+
+    assert last_seq(first) is not None
+    assert last_seq(second) is None
+    assert "replay" not in second.log_tail(10_000).lower()
