@@ -136,6 +136,10 @@ class WorkflowNotCancellable(GatewayError):
 # -- executing one task ---------------------------------------------------------------------------
 
 
+BROKEN_FINISH = frozenset({"abort", "error"})
+"""`finish_reason`s of an answer cut short: its text is not the task's output."""
+
+
 @dataclass(frozen=True)
 class TaskOutcome:
     """What one task's request came back with."""
@@ -152,8 +156,18 @@ class TaskOutcome:
 
     @property
     def ok(self) -> bool:
-        """The call succeeded with a JSON answer."""
-        return self.error is None and self.response is not None and 200 <= self.status < 300
+        """The call succeeded with a JSON answer the engine did not end as aborted or failed
+        (vLLM ends an aborted stream with `finish_reason: "abort"`, then `[DONE]`)."""
+        return (self.error is None and self.response is not None and 200 <= self.status < 300
+                and self.finish_reason not in BROKEN_FINISH)
+
+    @property
+    def finish_reason(self) -> Any:
+        """`choices[0].finish_reason` of the answer (None where it has none)."""
+        choices = (self.response or {}).get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            return choices[0].get("finish_reason")
+        return None
 
     @property
     def output(self) -> str:
@@ -1100,7 +1114,9 @@ class WorkflowService:
                                  cached_tokens=outcome.cached_tokens)
                     self._think(run, wakeups, changes)
                 else:
-                    error = outcome.error or f"HTTP {outcome.status}"
+                    error = outcome.error or (
+                        f"the engine ended the call with finish_reason {outcome.finish_reason!r}"
+                        if outcome.finish_reason in BROKEN_FINISH else f"HTTP {outcome.status}")
                     skipped = dag.fail(task, now, error)
                     self._record(run, task, changes, finished_s=now, error=error,
                                  engine=outcome.engine or run.tasks[task]["engine"])
@@ -1218,7 +1234,13 @@ class WorkflowService:
 
     async def _execute(self, run: _Run, task: str) -> None:
         spec = run.spec
-        body = render_task(spec, task, run.outputs)
+        try:
+            body = render_task(spec, task, run.outputs, self.call_limit)
+        except WorkflowError as e:
+            # Its parents' outputs made the call larger than the gateway takes: the task fails
+            # (its dependents are skipped) before the body is built.
+            run.inbox.put_nowait(_Done(task, TaskOutcome(0, error=str(e))))
+            return
         parents = dependencies(spec.task(task))
         after = ",".join(parents)
         headers = {**run.headers, WORKFLOW_HEADER: run.id, TASK_HEADER: task,

@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
+from math import isfinite
 from typing import Any, Literal
 
 import networkx as nx
@@ -131,6 +132,18 @@ class Task(BaseModel):
     priority: int = Field(default=0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)
     params: dict[str, Any] = Field(default_factory=dict)
     """Extra OpenAI request fields (temperature, ...)."""
+
+    @model_validator(mode="after")
+    def _one_length(self) -> Task:
+        # `output_tokens` asks for exactly N (vLLM's ignore_eos); a `max_tokens` beside it
+        # overrode N in the call while the planner priced N.
+        if self.output_tokens is not None and self.max_tokens is not None:
+            raise ValueError("set output_tokens (exactly that many tokens) or max_tokens (at "
+                             "most that many), not both")
+        bad = [k for k, v in self.params.items() if isinstance(v, float) and not isfinite(v)]
+        if bad:
+            raise ValueError(f"params {', '.join(sorted(bad))}: a number must be finite")
+        return self
 
 
 class Workflow(BaseModel):
@@ -270,13 +283,42 @@ def _dag_problems(wf: Workflow) -> list[str]:
                                 "which defines none")
     if problems:
         return problems
-    g = wf.graph()
-    try:
-        cycle = nx.find_cycle(g)
-    except nx.NetworkXNoCycle:
+    cycle = a_cycle(wf.graph())
+    if cycle is None:
         return []
-    path = " -> ".join([*(u for u, _ in cycle), cycle[0][0]])
+    path = " -> ".join([*cycle, cycle[0]])
     return [f"the task graph has a cycle: {path}"]
+
+
+def a_cycle(g: nx.DiGraph) -> list[str] | None:
+    """The nodes of one cycle of `g`, in order, or None: one depth-first pass, linear in its
+    size (networkx's `find_cycle` walks on from every start through nodes it had explored:
+    a chain of 1,000 tasks listed in reverse took 6 s, the event loop held meanwhile)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in g:
+        if root in state:
+            continue
+        path: list[str] = [root]
+        at: dict[str, int] = {root: 0}
+        state[root] = 1
+        stack = [iter(g.successors(root))]
+        while stack:
+            child = next(stack[-1], None)
+            if child is None:
+                stack.pop()
+                done = path.pop()
+                del at[done]
+                state[done] = 2
+                continue
+            seen = state.get(child)
+            if seen == 1:
+                return path[at[child]:]
+            if seen is None:
+                state[child] = 1
+                at[child] = len(path)
+                path.append(child)
+                stack.append(iter(g.successors(child)))
+    return None
 
 
 def load_workflow(data: Any, source: str = "workflow") -> Workflow:
@@ -305,10 +347,13 @@ WORKFLOW_ID = re.compile(r"[!-.0-~]([ -.0-~]{0,126}[!-.0-~])?")
 strips) and in `/v1/workflows/{id}` paths (no `/`)."""
 
 RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n",
-                             "kvgate", "cache_salt", "kv_transfer_params"})
+                             "kvgate", "cache_salt", "kv_transfer_params", "max_tokens",
+                             "max_completion_tokens", "ignore_eos"})
 """Request fields the spec itself decides; a task's `params` may not set them (`cache_salt`:
 the workflow's `tenant` is its calls' salt, and no task runs outside it; `kv_transfer_params`:
-the gateway moves KV between engines itself)."""
+the gateway moves KV between engines itself; the output's length: the task's own
+`max_tokens` / `output_tokens`, bounded and priced by the planner, which a param past them
+overrode unchecked)."""
 
 
 def runnable_problems(wf: Workflow) -> list[str]:
@@ -371,12 +416,22 @@ def call_size_floors(wf: Workflow) -> dict[str, int]:
     return floors
 
 
-def render_task(wf: Workflow, task_id: str, outputs: Mapping[str, str]) -> dict[str, Any]:
+def render_task(wf: Workflow, task_id: str, outputs: Mapping[str, str],
+                limit: int | None = None) -> dict[str, Any]:
     """The OpenAI chat body for one task: its messages (segments, literal messages, parents'
     outputs from `outputs`), tools, `max_tokens` and `params`; the tenant becomes `cache_salt`
     so tenants never share cached prefixes. `output_tokens` asks for exactly that many tokens
-    (vLLM's `ignore_eos`)."""
+    (vLLM's `ignore_eos`). With `limit`, WorkflowError before the body is built when its
+    parents' outputs would make it larger than that many bytes (a task naming one parent's
+    output thousands of times built a body of gigabytes)."""
     task = wf.task(task_id)
+    if limit is not None:
+        size = sum(len(outputs.get(m.output_of, "")) for m in task.messages
+                   if isinstance(m, OutputOf))
+        if size > limit:
+            raise WorkflowError(f"task {task_id!r}: its parents' outputs alone would make its "
+                                f"call {size} bytes; the gateway takes calls of at most "
+                                f"{limit} bytes")
     messages: list[dict[str, Any]] = []
     for m in task.messages:
         if isinstance(m, SegmentRef):

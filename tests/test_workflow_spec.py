@@ -76,6 +76,9 @@ def test_a_cycle_is_named_with_its_path() -> None:
     (lambda s: s["segments"]["sys"].update(kind="forever"), "segments.sys.kind"),
     (lambda s: s.pop("model"), "model"),
     (lambda s: s["tasks"][0].update(messages=[{"bogus": 1}]), "tasks.0.messages.0"),
+    # The planner prices output_tokens; a max_tokens beside it overrode it in the call.
+    (lambda s: s["tasks"][0].update(output_tokens=10, max_tokens=60), "not both"),
+    (lambda s: s["tasks"][0].update(params={"temperature": float("nan")}), "must be finite"),
 ])
 def test_invalid_specs_get_errors_naming_the_problem(mutate: Any, message: str) -> None:
     spec = fanout()
@@ -110,3 +113,56 @@ def test_any_dependency_list_is_accepted_iff_it_is_acyclic(deps: list[list[int]]
     else:
         with pytest.raises(WorkflowError, match="cycle"):
             load_workflow(spec)
+
+
+def test_a_cycle_is_found_in_one_pass_over_the_graph() -> None:
+    """A chain listed in reverse was walked again from every task (networkx's find_cycle):
+    6 s for 1,000 tasks, the gateway's event loop held meanwhile."""
+    import networkx as nx
+
+    from planner.workflow import a_cycle
+
+    class Counted(nx.DiGraph):  # type: ignore[type-arg]
+        visits = 0
+
+        def successors(self, n: Any) -> Any:
+            Counted.visits += 1
+            return super().successors(n)
+
+    chain = Counted()
+    nx.add_path(chain, [str(i) for i in range(2000, 0, -1)])
+    assert a_cycle(chain) is None
+    assert Counted.visits == chain.number_of_nodes()  # each node's edges once
+    chain.add_edge("1", "1500")
+    cycle = a_cycle(chain)
+    assert cycle is not None and cycle[0] == "1500" and cycle[-1] == "1" and len(cycle) == 1500
+    spec = {"model": "m", "tasks": [
+        {"id": f"t{i}", "after": [f"t{i + 1}"] if i < 999 else [],
+         "messages": [{"role": "user", "content": "x"}]} for i in range(1000)]}
+    assert len(load_workflow(spec).tasks) == 1000
+
+
+def test_a_call_its_parents_outputs_would_make_too_large_is_refused_before_it_is_built(
+) -> None:
+    from planner.workflow import render_task
+
+    spec = load_workflow({"model": "m", "tasks": [
+        {"id": "p", "messages": [{"role": "user", "content": "x"}]},
+        {"id": "c", "messages": [{"output_of": "p"}] * 200}]})
+    outputs = {"p": "y" * 50_000}
+    with pytest.raises(WorkflowError, match="10000000 bytes; the gateway takes calls of at "
+                                            "most 4194304"):
+        render_task(spec, "c", outputs, limit=4 * 1024 * 1024)
+    assert len(render_task(spec, "c", {"p": "short"}, limit=4 * 1024 * 1024)["messages"]) == 200
+
+
+def test_a_task_may_not_set_its_output_length_through_params() -> None:
+    from planner.workflow import runnable_problems
+
+    # The length is the task's own field, bounded and priced; a param overrode it unchecked
+    # (`max_tokens: -5` was accepted and failed only at the engine).
+    for params in ({"max_tokens": -5}, {"ignore_eos": True}, {"max_completion_tokens": 9}):
+        spec = fanout()
+        spec["tasks"][0]["params"] = params
+        problems = runnable_problems(load_workflow(spec))
+        assert f"task 'plan': params may not set {next(iter(params))}" in problems

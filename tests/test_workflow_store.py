@@ -510,3 +510,18 @@ def test_a_hint_mode_workflow_reads_as_its_latest_call_ended() -> None:
     # The agent went on after the failed call: recovered, as its latest call says.
     snap["tasks"]["c"] = rec("done", 3.0)
     assert hint_state(snap)["state"] == "done" and hint_state(snap)["finished_s"] == 3.0
+
+
+def test_an_answer_the_engine_aborted_is_a_failed_task_not_its_output() -> None:
+    from gateway.workflows import TaskOutcome
+
+    # vLLM ends an aborted stream with finish_reason "abort", then [DONE]: its partial text
+    # used to be the task's output, spliced into its children's prompts.
+    def answer(reason: str) -> TaskOutcome:
+        return TaskOutcome(200, response={"choices": [{
+            "message": {"role": "assistant", "content": "The answer is"},
+            "finish_reason": reason}]})
+
+    assert answer("stop").ok and answer("length").ok
+    assert not answer("abort").ok and not answer("error").ok
+    assert answer("abort").finish_reason == "abort"
