@@ -64,6 +64,19 @@ def start_replica(name: str, engines: list[Child], redis_url: str, logs: Path,
     return child
 
 
+@contextlib.contextmanager
+def two_replicas(engines: list[Child], redis_url: str, logs: Path,
+                 lease_s: float = LEASE_S) -> Iterator[tuple[Child, Child]]:
+    """Replicas A and B sharing the store, both stopped after the block."""
+    a = start_replica("replica-a", engines, redis_url, logs, lease_s=lease_s)
+    b = start_replica("replica-b", engines, redis_url, logs, lease_s=lease_s)
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
 def chain() -> dict[str, Any]:
     """first (quick) -> slow (long enough to be cut off) -> last, which reads both."""
     return {"id": "chain", "model": MODEL, "tasks": [
@@ -129,32 +142,22 @@ def assert_finished_by(b: Child, wf: str, before: dict[str, Any]) -> dict[str, A
 def test_a_crashed_replicas_workflow_is_finished_by_another_from_the_tasks_done(
     engines: list[Child], redis_url: str, logs: Path,
 ) -> None:
-    a = start_replica("replica-a", engines, redis_url, logs)
-    b = start_replica("replica-b", engines, redis_url, logs)
-    try:
+    with two_replicas(engines, redis_url, logs) as (a, b):
         wf, before = cut_off_mid_workflow(a, b, engines, crash=True)
         # B goes on once A's lease has lapsed; the engine aborted A's request meanwhile.
         assert_finished_by(b, wf, before)
         wait_for(lambda: running_on_engines(engines) == 0)
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_a_stopping_replica_hands_its_workflow_over_at_once(
     engines: list[Child], redis_url: str, logs: Path,
 ) -> None:
     # A lease far longer than the test: B can only have gone on because A handed it over.
-    a = start_replica("replica-a", engines, redis_url, logs, lease_s=120.0)
-    b = start_replica("replica-b", engines, redis_url, logs, lease_s=120.0)
-    try:
+    with two_replicas(engines, redis_url, logs, lease_s=120.0) as (a, b):
         wf, before = cut_off_mid_workflow(a, b, engines, crash=False)
         assert a.proc.returncode == 0, a.log_tail()
         wait_for(lambda: read(b, wf)["replica"] == "replica-b", timeout_s=30)
         assert_finished_by(b, wf, before)
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_a_stopping_replica_ends_its_event_streams_and_they_resume_on_another(
@@ -165,9 +168,7 @@ def test_a_stopping_replica_ends_its_event_streams_and_they_resume_on_another(
 
     # An open stream (an SDK's `wait`, a timeline page) used to keep the stopping replica up
     # for two minutes: aiohttp's shutdown timeout, twice, then a SIGKILL in a rolling deploy.
-    a = start_replica("replica-a", engines, redis_url, logs, lease_s=120.0)
-    b = start_replica("replica-b", engines, redis_url, logs, lease_s=120.0)
-    try:
+    with two_replicas(engines, redis_url, logs, lease_s=120.0) as (a, b):
         spec = chain()
         spec["tasks"][2]["think_time_s"] = 300  # the workflow outlasts the test
         wf = submit(a, spec)["id"]
@@ -201,9 +202,6 @@ def test_a_stopping_replica_ends_its_event_streams_and_they_resume_on_another(
         with urllib.request.urlopen(request, timeout=60) as r:
             rest = [json.loads(line[6:]) for line in r if line.startswith(b"data: ")]
         assert rest[-1]["type"] == "workflow" and rest[-1]["state"] == "cancelled"
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_a_hint_mode_call_its_replica_died_with_is_failed_and_the_next_one_counts(
@@ -213,8 +211,6 @@ def test_a_hint_mode_call_its_replica_died_with_is_failed_and_the_next_one_count
 
     # Nothing else would ever end such a call's record: its workflow read `running` until it
     # expired (an hour by default), and a client's `wait` with it.
-    a = start_replica("replica-a", engines, redis_url, logs)
-    b = start_replica("replica-b", engines, redis_url, logs)
     wf = f"agent-{uuid.uuid4().hex[:8]}"
 
     def ask(gw: Child, task: str, tokens: int) -> None:
@@ -224,7 +220,7 @@ def test_a_hint_mode_call_its_replica_died_with_is_failed_and_the_next_one_count
                 "messages": [{"role": "user", "content": "Plan the trip."}]},
                 headers={"X-KVGate-Workflow": wf, "X-KVGate-Task": task})
 
-    try:
+    with two_replicas(engines, redis_url, logs) as (a, b):
         ask(a, "first", 2)
         threading.Thread(target=ask, args=(a, "long", 100_000), daemon=True).start()
         wait_for(lambda: read(b, wf)["tasks"].get("long", {}).get("state") == "running")
@@ -240,9 +236,6 @@ def test_a_hint_mode_call_its_replica_died_with_is_failed_and_the_next_one_count
         # The agent goes on: its workflow is done again once its next call is.
         ask(b, "retry", 2)
         assert read(b, wf)["state"] == "done"
-    finally:
-        a.stop()
-        b.stop()
 
 
 def sse_until(url: str, task: str, state: str) -> list[dict[str, Any]]:
