@@ -199,7 +199,23 @@ class MemoryStore(SpanExporter):
                     if workflow not in named:
                         named.add(workflow)
                         self._traces_of.setdefault(workflow, []).append(tid)
+                        if len(named) > 2 * len(kept) + 16:
+                            self._unname(tid, kept)
         return SpanExportResult.SUCCESS
+
+    def _unname(self, tid: int, kept: deque[ReadableSpan]) -> None:
+        """Forget the workflows none of the trace's kept spans name any more: API workflows
+        submitted under one client `traceparent` share a trace, whose spans are capped while
+        the names it had seen grew with every workflow (100,000 of them: 29 MB)."""
+        still = {w for s in kept if isinstance(w := (s.attributes or {}).get(WORKFLOW_ATTR), str)}
+        named = self._named[tid]
+        for workflow in named - still:
+            ids = self._traces_of.get(workflow, [])
+            if tid in ids:
+                ids.remove(tid)
+            if not ids:
+                self._traces_of.pop(workflow, None)
+        self._named[tid] = named & still
 
     def _evict(self, tid: int) -> None:
         self._total -= len(self._traces.pop(tid))

@@ -505,6 +505,25 @@ def test_the_memory_store_keeps_at_most_its_span_budget_in_all() -> None:
     assert tracing.store.spans(roots[0].get_span_context().trace_id) is None
 
 
+def test_a_trace_many_workflows_share_forgets_those_it_keeps_no_span_of() -> None:
+    from opentelemetry import trace as otel
+
+    # API workflows submitted under one client traceparent share a trace: its spans were
+    # capped, but the workflow names it had seen grew with every one.
+    tracing = Tracing(parse_config({"engines": [{"url": "http://127.0.0.1:1"}],
+                                    "tracing": {"max_spans_per_trace": 3}}).tracing)
+    root = tracing.tracer.start_span("client")
+    ctx = otel.set_span_in_context(root)
+    for i in range(500):
+        tracing.tracer.start_span(f"task {i}", ctx,
+                                  attributes={"kvgate.workflow.id": f"wf-{i}"}).end()
+    store = tracing.store
+    assert store is not None
+    assert len(store._traces_of) < 30  # it was 500
+    assert store.workflow_spans("wf-499") is not None  # the latest are still found
+    assert store.workflow_spans("wf-3") is None
+
+
 def test_a_full_trace_keeps_its_latest_spans_and_counts_the_dropped() -> None:
     """A hint-mode workflow that runs for weeks is one trace: past its cap the oldest spans
     go, so its latest calls stay visible, and the listing says how many went."""
