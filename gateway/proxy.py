@@ -372,6 +372,7 @@ class Proxy:
             max_tokens=(max_tokens if type(max_tokens) is int and 0 <= max_tokens <= MAX_TOKENS
                         else None),
             streams=body.get("stream") is True,
+            sequences=sequences_of(body),
         )
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -1067,6 +1068,18 @@ def _usage_event(events: bytes) -> bytes | None:
         if event.startswith(b"data: {") and b'"usage":{' in event:
             return event[6:]
     return None
+
+
+MAX_SEQUENCES = 256
+"""The most sequences (`n`) one call counts as at its engine: vLLM's `max_num_seqs` default."""
+
+
+def sequences_of(body: dict[str, Any]) -> int:
+    """The sequences an engine decodes for the call (vLLM's `n`, parallel sampling): each
+    steps and reads the prompt's KV like a call of its own. A value the engine would refuse
+    counts as one (it is the engine's to refuse)."""
+    n = lax_int(body.get("n", 1))
+    return min(n, MAX_SEQUENCES) if n is not None and n > 1 else 1
 
 
 def held_behind(request: web.Request) -> int:

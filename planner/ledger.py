@@ -36,6 +36,9 @@ class Outstanding:
     blocks: int
     prefilling: bool = True
     open: bool = True
+    sequences: int = 1
+    """The sequences it decodes (vLLM's `n`): each counts in flight, its prompt's blocks each
+    time (the engine computes the prompt once, so it is queued prefill once)."""
 
 
 def open_dispatch(
@@ -44,11 +47,11 @@ def open_dispatch(
     """Count `request` against `engine`'s load; undone by `close_dispatch`."""
     cached = request.cached_tokens(engine, engine_block_size)
     d = Outstanding(engine, load, cached, max(0, request.prompt_tokens - cached),
-                 len(request.block_keys))
-    load.in_flight += 1
+                    len(request.block_keys), sequences=max(1, request.sequences))
+    load.in_flight += d.sequences
     load.prefilling += 1
     load.queued_prefill_tokens += d.uncached_tokens
-    load.active_blocks += d.blocks
+    load.active_blocks += d.blocks * d.sequences
     return d
 
 
@@ -92,6 +95,6 @@ def close_dispatch(d: Outstanding) -> bool:
         return False
     prefill_done(d)
     d.open = False
-    d.load.in_flight -= 1
-    d.load.active_blocks -= d.blocks
+    d.load.in_flight -= d.sequences
+    d.load.active_blocks -= d.blocks * d.sequences
     return True

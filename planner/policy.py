@@ -110,6 +110,9 @@ class RouteRequest:
     workflow_root: bool = False
     """The first call of a workflow the planner knows (no parents, no earlier call): where it
     runs is where the workflow's context will live."""
+    sequences: int = 1
+    """Sequences its engine decodes for it (vLLM's `n`): each steps and reads the prompt's KV
+    as a call of its own would, so it counts that many times in its engine's load."""
     streams: bool = True
     """The answer is streamed, so its first token is seen when the prompt is in. A call that is
     not (a plain `create()`) shows nothing until it is over: the planner takes its prompt as

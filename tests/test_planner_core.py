@@ -811,3 +811,22 @@ def test_hint_mode_lineage_holds_a_bounded_number_of_prompt_keys(
     assert len(p._lineage["dag"]) == 1  # submitted: not the budget's to forget
     p.on_event(WorkflowOver("s5"), 0.0)
     assert "s5" not in p._lineage and p._hint_blocks == sum(p._lineage_size.values())
+
+
+def test_a_call_of_n_sequences_counts_n_times_in_its_engines_load() -> None:
+    from gateway.proxy import sequences_of
+
+    # vLLM decodes `n` sequences for it (parallel sampling), each stepping and reading the
+    # prompt's KV: it counted as one, and the cost model priced its engine n-1 calls light.
+    p = planner()
+    p.admit(Call(RouteRequest("best-of-4", "m", prompt_tokens=64, block_keys=(1, 2, 3, 4),
+                              sequences=4)), 0.0)
+    (d,) = p.release(0.0)
+    assert isinstance(d, Dispatch)
+    view = {v.name: v for v in p.views()}[d.engine]
+    assert view.in_flight == 4 and view.active_blocks == 16 and view.prefilling == 1
+    p.on_event(Finished("best-of-4", 40), 1.0)
+    view = {v.name: v for v in p.views()}[d.engine]
+    assert view.in_flight == 0 and view.active_blocks == 0
+    assert [sequences_of(b) for b in ({}, {"n": 4}, {"n": "3"}, {"n": 0}, {"n": "x"},
+                                      {"n": 10**9})] == [1, 4, 3, 1, 1, 256]
