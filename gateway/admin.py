@@ -7,7 +7,6 @@ is disabled.
 from __future__ import annotations
 
 import hmac
-import time
 from typing import Any
 
 from aiohttp import web
@@ -154,7 +153,7 @@ class Admin:
         rr = await self.proxy.route_request(request, route, body, dispatched=False)
         # From the index itself: routing goes on without it while its store is away (and
         # matches nothing then), but this answer says what it holds, or 503.
-        matches = await self.state.index.match(rr.block_keys, time.monotonic()) \
+        matches = await self.state.index.match(rr.block_keys, self.state.now()) \
             if rr.block_keys else {}
         return web.json_response({
             "prompt_tokens": rr.prompt_tokens,

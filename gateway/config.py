@@ -152,8 +152,8 @@ class EngineEntry(_Section):
         # It goes into the `x-kvgate-engine` header of every answer, metrics labels and logs:
         # a line break in it made every call placed there a 500.
         if v is not None and not ENGINE_NAME.fullmatch(v):
-            raise ValueError(f"engine name {v!r}: printable ASCII without spaces, at most "
-                             "128 characters")
+            raise ValueError(f"engine name {v!r}: 1 to 256 characters, none of them a "
+                             "control character (it goes into a response header)")
         return v
 
     @field_validator("profile")
@@ -332,8 +332,8 @@ PLACEHOLDER_KEYS = frozenset({"replace-with-a-long-random-key", "change-me-to-a-
 """Example values of the shipped configs: a gateway started with one would serve /admin to
 anyone who has read them."""
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-ENGINE_NAME = re.compile(r"[!-~]{1,128}")
-"""An engine's name: printable ASCII without spaces (it is a header value and a label)."""
+ENGINE_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
+"""An engine's name: no control characters (it is a header value and a label)."""
 
 
 class TenantEntry(_Section):

@@ -158,7 +158,10 @@ class GatewayMetrics:
         tokens, its placement's reason, and the static segment its prompt starts with."""
         engine = dispatch.engine
         if engine in self._left:
-            return  # placed before it left: its series are gone, and stay gone
+            # Placed before it left: its series are gone, and stay gone; nor may its end be
+            # taken from the gauge of the engine back under the name.
+            self._counted_in[dispatch.request_id] = -1
+            return
         child = self._child
         child(self.in_flight, engine).inc()
         self._counted_in[dispatch.request_id] = self._generation.get(engine, 0)

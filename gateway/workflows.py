@@ -528,6 +528,7 @@ class WorkflowService:
         self.instance = f"{replica}/{uuid.uuid4().hex[:12]}"
         """This process among the replicas: what its workflow leases name."""
         self._leaser: asyncio.Task[None] | None = None
+        self._heart: asyncio.Task[None] | None = None
         self._taker: asyncio.Task[None] | None = None
         self._handoff_listener: asyncio.Task[None] | None = None
         self._scan_now = asyncio.Event()
@@ -551,7 +552,8 @@ class WorkflowService:
             try:
                 await self.store.heartbeat(self.instance, self.settings.lease_s)
             except STORE_ERRORS as e:
-                log.warning("workflow store: no heartbeat yet (%r); retried with the leases", e)
+                log.warning("workflow store: no heartbeat yet (%r); retried shortly", e)
+            self._heart = asyncio.create_task(self._beat())
             self._leaser = asyncio.create_task(self._keep_leases())
             self._taker = asyncio.create_task(self._take_over())
             self._handoff_listener = asyncio.create_task(self._listen_for_handoffs())
@@ -587,6 +589,11 @@ class WorkflowService:
     async def stop(self) -> None:
         """`stop_runs`, then release the store and the executor."""
         await self.stop_runs()
+        if self._heart is not None:
+            self._heart.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heart
+            self._heart = None
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -724,6 +731,21 @@ class WorkflowService:
                                 events=[*events, workflow_event(workflow)],
                                 ttl_s=self.settings.ttl_s, owner=self._owner)
 
+    async def _beat(self) -> None:
+        """Every third of the lease: this replica is alive, so the hint-mode calls it has open
+        are not lost (`_settle_lost`). A task of its own that runs until the server is gone
+        (`stop`): while it stops, the calls still in flight are answered, and must not read
+        as lost meanwhile."""
+        lease = self.settings.lease_s
+        while True:
+            await asyncio.sleep(lease / 3)
+            try:
+                await self.store.heartbeat(self.instance, lease)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("workflow store heartbeat: %r; retrying", e)
+
     async def _keep_leases(self) -> None:
         """Every third of the lease: renew the leases of the workflows driven here (one lost
         to another replica stops here), and act on cancels asked for while the announcement
@@ -733,8 +755,6 @@ class WorkflowService:
         while True:
             await asyncio.sleep(lease / 3)
             try:
-                # This replica is alive: the hint-mode calls it has open are not lost.
-                await self.store.heartbeat(self.instance, lease)
                 mine = [wf for wf, run in self._runs.items() if not run.abandoned]
                 for wf in await self.store.renew(self.instance, mine, lease):
                     run = self._runs.get(wf)
@@ -860,7 +880,20 @@ class WorkflowService:
             if where in alive:
                 continue
             for snap, task, rec in calls:
-                rec.update(state=TaskState.FAILED.value, finished_s=self.clock(),
+                # Still the same open call in the store (its replica may have answered it
+                # meanwhile, or the agent sent the task again)?
+                now = await self.store.get(snap["id"])
+                current = (now or {}).get("tasks", {}).get(task)
+                if (current is None or current.get("state") in terminal
+                        or current.get("request_id") != rec.get("request_id")):
+                    if current is not None:
+                        snap["tasks"][task] = current
+                    continue
+                # Its end is not known: it is placed when it was sent, so an agent's later
+                # calls stay its latest.
+                rec.update(state=TaskState.FAILED.value,
+                           finished_s=rec.get("dispatched_s") or rec.get("ready_s")
+                           or self.clock(),
                            error=f"lost: the gateway replica that took the call ({where}) "
                                  "stopped before it was answered")
                 log.warning("workflow %s, task %s: %s", snap["id"], task, rec["error"])

@@ -134,12 +134,7 @@ class Task(BaseModel):
     """Extra OpenAI request fields (temperature, ...)."""
 
     @model_validator(mode="after")
-    def _one_length(self) -> Task:
-        # `output_tokens` asks for exactly N (vLLM's ignore_eos); a `max_tokens` beside it
-        # overrode N in the call while the planner priced N.
-        if self.output_tokens is not None and self.max_tokens is not None:
-            raise ValueError("set output_tokens (exactly that many tokens) or max_tokens (at "
-                             "most that many), not both")
+    def _finite_params(self) -> Task:
         bad = [k for k, v in self.params.items() if isinstance(v, float) and not isfinite(v)]
         if bad:
             raise ValueError(f"params {', '.join(sorted(bad))}: a number must be finite")
@@ -229,7 +224,7 @@ def task_specs(spec: Workflow, namespace: str = "") -> tuple[TaskSpec, ...]:
     """What the planner needs of each task ahead: its dependencies and estimated sizes (prompt
     text at `CHARS_PER_TOKEN`, parents' outputs at their output limits), for its priorities,
     and the static segment it opens with, for replication (`namespace`: the tenant)."""
-    out_tokens = {t.id: t.output_tokens or t.max_tokens or DEFAULT_OUTPUT_TOKENS
+    out_tokens = {t.id: task_length(t) or DEFAULT_OUTPUT_TOKENS
                   for t in spec.tasks}
     specs = []
     for t in spec.tasks:
@@ -347,13 +342,11 @@ WORKFLOW_ID = re.compile(r"[!-.0-~]([ -.0-~]{0,126}[!-.0-~])?")
 strips) and in `/v1/workflows/{id}` paths (no `/`)."""
 
 RESERVED_PARAMS = frozenset({"model", "messages", "tools", "stream", "stream_options", "n",
-                             "kvgate", "cache_salt", "kv_transfer_params", "max_tokens",
-                             "max_completion_tokens", "ignore_eos"})
+                             "kvgate", "cache_salt", "kv_transfer_params"})
 """Request fields the spec itself decides; a task's `params` may not set them (`cache_salt`:
 the workflow's `tenant` is its calls' salt, and no task runs outside it; `kv_transfer_params`:
-the gateway moves KV between engines itself; the output's length: the task's own
-`max_tokens` / `output_tokens`, bounded and priced by the planner, which a param past them
-overrode unchecked)."""
+the gateway moves KV between engines itself). The output's length in `params` is taken, but
+the task's own `max_tokens` / `output_tokens` win over it (`render_task`)."""
 
 
 def runnable_problems(wf: Workflow) -> list[str]:
@@ -446,15 +439,24 @@ def render_task(wf: Workflow, task_id: str, outputs: Mapping[str, str],
                 raise WorkflowError(f"task {task_id!r} needs the output of {m.output_of!r}, "
                                     "which has none yet")
             messages.append({"role": m.role, "content": outputs[m.output_of]})
-    body: dict[str, Any] = {"model": wf.model, "messages": messages}
+    body: dict[str, Any] = {**task.params, "model": wf.model, "messages": messages}
     if task.tools is not None:
         body["tools"] = wf.segments[task.tools].tools
+    # The task's own length wins over its params' (the planner prices it): `output_tokens`
+    # asks for exactly that many, capped by a `max_tokens` beside it (which used to
+    # override it, while the planner priced `output_tokens`).
+    length = task_length(task)
+    if length is not None:
+        body["max_tokens"] = length
     if task.output_tokens is not None:
-        body["max_tokens"] = task.output_tokens
         body["ignore_eos"] = True
-    if task.max_tokens is not None:
-        body["max_tokens"] = task.max_tokens
     if wf.tenant is not None:
         body["cache_salt"] = wf.tenant
-    body.update(task.params)
     return body
+
+
+def task_length(task: Task) -> int | None:
+    """The output length a task's call asks (None: the engine's default)."""
+    if task.output_tokens is not None and task.max_tokens is not None:
+        return min(task.output_tokens, task.max_tokens)
+    return task.output_tokens if task.output_tokens is not None else task.max_tokens

@@ -294,3 +294,11 @@ def test_a_call_counted_before_its_engine_left_and_came_back_leaves_the_new_gaug
     assert in_flight() == 1.0
     m.finished("e", "new")
     assert in_flight() == 0.0
+    # A dispatch counted late (the metrics are written after the call goes out), once the
+    # engine had left: its end must not come off the gauge of the engine back under the name.
+    m.forget_engine("e")
+    m.dispatched(Dispatch("late", "e", 0), 100, (), 2.0)
+    m.engine_joined("e")
+    m.dispatched(Dispatch("newer", "e", 0), 100, (), 3.0)
+    m.finished("e", "late")
+    assert in_flight() == 1.0

@@ -597,3 +597,23 @@ def test_a_replica_that_does_not_subscribe_never_replays_into_the_shared_index(
     assert last_seq(first) is not None
     assert last_seq(second) is None
     assert "replay" not in second.log_tail(10_000).lower()
+
+
+def test_the_admin_match_sees_speculative_entries_and_leaves_them(cluster: Cluster) -> None:
+    # It read the index on another clock than the gateway's: every speculative entry looked
+    # expired, and the in-memory index deleted them all (the ones that send siblings after
+    # the call that computes their prefix).
+    cluster.add_engine("a")
+    cluster.add_engine("b")
+    gw = cluster.start_gateway(ingest=False)  # no KV events: only the gateway's own entries
+    cluster.start_sim("a")
+    cluster.start_sim("b")
+    wait_healthy(gw)
+    status, _, headers = http("POST", f"{gw.url}/v1/chat/completions", chat(5))
+    assert status == 200
+    for _ in range(2):
+        status, out, _ = http("POST", f"{gw.url}/admin/index/match", chat(5), admin=True)
+        assert status == 200 and out["matches"], out
+        (engine,) = out["matches"]
+        assert engine == headers["x-kvgate-engine"]
+        assert out["matches"][engine]["confirmed_blocks"] == 0

@@ -225,3 +225,14 @@ def test_streamed_output_events_are_counted_from_vllm_sse() -> None:
     completion = b'data: {"choices":[{"index":0,"text":" a"}]}\n\n'
     assert _token_events(chat) == 2
     assert _token_events(completion) == 1
+
+
+def test_an_engine_name_may_hold_anything_but_a_control_character() -> None:
+    from gateway.config import ConfigError, parse_config
+
+    # It goes into every answer's x-kvgate-engine header: a line break made each call a 500.
+    for name in ("gpu 0", "节点1", "a" * 256):
+        parse_config({"engines": [{"url": "http://127.0.0.1:9", "name": name}]})
+    for name in ("", "bad\r\nX-Injected: 1", "tab\there", "a" * 257):
+        with pytest.raises(ConfigError, match="engine name"):
+            parse_config({"engines": [{"url": "http://127.0.0.1:9", "name": name}]})

@@ -76,8 +76,6 @@ def test_a_cycle_is_named_with_its_path() -> None:
     (lambda s: s["segments"]["sys"].update(kind="forever"), "segments.sys.kind"),
     (lambda s: s.pop("model"), "model"),
     (lambda s: s["tasks"][0].update(messages=[{"bogus": 1}]), "tasks.0.messages.0"),
-    # The planner prices output_tokens; a max_tokens beside it overrode it in the call.
-    (lambda s: s["tasks"][0].update(output_tokens=10, max_tokens=60), "not both"),
     (lambda s: s["tasks"][0].update(params={"temperature": float("nan")}), "must be finite"),
 ])
 def test_invalid_specs_get_errors_naming_the_problem(mutate: Any, message: str) -> None:
@@ -156,13 +154,19 @@ def test_a_call_its_parents_outputs_would_make_too_large_is_refused_before_it_is
     assert len(render_task(spec, "c", {"p": "short"}, limit=4 * 1024 * 1024)["messages"]) == 200
 
 
-def test_a_task_may_not_set_its_output_length_through_params() -> None:
-    from planner.workflow import runnable_problems
+def test_a_tasks_own_length_wins_over_its_params_and_the_planner_prices_it() -> None:
+    from planner.workflow import render_task
 
-    # The length is the task's own field, bounded and priced; a param overrode it unchecked
-    # (`max_tokens: -5` was accepted and failed only at the engine).
-    for params in ({"max_tokens": -5}, {"ignore_eos": True}, {"max_completion_tokens": 9}):
-        spec = fanout()
-        spec["tasks"][0]["params"] = params
-        problems = runnable_problems(load_workflow(spec))
-        assert f"task 'plan': params may not set {next(iter(params))}" in problems
+    # `max_tokens` beside `output_tokens` overrode it in the call (60 tokens came back) while
+    # the planner priced 10; a length in `params` overrode both. Specs stored by an earlier
+    # replica keep running on a newer one, so neither is refused: the smaller length wins.
+    spec = load_workflow({"model": "m", "tasks": [
+        {"id": "a", "output_tokens": 10, "max_tokens": 60, "params": {"max_tokens": 99},
+         "messages": [{"role": "user", "content": "x"}]},
+        {"id": "b", "params": {"max_tokens": 7, "temperature": 0.5},
+         "messages": [{"role": "user", "content": "x"}]}]})
+    a = render_task(spec, "a", {})
+    assert a["max_tokens"] == 10 and a["ignore_eos"] is True
+    assert {t.task: t.output_tokens for t in task_specs(spec)}["a"] == 10
+    b = render_task(spec, "b", {})
+    assert b["max_tokens"] == 7 and b["temperature"] == 0.5 and "ignore_eos" not in b

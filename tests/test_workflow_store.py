@@ -525,3 +525,49 @@ def test_an_answer_the_engine_aborted_is_a_failed_task_not_its_output() -> None:
     assert answer("stop").ok and answer("length").ok
     assert not answer("abort").ok and not answer("error").ok
     assert answer("abort").finish_reason == "abort"
+
+
+class _NoExecutor:
+    async def execute(self, body: Any, headers: Any) -> Any:
+        raise RuntimeError("no task runs here")
+
+
+async def test_a_stopping_replicas_open_hint_calls_are_not_lost_and_a_dead_ones_come_first(
+        redis_url: str) -> None:
+    # A replica that stops still answers its calls in flight (aiohttp waits for them): its
+    # heartbeat went with its leases, and another replica read them as lost meanwhile. And a
+    # lost call's end was when it was read, so it outranked the agent's later calls.
+    ns = fresh_namespace()
+    lease = 0.6
+    settings = WorkflowSettings(store="redis", redis_url=redis_url, lease_s=lease)
+
+    def service(name: str) -> WorkflowService:
+        return WorkflowService(settings, RedisWorkflowStore.from_url(redis_url, ns),
+                               _NoExecutor(), replica=name)  # type: ignore[arg-type]
+
+    a, b, c = service("a"), service("b"), service("c")
+    for s in (a, b, c):
+        await s.start()
+    try:
+        await a.hinted_task_started("agent1", "t1", [], "rid1", "m", attempt="x1")
+        await a.hinted_task_dispatched("agent1", "t1", "e0", attempt="x1")
+        await a.stop_runs()  # the server's on_shutdown: its calls in flight still run
+        await asyncio.sleep(lease + 0.3)
+        assert (await b.snapshot("agent1"))["tasks"]["t1"]["state"] == "running"
+        await a.hinted_task_finished("agent1", "t1", output="ok", output_tokens=5,
+                                     attempt="x1")
+        assert (await b.snapshot("agent1"))["state"] == "done"
+        # c dies with t1 of agent2 open; the agent goes on through b, and t2 succeeds.
+        await c.hinted_task_started("agent2", "t1", [], "r1", "m", attempt="y1")
+        await c.hinted_task_dispatched("agent2", "t1", "e0", attempt="y1")
+        assert c._heart is not None
+        c._heart.cancel()
+        await asyncio.sleep(lease + 0.3)
+        await b.hinted_task_started("agent2", "t2", ["t1"], "r2", "m", attempt="y2")
+        await b.hinted_task_finished("agent2", "t2", output="ok", attempt="y2")
+        snap = await b.snapshot("agent2")
+        assert snap["tasks"]["t1"]["state"] == "failed"
+        assert snap["state"] == "done"  # its latest call, t2, succeeded
+    finally:
+        for s in (a, b, c):
+            await s.stop()
