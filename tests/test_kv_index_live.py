@@ -73,8 +73,9 @@ class Cluster:
 
     def add_engine(self, name: str, replay: bool = True, drop: str = "",
                    lora: str = "") -> None:
-        port = free_port()
-        self.engines[name] = {"port": port, "replay": free_port() if replay else None,
+        port = self.free_port()
+        self.engines[name] = {"port": port, "replay": None}
+        self.engines[name] = {"port": port, "replay": self.free_port() if replay else None,
                               "drop": drop, "lora": lora}
 
     def config_engines(self) -> list[dict[str, Any]]:
@@ -86,15 +87,23 @@ class Cluster:
             out.append(entry)
         return out
 
+    def free_port(self) -> int:
+        """A free port that no engine of the cluster has been given yet (theirs are bound
+        only when the engine starts, which may be after the gateway was given the same)."""
+        taken = {p for e in self.engines.values() for p in (e["port"], e["replay"]) if p}
+        while (port := free_port()) in taken or port == self.events_port:
+            pass
+        return port
+
     def start_gateway(self, ingest: bool = True, redis_url: str | None = None) -> Child:
-        port = free_port()
+        port = self.free_port()
         config: dict[str, Any] = {
             "host": "127.0.0.1", "port": port, "policy": "kvgate", "admin_key": ADMIN,
             "engines": self.config_engines(), "health_interval_s": 0.2,
             "scrape_interval_s": 0.2,
         }
         if ingest:
-            self.events_port = self.events_port or free_port()
+            self.events_port = self.events_port or self.free_port()
             config["kv_events_bind"] = f"tcp://127.0.0.1:{self.events_port}"
         if redis_url:
             config["index"] = {"backend": "redis", "redis_url": redis_url,
