@@ -404,13 +404,12 @@ class Proxy:
             stripped = {**(stripped or body), "cache_salt": tenant.salt}
             # A tenant may not rank its calls ahead of others' past what it is allowed.
             hints, clamped = tenant.clamp(hints)
-            asked = stripped.get("priority")
+            # vLLM reads "-5", -5.0 and True as integers: so does the clamp, and the engine
+            # gets the integer (a value it would refuse is left for it to refuse).
+            asked = lax_int(stripped.get("priority"))
             if asked is not None:
-                # vLLM reads "-5", -5.0 and True as integers: so does the clamp, and the
-                # engine gets the integer.
-                allowed = tenant.engine_priority(asked)
-                stripped["priority"] = allowed
-                if lax_int(asked) is not None and allowed != lax_int(asked):
+                stripped["priority"] = max(asked, tenant.priority_floor)
+                if asked < tenant.priority_floor:
                     clamped.append("body priority")
             for hint in clamped:
                 state.metrics.hints_clamped.labels(tenant.name, hint).inc()

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gateway.config import TenantEntry
 from gateway.errors import GatewayError
-from planner.hints import RequestHints, lax_int
+from planner.hints import RequestHints
 
 
 class NotAuthenticated(GatewayError):
@@ -71,15 +71,6 @@ class Tenant:
         if priority == hints.priority and deadline == hints.deadline_s:
             return hints, changed
         return replace(hints, priority=priority, deadline_s=deadline), changed
-
-    def engine_priority(self, value: object) -> object:
-        """vLLM's own body `priority` as the tenant may send it, as an integer: what vLLM's
-        lax `int` field reads (a bool, a whole float, a numeric string) is read the same way
-        and clamped; a value the engine would refuse is left for it to refuse."""
-        number = lax_int(value)
-        if number is None:
-            return value
-        return max(number, self.priority_floor)
 
     @property
     def operator(self) -> bool:

@@ -74,9 +74,9 @@ class Cluster:
     def add_engine(self, name: str, replay: bool = True, drop: str = "",
                    lora: str = "") -> None:
         port = self.free_port()
-        self.engines[name] = {"port": port, "replay": None}
-        self.engines[name] = {"port": port, "replay": self.free_port() if replay else None,
-                              "drop": drop, "lora": lora}
+        self.engines[name] = {"port": port, "replay": None}  # taken before its replay is given
+        self.engines[name] |= {"replay": self.free_port() if replay else None,
+                               "drop": drop, "lora": lora}
 
     def config_engines(self) -> list[dict[str, Any]]:
         out = []

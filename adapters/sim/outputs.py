@@ -22,9 +22,6 @@ from typing import Any
 MAX_LOGPROBS = 20
 """vLLM's default `--max-logprobs`."""
 
-_INT64_MAX = 2**63 - 1
-
-
 class OutputError(ValueError):
     """A request field the engine refuses (400), naming the parameter."""
 
