@@ -43,6 +43,9 @@ PRIORITY_SCALE_S), so the explicit priority always decides first; `PRIORITY_LIMI
 stay within the 64-bit integer vLLM's engine core carries it in."""
 AGING = 1.0
 """Seconds of rank a call gains per second it waits in the gateway's buffer."""
+AGING_STEP_S = 0.1
+"""Waits count in whole steps of this: calls of one rank placed at once (a wait of a
+millisecond or two) reach their engine with one priority, not a millisecond apart."""
 
 
 MAX_HINTED = 100_000
@@ -142,7 +145,8 @@ class WorkflowPriorities:
                 task_path = wf.path_s.get(hints.task or "", 0.0)
         if hints.deadline_s is not None and hints.deadline_s < rank:
             rank = hints.deadline_s
-        return (explicit, rank - AGING * waited_s if waited_s > 0 else rank, -task_path)
+        steps = waited_s // AGING_STEP_S if waited_s > 0 else 0.0
+        return (explicit, rank - AGING * steps * AGING_STEP_S if steps else rank, -task_path)
 
     @property
     def _token_s(self) -> float:
