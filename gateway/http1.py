@@ -9,6 +9,7 @@ can not frame raises `ProtocolError` naming the problem.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from multidict import CIMultiDict
@@ -45,6 +46,9 @@ END = _End()
 Event = Head | bytes | _End
 
 # Framing states.
+_FORBIDDEN = re.compile(rb"[\r\n\0]")
+"""Bytes no header value may hold."""
+
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
 
 
@@ -227,6 +231,10 @@ class ResponseParser:
             name, sep, value = line.partition(b":")
             if not sep or not name or name != name.strip():
                 raise ProtocolError(f"bad header line {line[:80]!r}")
+            if _FORBIDDEN.search(value):
+                # RFC 9110 5.5: a CR, LF or NUL in a field value is an error (relayed, it would
+                # split the client's answer).
+                raise ProtocolError(f"control character in header line {line[:80]!r}")
             headers.add(name.decode("latin-1"), _header_text(value.strip()))
         if status < 200:
             return None  # 100 Continue and friends: the real answer follows

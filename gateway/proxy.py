@@ -124,7 +124,12 @@ def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> byt
     stripped = raw.rstrip()
     if body and fields and stripped.endswith(b"}") and not any(k in body for k in fields):
         return stripped[:-1] + b"," + json.dumps(fields)[1:].encode()
-    return json.dumps({**body, **fields}).encode()
+    try:
+        return json.dumps({**body, **fields}).encode()
+    except RecursionError:
+        # Read, the body nested just less deeply than the decoder allows; encoded from deeper
+        # in the stack, it does not.
+        raise InvalidRequest("request body nests JSON arrays or objects too deeply") from None
 
 
 ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
@@ -508,44 +513,18 @@ class Proxy:
                 raise
             engine = d.engine
             tried.add(engine)
-            engine_trace = None
-            sent_headers = headers
-            if trace.enabled:
-                placed_ns = time.time_ns()
-                trace.buffer_wait(admitted_ns, placed_ns)
-                trace.placement(d, state.config.policy, *self._released_ns.pop(
-                    route_req.request_id, (placed_ns, placed_ns)))
-                entry = state.pool.engines.get(engine) if state.pool is not None else None
-                url = entry.url if entry is not None else ""
-                engine_trace = trace.engine_call(engine, url, attempt)
-                if engine_trace is not None:
-                    sent_headers = headers.copy()
-                    engine_trace.inject(sent_headers)
-            if recorder is not None:
-                recorder.dispatched(engine)
-            sent = raw
-            extra: dict[str, Any] = {}
-            if state.priority_engine(engine):
-                if d.priority is not None:
-                    # vLLM's own field, for an engine running --scheduling-policy priority.
-                    extra["priority"] = d.priority
-                elif lax_int(body.get("priority", 0)) == 0 and (held := held_behind(request)):
-                    # A tenant kept behind others (a priority_floor above vLLM's default, 0)
-                    # under a policy that sends no priority of its own; an engine without
-                    # priority scheduling would refuse a priority.
-                    extra["priority"] = held
-            if d.prefill_cap > 0:
-                # For kvgate's scheduler plugin (adapters/vllm_plugins/kvgate_pace.py).
-                # A client's malformed `vllm_xargs` is left for the engine to refuse.
-                xargs = body.get("vllm_xargs") or {}
-                if isinstance(xargs, dict):
-                    extra["vllm_xargs"] = {**xargs, **d.pace_xargs()}
-            if extra:
-                sent = with_fields(raw, body, extra)
+            flight = _Flight(route_req, d, recorder=recorder)
             try:
-                return await self._forward(
-                    request, route, _Flight(route_req, d, recorder=recorder, trace=engine_trace),
-                    sent, sent_headers, arrived)
+                sent, sent_headers = self._dispatching(request, body, raw, headers, flight,
+                                                       trace, admitted_ns, attempt)
+            except BaseException as e:
+                # The planner placed the call: undo that, whatever stops it being sent.
+                self._finished(flight, str(e) if isinstance(e, GatewayError)
+                               else f"the call could not be sent: {e!r}")
+                raise
+            try:
+                return await self._forward(request, route, flight, sent, sent_headers,
+                                           arrived)
             except _RetryableFailure as e:
                 last_error = str(e)
                 state.metrics.count(state.metrics.retries, engine)
@@ -559,6 +538,49 @@ class Proxy:
         )
 
     # -- placing -------------------------------------------------------------------------------
+
+    def _dispatching(self, request: web.Request, body: dict[str, Any], raw: bytes,
+                     headers: CIMultiDict[str], flight: _Flight, trace: CallTrace | NoCall,
+                     admitted_ns: int, attempt: int) -> tuple[bytes, CIMultiDict[str]]:
+        """The placed call's trace and progress record, and the body and headers its engine
+        gets (vLLM's `priority`, the pacing plugin's `vllm_xargs`, the trace context)."""
+        state = self.state
+        d = flight.dispatch
+        engine = d.engine
+        sent_headers = headers
+        if trace.enabled:
+            placed_ns = time.time_ns()
+            trace.buffer_wait(admitted_ns, placed_ns)
+            trace.placement(d, state.config.policy, *self._released_ns.pop(
+                d.request_id, (placed_ns, placed_ns)))
+            entry = state.pool.engines.get(engine) if state.pool is not None else None
+            url = entry.url if entry is not None else ""
+            flight.trace = trace.engine_call(engine, url, attempt)
+            if flight.trace is not None:
+                sent_headers = headers.copy()
+                flight.trace.inject(sent_headers)
+        if flight.recorder is not None:
+            flight.recorder.dispatched(engine)
+        sent = raw
+        extra: dict[str, Any] = {}
+        if state.priority_engine(engine):
+            if d.priority is not None:
+                # vLLM's own field, for an engine running --scheduling-policy priority.
+                extra["priority"] = d.priority
+            elif lax_int(body.get("priority", 0)) == 0 and (held := held_behind(request)):
+                # A tenant kept behind others (a priority_floor above vLLM's default, 0)
+                # under a policy that sends no priority of its own; an engine without
+                # priority scheduling would refuse a priority.
+                extra["priority"] = held
+        if d.prefill_cap > 0:
+            # For kvgate's scheduler plugin (adapters/vllm_plugins/kvgate_pace.py).
+            # A client's malformed `vllm_xargs` is left for the engine to refuse.
+            xargs = body.get("vllm_xargs") or {}
+            if isinstance(xargs, dict):
+                extra["vllm_xargs"] = {**xargs, **d.pace_xargs()}
+        if extra:
+            sent = with_fields(raw, body, extra)
+        return sent, sent_headers
 
     async def _place(self, route_req: RouteRequest, exclude: set[str],
                      hints: RequestHints = NO_HINTS, static: int = 0) -> Dispatch:

@@ -103,6 +103,13 @@ class _Connection(asyncio.Protocol):
         keep_probing(transport.get_extra_info("socket"))
 
     def data_received(self, data: bytes) -> None:
+        if self.head is None and self.response is None:
+            # Bytes on an idle connection answer no request (the tail of a response that
+            # miscounted its Content-Length, an unsolicited 408 before an idle close): kept,
+            # they would be read as the head of the next request's answer.
+            if self.transport is not None:
+                self.transport.close()
+            return
         try:
             events = self.parser.feed(data)
         except ProtocolError as e:

@@ -957,3 +957,40 @@ def test_an_engine_answering_garbage_is_unhealthy_not_a_crash(
                         {"Authorization": f"Bearer {'k' * 32}"})
     assert (status, body) == (201, {"name": other.url.removeprefix("http://"),
                                     "healthy": False})
+
+
+def test_a_body_nested_too_deeply_to_send_on_is_a_400_and_gives_its_engine_back(
+    threaded_server: Callable[[web.Application], ThreadedServer],
+    spawn_gateway: Callable[[dict[str, Any]], Child],
+) -> None:
+    """A priority-scheduled engine gets the call's `priority` in its body; a body that carries
+    one of its own is encoded again for that, from deeper in the stack than it was read. Nested
+    just less deeply than reading allows, it could not be (a 500, after the planner had placed
+    the call: the engine's load never given back). Swept over the depths where that happens."""
+    from tests.test_kv_moves_live import metrics
+
+    engine = RecordingEngine()
+    engine.release.set()  # its answers go out whole at once
+    server = threaded_server(engine.app)
+    gw = spawn_gateway({"policy": "kvgate", "engines": [
+        {"url": server.url, "name": "r", "scheduling_policy": "priority"}]})
+    wait_healthy(gw)
+    statuses = set()
+    for depth in range(1000, 930, -1):
+        body = (b'{"model": "rec", "messages": [{"role": "user", "content": "hi"}], '
+                b'"max_tokens": 1, "priority": 0, "x": ' + b"[" * depth + b"]" * depth + b"}")
+        req = urllib.request.Request(f"{gw.url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                statuses.add(r.status)
+                assert b"[DONE]" in r.read()
+        except urllib.error.HTTPError as e:
+            statuses.add(e.code)
+            error = e.read()
+            assert e.code == 400 and b"too deeply" in error, error
+    assert statuses == {200, 400}
+    in_flight = [v for (name, _), v in metrics(gw.url).items()
+                 if name == "kvgate_engine_in_flight"]
+    assert in_flight == [0.0]
+    assert "Traceback" not in gw.log_tail(200)

@@ -99,6 +99,9 @@ def test_connection_close_and_http_1_0_are_not_kept_alive() -> None:
     (b"HTTP/1.1 200 OK\r\nContent-Length: -4\r\n\r\n", "bad Content-Length"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\naXX", "not followed by CRLF"),
+    (b"HTTP/1.1 200 OK\r\nX-Debug: a\rb\r\n\r\n", "control character"),
+    (b"HTTP/1.1 200 OK\r\nX-Debug: a\nb\r\n\r\n", "control character"),
+    (b"HTTP/1.1 200 OK\r\nX-Debug: a\0b\r\n\r\n", "control character"),
 ])
 def test_malformed_responses_raise_an_error_naming_the_problem(data: bytes, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
@@ -423,3 +426,49 @@ def test_events_come_out_whole_however_the_stream_is_cut(
             assert piece.endswith((b"\n\n", b"\r\n\r\n"))
     assert b"".join(out) == b"".join(events) and framer.rest() == unfinished
     assert framer.pending_bytes == len(unfinished)
+
+
+@pytest.mark.parametrize("stray", [
+    b"   \n",  # the tail of an answer that counted its Content-Length short
+    b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+])
+async def test_bytes_on_an_idle_connection_never_reach_the_next_answer(stray: bytes) -> None:
+    """What an engine sends while a connection waits in the pool answers no request: the
+    connection is dropped, and the next request goes out on a fresh one and is answered (the
+    bytes used to be read as the head of its answer: a 502, or a wait for the read timeout
+    when the engine closed after an unsolicited 408)."""
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        first = connections == 1
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+                if first:
+                    await asyncio.sleep(0.05)
+                    writer.write(stray)
+                    await writer.drain()
+                    await asyncio.sleep(0.5)  # an idle close comes later, if at all
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    up = Upstream(connect_timeout_s=5)
+    resp = await up.post(url, "/x", b"{}", [], 5)
+    assert await resp.read() == b"ok"
+    resp.release()
+    await asyncio.sleep(0.2)
+    assert up.idle_connections() == 0
+    resp = await asyncio.wait_for(up.post(url, "/x", b"{}", [], 5), 2)
+    assert resp.status == 200 and await resp.read() == b"ok"
+    resp.release()
+    assert connections == 2
+    server.close()
+    await up.close()
