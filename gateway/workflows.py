@@ -990,7 +990,10 @@ class WorkflowService:
         """GET /v1/workflows/{id}/events: every event from the start (or after `Last-Event-ID`),
         then new ones as they happen; ends after the workflow's final event."""
         wf_id = request.match_info["id"]
-        await self.snapshot(wf_id, caller(request))  # 404 before the stream starts
+        first = await self.snapshot(wf_id, caller(request))  # 404 before the stream starts
+        # An id names another workflow once its record expires (a hint-mode id is anyone's
+        # to use then, another tenant's too): the stream follows only the one it began with.
+        same = (first.get("created_s"), first.get("tenant"))
         last = request.headers.get("Last-Event-ID") or START
         if not EVENT_ID.fullmatch(last):
             raise InvalidRequest(f"Last-Event-ID must be an event id this stream sent (digits, "
@@ -1008,8 +1011,10 @@ class WorkflowService:
                     if waited is None:
                         break  # the server is stopping: the client resumes elsewhere
                     batch = waited
-                    snap = None if batch else await self.store.get(wf_id)
-                    if snap is not None and snap.get("source") == "api" \
+                    snap = await self.store.get(wf_id)
+                    if snap is None or (snap.get("created_s"), snap.get("tenant")) != same:
+                        break  # expired while we waited, or the id names another workflow
+                    if not batch and snap.get("source") == "api" \
                             and snap.get("state") != "running":
                         # Over, and its final event already read (a client resuming at or
                         # after it): what the store appended with the final state, then the
@@ -1033,8 +1038,6 @@ class WorkflowService:
                         return resp
                 if batch:
                     quiet_since = time.monotonic()
-                elif snap is None:
-                    break  # expired while we waited
                 elif snap.get("source") == "api" and snap.get("state") != "running":
                     break
                 elif time.monotonic() - quiet_since >= SSE_KEEPALIVE_S * 0.9:

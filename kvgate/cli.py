@@ -128,8 +128,13 @@ def _sim(args: argparse.Namespace) -> int:
     )
     import zmq
 
+    from kvindex.tokenizer import TokenizerError
+
     try:
         run(settings, args.host, args.port)
+    except TokenizerError as e:
+        print(f"kvgate sim: cannot start: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"kvgate sim: {_listen_error(args.host, args.port, e)}", file=sys.stderr)
         return 1

@@ -41,8 +41,12 @@ class _OnceLoader(yaml.SafeLoader):
 
 
 def load_yaml(text: str) -> Any:
-    """`yaml.safe_load`, refusing a key given twice in one mapping (a `yaml.YAMLError`)."""
-    return yaml.load(text, Loader=_OnceLoader)
+    """`yaml.safe_load`, refusing a key given twice in one mapping (a `yaml.YAMLError`), and
+    a document nested deeper than the parser recurses (a `yaml.YAMLError` too)."""
+    try:
+        return yaml.load(text, Loader=_OnceLoader)
+    except RecursionError:
+        raise yaml.YAMLError(NESTED_TOO_DEEPLY) from None
 
 
 def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -57,5 +61,12 @@ def _once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def load_json(text: str) -> Any:
     """`json.loads`, refusing a key given twice in one object (a ValueError; a
-    `json.JSONDecodeError` for text that is no JSON)."""
-    return json.loads(text, object_pairs_hook=_once)
+    `json.JSONDecodeError` for text that is no JSON), and a document nested deeper than the
+    parser recurses (a ValueError)."""
+    try:
+        return json.loads(text, object_pairs_hook=_once)
+    except RecursionError:
+        raise ValueError(NESTED_TOO_DEEPLY) from None
+
+
+NESTED_TOO_DEEPLY = "the document nests lists or mappings too deeply"

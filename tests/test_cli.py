@@ -165,11 +165,26 @@ def test_an_output_that_cannot_be_written_is_named_before_the_work(
         assert problem in capsys.readouterr().err, argv
 
 
-def test_a_tokenizer_that_cannot_load_is_not_called_a_listen_error(tmp_path: Path) -> None:
-    done = kvgate("serve", "--engines", "http://127.0.0.1:9", "--port", str(free_port()),
+@pytest.mark.parametrize("command", [["serve", "--engines", "http://127.0.0.1:9"], ["sim"]])
+def test_a_tokenizer_that_cannot_load_is_not_called_a_listen_error(
+        tmp_path: Path, command: list[str]) -> None:
+    done = kvgate(*command, "--port", str(free_port()),
                   "--tokenizer", str(tmp_path / "no-such-tokenizer"))
     assert done.returncode == 1
-    assert "kvgate serve: cannot start:" in done.stderr and "cannot listen" not in done.stderr
+    assert f"kvgate {command[0]}: cannot start:" in done.stderr
+    assert "cannot listen" not in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["serve", "--config"], ["sim", "--port", "9", "--profile-file"], ["bench", "--dag-file"]])
+def test_a_file_nested_too_deeply_is_named_not_a_traceback(
+        tmp_path: Path, command: list[str]) -> None:
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 3000 + "]" * 3000 + "\n")
+    done = kvgate(*command, str(deep))
+    assert done.returncode == 2
+    assert f"{deep}: not valid YAML: the document nests lists or mappings too deeply" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_kv_event_port_in_use_is_named(taken_port: int) -> None:

@@ -259,6 +259,59 @@ def test_a_hint_mode_id_used_again_after_it_expired_shows_only_the_new_owners_sp
     assert "task acme-secret" in names(ADMIN, "task beta-task")  # the operator reads all
 
 
+def test_an_event_stream_ends_when_its_hint_mode_id_passes_to_another_tenant(
+        spawn_sim: Callable[..., Child],
+        spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+    """A stream opened on a workflow follows that workflow only: once its record expires and
+    another tenant's calls take the id, the stream ends (it went on with the new owner's
+    events, their outputs included)."""
+    import http.client
+    import threading
+
+    sim = spawn_sim()
+    gw = spawn_gateway({"engines": [{"url": sim.url}], "tenants": TENANTS, "admin_key": ADMIN,
+                        "workflows": {"ttl_s": 1.5}})
+    wait_healthy(gw)
+
+    def ask(key: str, task: str) -> None:
+        openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0).chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": f"{task} notes"}],
+            extra_headers={"X-KVGate-Workflow": "passed-on", "X-KVGate-Task": task})
+
+    ask(ACME, "acme-task")
+    seen: list[str] = []
+    opened = threading.Event()
+
+    def follow() -> None:
+        host, port = gw.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("GET", "/v1/workflows/passed-on/events", headers=auth(ACME))
+        resp = conn.getresponse()
+        assert resp.status == 200
+        opened.set()
+        while line := resp.readline():
+            if line.startswith(b"data:"):
+                seen.append(json.loads(line[5:]).get("task", ""))
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    assert opened.wait(30)
+    deadline = time.monotonic() + 30
+    while call("GET", f"{gw.url}/v1/workflows/passed-on", headers=auth(ADMIN))[0] != 404:
+        assert time.monotonic() < deadline  # the record expires; the id is free again
+        time.sleep(0.2)
+    n = 0
+    while reader.is_alive() and time.monotonic() < deadline + 30:
+        ask(BETA, f"beta-task-{n}")  # until the stream has waited out its quiet interval
+        n += 1
+        time.sleep(0.5)
+    status, _, doc = call("GET", f"{gw.url}/v1/workflows/passed-on", headers=auth(BETA))
+    assert status == 200 and doc["tenant"] == "beta"
+    assert not reader.is_alive()  # the stream ended
+    assert "acme-task" in seen
+    assert not [t for t in seen if t.startswith("beta")]
+
+
 @pytest.mark.parametrize("tenants, message", [
     ({"acme": {"keys": ["short"]}}, "at least 16"),
     ({"acme": {"keys": [ACME]}, "beta": {"keys": [ACME]}}, "listed twice"),
