@@ -1389,11 +1389,15 @@ class Planner:
         if hints.workflow is not None and hints.task is not None:
             expect = max(hints.expect_children or 0,
                          self._children.get(hints.workflow, {}).get(hints.task, 0))
-            if expect > 1:
-                # Its own prompt is the context its children extend.
+            joins = self._joins.get(hints.workflow, {})
+            if expect > 1 or any(anchor == hints.task for _, anchor in joins.values()):
+                # Its own prompt is the context its children extend (or a join extends after
+                # sub-agents of another kind have answered).
                 return tag_blocks(len(keys), call.static_blocks, len(keys), True)
         context, shared = 0, False
         if lineage is not None:
+            # A submitted DAG says how many children each task has before they all ran.
+            planned = self._children.get(hints.workflow or "", {})
             for parent in hints.after:
                 known = lineage.get(parent)
                 if known is None:
@@ -1401,7 +1405,8 @@ class Planner:
                 n = common_prefix(keys, known.keys)
                 if n > context:
                     context = n
-                shared = shared or known.expect_children > 1 or known.children > 1
+                shared = (shared or known.expect_children > 1 or known.children > 1
+                          or planned.get(parent, 0) > 1)
         return tag_blocks(len(keys), call.static_blocks, context, shared)
 
     def _forget_lineage(self, workflow: str) -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvgate.bench.options import BenchOptions
 from kvgate.bench.runner import prepare
+from kvgate.bench.virtual import VirtualRun
 from planner.core import Call, make_planner
 from planner.events import EngineJoined
 from planner.hints import RequestHints
@@ -18,6 +19,7 @@ from planner.policy import PolicyContext, RouteRequest
 from planner.segments import (
     KINDS,
     SegmentKind,
+    SegmentRange,
     Segments,
     common_prefix,
     from_token_runs,
@@ -115,17 +117,36 @@ def test_the_planner_tags_hinted_calls_from_their_parents() -> None:
     assert actions["c0"].segments == seg  # the Dispatch carries them to the driver
 
 
-def test_benchmark_tasks_carry_the_spec_kinds() -> None:
-    o = BenchOptions(workload="fanout", workflows=1, progress=False)
+def test_the_benchmark_tags_its_calls_by_the_planners_rules_as_the_gateway_does() -> None:
+    """One tagging path: the virtual driver tells the planner what a live gateway knows of a
+    call (its static lead, its workflow's DAG) and the planner tags the rest. (The driver
+    used to tag calls itself from the spec's kinds: the plan's prompt, its question marked
+    transient there, had no shared blocks in the benchmark and had them at the gateway, so
+    only the gateway copied it ahead for its researchers.)"""
+    o = BenchOptions(workload="fanout", workflows=1, link="rdma", progress=False)
     prepared = prepare(o)
     wf = prepared.workflows[0]
     builder = prepared.builder
-    research = wf.task("research0")
-    seg = builder.segments(wf, research, builder.pieces(wf, research), 16)
-    # System prompt static; the question and the plan's output (read by every researcher)
-    # shared; the researcher's own ask transient.
-    kinds = [r.kind for r in seg.ranges]
-    assert kinds[0] == "static" and "shared" in kinds and kinds[-1] == "transient"
     plan = wf.task("plan")
-    plan_seg = builder.segments(wf, plan, builder.pieces(wf, plan), 16)
-    assert plan_seg.blocks_of("shared") == 0 and plan_seg.blocks_of("static") > 0
+    # The static lead: the template's framing and the 4,000-token system prompt, in full
+    # blocks; the question (200 tokens) is not in it.
+    static = builder.static_blocks(plan, builder.pieces(wf, plan), 16)
+    assert 4000 // 16 <= static <= (builder.prompt_tokens(wf, plan) - 200) // 16
+    run = VirtualRun("kvgate", prepared.workflows, prepared.load, o.engine_profile(), o.engines,
+                     builder, link=o.transfer_link())
+    tagged: dict[str, Segments] = {}
+    admit = run.planner.admit
+
+    def keep(call: Call, now: float) -> None:
+        admit(call, now)
+        seg = run.planner.segments_of(call.route.request_id)
+        assert seg is not None
+        tagged[call.hints.task or ""] = seg
+
+    run.planner.admit = keep  # type: ignore[method-assign]
+    run.run()
+    assert tagged["plan"].ranges[0] == SegmentRange("static", 0, static)
+    assert tagged["plan"].blocks_of("shared") > 0  # the context its researchers extend
+    kinds = [r.kind for r in tagged["research0"].ranges]
+    assert kinds == ["static", "shared", "transient"]
+    assert run.planner.moves.stats.started.get("transfer:prefetch", 0) > 0

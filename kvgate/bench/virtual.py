@@ -58,7 +58,7 @@ from planner.events import (
 from planner.hints import RequestHints
 from planner.policy import PolicyContext, RouteRequest, reads_index, scrape_interval
 from planner.profiles import EngineProfile
-from planner.segments import SYSTEM_ROLES, SegmentKind, Segments, message_kind, tag_parts
+from planner.segments import SYSTEM_ROLES, message_kind
 from planner.transfer import NO_LINK, TransferLink
 
 MODEL = "kvgate-bench"
@@ -521,37 +521,31 @@ class PromptBuilder:
             messages.append(m)
         return self.renderer.render(messages, task.tools, task.tools_key)
 
-    def segments(self, wf: BenchWorkflow, task: BenchTask, pieces: Sequence[Piece],
-                 block_size: int, num_tokens: int | None = None) -> Segments:
-        """The prompt's segments by the planner's rules (`planner.segments`), each piece tagged
-        as the message it renders; the template's framing (BOS, tools) is static and its
-        generation prompt transient. Trace prompts (blocks, no messages) are transient: one
-        segment of `num_tokens` when the caller has counted the prompt, else of its pieces."""
+    def static_blocks(self, task: BenchTask, pieces: Sequence[Piece], block_size: int) -> int:
+        """Full blocks of the prompt's static lead, as the live gateway counts a call's
+        (`gateway.proxy.static_blocks`): the template's framing and tools, then the leading
+        messages that are static (system messages, or a segment the spec tags static). The
+        planner tags the rest of the prompt by its own rules, in both drivers. Trace prompts
+        (blocks, no messages) have none."""
         if task.blocks:
-            if num_tokens is None:
-                num_tokens = sum(map(len, map(_PIECE_IDS, pieces)))
-            return tag_parts([("transient", num_tokens)], block_size)
-        readers: dict[str, int] = {}
-        for t in wf.tasks:
-            for dep in t.after:
-                readers[dep] = readers.get(dep, 0) + 1
+            return 0
         messages = list(task.messages)
-        parts: list[tuple[SegmentKind, int]] = []
-        j = 0
+        j = tokens = 0
         for p in pieces:
-            kind: SegmentKind = "transient"
             if p.key == "<bos>" or p.key.startswith("tools:"):
-                kind = "static"
                 lead = messages[j] if j < len(messages) and p.key != "<bos>" else None
                 if isinstance(lead, ChatMessage) and lead.role in SYSTEM_ROLES:
                     j += 1  # the template folds the leading system message into the tools
-            elif p.key != "<generation>" and j < len(messages):
-                m = messages[j]
-                j += 1
-                kind = (message_kind(m.role, readers=readers.get(m.task, 0))
-                        if isinstance(m, OutputRef) else message_kind(m.role, m.kind))
-            parts.append((kind, len(p.ids)))
-        return tag_parts(parts, block_size)
+                tokens += len(p.ids)
+                continue
+            if p.key == "<generation>" or j >= len(messages):
+                break
+            m = messages[j]
+            j += 1
+            if isinstance(m, OutputRef) or message_kind(m.role, m.kind) != "static":
+                break
+            tokens += len(p.ids)
+        return tokens // block_size
 
     def prompt_tokens(self, wf: BenchWorkflow, task: BenchTask) -> int:
         """Tokens in the task's prompt (the sum of `shape`'s prompt counts)."""
@@ -892,11 +886,9 @@ class VirtualRun:
         # A spec's own task priority ranks the call as the workflow API's does.
         hints = RequestHints(workflow=wf.id, task=task.id, after=tuple(task.after),
                              priority=task.priority or None)
-        segments = self.builder.segments(wf, task, pieces, self.block_size, keys.num_tokens)
-        first = segments.ranges[0] if segments.ranges else None
-        record.static_tokens = (min(first.end * self.block_size, keys.num_tokens)
-                                if first is not None and first.kind == "static" else 0)
-        self.planner.admit(Call(route, hints=hints, segments=segments), self.now)
+        static = self.builder.static_blocks(task, pieces, self.block_size)
+        record.static_tokens = min(static * self.block_size, keys.num_tokens)
+        self.planner.admit(Call(route, hints=hints, static_blocks=static), self.now)
         self._release()
 
     def _release(self) -> None:
