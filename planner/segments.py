@@ -115,27 +115,13 @@ SYSTEM_ROLES = frozenset({"system", "developer"})
 """Roles whose messages (with the tool definitions) make a prompt's static segment."""
 
 
-def message_kind(role: str, explicit: str | None = None, readers: int | None = None
-                 ) -> SegmentKind:
-    """One message's kind: its explicit kind (a spec segment's) wins; a parent's output
-    (`readers`: how many tasks read it) is shared when several do; a system message is static;
-    anything else is the branch's own, transient."""
-    if readers is not None:
-        return "shared" if readers > 1 else "transient"
+def message_kind(role: str, explicit: str | None = None) -> SegmentKind:
+    """One message's kind as a driver counts a call's static lead: its explicit kind (a spec
+    segment's) wins; a system message is static; anything else is the branch's own,
+    transient."""
     if explicit in KINDS:
         return explicit
     return "static" if role in SYSTEM_ROLES else "transient"
-
-
-def tag_parts(parts: Sequence[tuple[SegmentKind, int]], block_size: int) -> Segments:
-    """Segments of a prompt given as consecutive `(kind, tokens)` parts: everything before its
-    last shared part is shared too, static aside (the parents' context its children extend)."""
-    kinds = [k for k, _ in parts]
-    if "shared" in kinds:
-        last = len(kinds) - 1 - kinds[::-1].index("shared")
-        kinds = [k if k == "static" or i > last else "shared" for i, k in enumerate(kinds)]
-    return from_token_runs([(k, n) for k, (_, n) in zip(kinds, parts, strict=True)],
-                           block_size)
 
 
 def static_lead(messages: Sequence[object]) -> list[dict[str, Any]]:

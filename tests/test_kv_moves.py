@@ -36,7 +36,7 @@ from planner.hints import RequestHints
 from planner.policy import NoEngineAvailable, Placement, PolicyContext, RouteRequest
 from planner.profiles import get_profile
 from planner.replication import StaticDemand
-from planner.segments import tag_parts
+from planner.segments import from_token_runs
 from planner.transfer import NAMED_LINKS, Pull, TransferLink, parse_link
 
 PROFILE = get_profile("h100-llama3-8b")
@@ -329,7 +329,7 @@ def admit_plan(p: Planner, shared: bool = True) -> None:
     route = RouteRequest("w/plan", "m", prompt_tokens=4160, block_keys=tuple(range(260)),
                          max_tokens=128)
     p.admit(Call(route, hints=RequestHints(workflow="w", task="plan"),
-                 segments=tag_parts(parts, 16)), 0.0)
+                 segments=from_token_runs(parts, 16)), 0.0)
 
 
 def kvgate_planner(link: TransferLink, name: str = "kvgate") -> Planner:
@@ -386,7 +386,7 @@ def sub_agent(p: Planner, i: int, now: float) -> Dispatch:
     route = RouteRequest(f"w/r{i}", "m", prompt_tokens=len(keys) * 16, block_keys=keys,
                          max_tokens=64)
     p.admit(Call(route, hints=RequestHints(workflow="w", task=f"r{i}", after=("plan",)),
-                 segments=tag_parts([("static", 256), ("transient", 16)], 16)), now)
+                 segments=from_token_runs([("static", 256), ("transient", 16)], 16)), now)
     (d,) = [a for a in p.release(now) if isinstance(a, Dispatch)]
     return d
 
@@ -525,7 +525,7 @@ def static_call(rid: str, system: int, holders: tuple[str, ...] = ("a",),
                          matches=matches, max_tokens=16)
     hints = RequestHints(workflow=workflow, task=rid if workflow else None)
     return Call(route, hints=hints,
-                segments=tag_parts([("static", blocks * 16), ("transient", 16)], 16))
+                segments=from_token_runs([("static", blocks * 16), ("transient", 16)], 16))
 
 
 def replicas_started(p: Planner, now: float) -> list[Transfer]:
