@@ -29,11 +29,17 @@ def _serve(args: argparse.Namespace) -> int:
         print("kvgate serve: give --engines or --config, not both (a config's engines are in "
               "its file)", file=sys.stderr)
         return 2
+    if args.scheduling_policy and not args.engines:
+        print("kvgate serve: --scheduling-policy goes with --engines (a config file sets it per "
+              "engine: scheduling_policy)", file=sys.stderr)
+        return 2
     try:
         if args.config:
             config = load_config(args.config, **overrides)
         elif args.engines:
             engines = [{"url": u.strip()} for u in args.engines.split(",") if u.strip()]
+            if args.scheduling_policy:
+                engines = [{**e, "scheduling_policy": args.scheduling_policy} for e in engines]
             config = parse_config(apply_overrides({"engines": engines}, overrides), "--engines")
         else:
             print("kvgate serve: say which engines to route to: --engines "
@@ -540,6 +546,9 @@ def build_parser(full_help: bool = False) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the gateway")
     s.add_argument("--config", help="YAML config file (see configs/local-sim.yaml)")
     s.add_argument("--engines", help="comma-separated engine URLs, instead of --config")
+    s.add_argument("--scheduling-policy", choices=("fcfs", "priority"),
+                   help="with --engines: the engines' vLLM --scheduling-policy (priority: the "
+                        "gateway sends each call's rank as vLLM's `priority`; default fcfs)")
     s.add_argument("--host", help="bind address (default 127.0.0.1)")
     s.add_argument("--port", type=_port, help="listen port (default 8000)")
     s.add_argument("--policy", help="routing policy name (default kvgate)")

@@ -154,6 +154,8 @@ def test_an_output_that_cannot_be_written_is_named_before_the_work(
             (["export-workflows", "--redis", "redis://127.0.0.1:1/0", "-o", str(tmp_path)],
              "--output"),
             (["microbench", "index", "--json", str(missing)], "--json"),
+            (["serve", "--config", str(tmp_path / "file"), "--scheduling-policy", "priority"],
+             "--scheduling-policy goes with --engines"),
             (["vllm-pool", "--run-dir", str(tmp_path / "file")], "is a file"),
             # A path the kernel will not create a file at, and a plot of no type it writes.
             (["bench", "--workload", "fanout", "--json", "/proc/kvgate.json"],

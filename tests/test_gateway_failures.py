@@ -994,3 +994,34 @@ def test_a_body_nested_too_deeply_to_send_on_is_a_400_and_gives_its_engine_back(
                  if name == "kvgate_engine_in_flight"]
     assert in_flight == [0.0]
     assert "Traceback" not in gw.log_tail(200)
+
+
+@pytest.mark.parametrize("scheduling", [None, "priority"])
+def test_engines_named_on_the_command_line_may_schedule_by_priority(
+    threaded_server: Callable[[web.Application], ThreadedServer], tmp_path: Path,
+    scheduling: str | None,
+) -> None:
+    """`kvgate serve --engines ... --scheduling-policy priority` sends each call's rank as
+    vLLM's `priority`, as a config entry's `scheduling_policy: priority` does (the live
+    benchmark deploys a ranking planner's engines so, as the virtual one does); without it
+    the engines get none (an fcfs vLLM refuses one)."""
+    from kvgate.procs import start_gateway
+
+    engine = RecordingEngine()
+    engine.release.set()
+    server = threaded_server(engine.app)
+    gw = start_gateway([server.url], tmp_path, ["--scheduling-policy", scheduling]
+                       if scheduling else [])
+    try:
+        req = urllib.request.Request(
+            f"{gw.url}/v1/chat/completions", data=json.dumps({
+                "model": "rec", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json", "X-KVGate-Workflow": "w",
+                     "X-KVGate-Task": "a"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert b"[DONE]" in r.read()
+    finally:
+        gw.stop()
+    sent = json.loads(engine.requests[-1][1])
+    assert ("priority" in sent) == (scheduling == "priority")

@@ -43,6 +43,7 @@ from kvgate.procs import (
     start_sim,
     wait_healthy,
 )
+from planner.core import planner_settings
 from planner.dag import DagNode, DagRun, Wakeup
 
 SGLANG_ROUTER = "sglang-router"
@@ -326,6 +327,11 @@ def run_policy(o: BenchOptions, prepared: Prepared, policy: str, log_dir: Path,
             if policy != SGLANG_ROUTER:
                 sim_args += ["--kv-events", events]
             gateway_args = ["--policy", policy, "--kv-events-bind", events]
+            if policy != SGLANG_ROUTER and planner_settings(policy).priorities:
+                # As the virtual driver deploys a planner that ranks calls: its engines
+                # schedule by the `priority` it sends.
+                sim_args += ["--scheduling-policy", "priority"]
+                gateway_args += ["--scheduling-policy", "priority"]
             if o.transfer_link().enabled:
                 # Every engine runs the NIXL connector; the gateway moves KV for policies whose
                 # peer does (the link is the simulated fabric's).
