@@ -17,13 +17,12 @@ from adapters.vllm.transport import TransportError, nixl_transfer, warm
 from gateway.tracing import MoveTrace
 from planner.actions import Transfer, Warm
 from planner.events import TransferDone, TransferFailed
+from planner.movement import RECENT_ORIGINS
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
 
 log = logging.getLogger("kvgate.moves")
-RECENT_ORIGINS = 64
-"""Finished requests whose prompts a move may still copy (each up to a context's token ids)."""
 
 
 class Origin(NamedTuple):

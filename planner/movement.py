@@ -18,6 +18,12 @@ from planner.ledger import Outstanding
 from planner.segments import common_prefix
 from planner.transfer import TransferLink
 
+RECENT_ORIGINS = 64
+"""A driver keeps the prompts (token ids) of this many finished requests, newest last, for
+moves that copy a prefix of one after its request is over (a join's prefetch of its anchor's
+prompt). One figure for both drivers, so a move the benchmark makes the gateway makes too (the
+benchmark kept 512, the gateway 64; the benchmark's figures are the same with 64)."""
+
 LATE_SLACK_S = 1.0
 """A move still running this long after its estimate plus the time recomputing its prefix
 would take is given up on by the requests waiting for it: they go ahead and recompute (vLLM's

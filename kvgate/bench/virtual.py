@@ -56,13 +56,13 @@ from planner.events import (
     WorkflowSubmitted,
 )
 from planner.hints import RequestHints
+from planner.movement import RECENT_ORIGINS
 from planner.policy import PolicyContext, RouteRequest, reads_index, scrape_interval
 from planner.profiles import EngineProfile
 from planner.segments import SYSTEM_ROLES, message_kind
 from planner.transfer import NO_LINK, TransferLink
 
 MODEL = "kvgate-bench"
-RECENT_ORIGINS = 512
 
 
 @dataclass
