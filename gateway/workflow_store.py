@@ -61,6 +61,11 @@ class WorkflowStore(Protocol):
         """The snapshot, or None if the workflow is unknown or expired."""
         ...
 
+    async def head(self, workflow_id: str) -> Json | None:
+        """The workflow-level fields alone (no task records: a cheap read of its state,
+        owner and creation time), or None if the workflow is unknown or expired."""
+        ...
+
     async def events(self, workflow_id: str, after: str = START,
                      wait_s: float = 0.0) -> list[tuple[str, Json]]:
         """Events after the event id `after` (oldest first, with their ids); waits up to
@@ -246,6 +251,11 @@ class MemoryWorkflowStore:
         if e is None:
             return None
         return {**_copy(e.workflow), "tasks": {t: _copy(r) for t, r in e.tasks.items()}}
+
+    async def head(self, workflow_id: str) -> Json | None:
+        """See `WorkflowStore.head`."""
+        e = self._entry(workflow_id)
+        return None if e is None else _copy(e.workflow)
 
     async def events(self, workflow_id: str, after: str = START,
                      wait_s: float = 0.0) -> list[tuple[str, Json]]:
@@ -552,6 +562,11 @@ class RedisWorkflowStore:
             return None
         workflow, tasks = _parse(raw)
         return {**workflow, "tasks": tasks}
+
+    async def head(self, workflow_id: str) -> Json | None:
+        """See `WorkflowStore.head`."""
+        raw = await self.r.hget(self._key(workflow_id), "w")
+        return json.loads(raw) if raw is not None else None
 
     async def events(self, workflow_id: str, after: str = START,
                      wait_s: float = 0.0) -> list[tuple[str, Json]]:

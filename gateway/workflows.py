@@ -1011,7 +1011,9 @@ class WorkflowService:
                     if waited is None:
                         break  # the server is stopping: the client resumes elsewhere
                     batch = waited
-                    snap = await self.store.get(wf_id)
+                    # The workflow's own fields, not its task records (up to a thousand,
+                    # outputs included), for every batch.
+                    snap = await self.store.head(wf_id)
                     if snap is None or (snap.get("created_s"), snap.get("tenant")) != same:
                         break  # expired while we waited, or the id names another workflow
                     if not batch and snap.get("source") == "api" \

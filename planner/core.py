@@ -227,8 +227,9 @@ class Call:
     """Engines not to use (those that already failed this request)."""
     hints: RequestHints = field(default_factory=RequestHints)
     segments: Segments | None = None
-    """The prompt's segments when the driver knows them (a spec's explicit kinds); else the
-    planner tags the call from its hints (`planner/segments.py`)."""
+    """The prompt's segments, where a driver knows them better than the rules do; else (the
+    gateway and the benchmark alike) the planner tags the call from its static lead and its
+    workflow (`_tag`, `planner/segments.py`)."""
     static_blocks: int = 0
     """Leading blocks of system messages and tools, for the planner's own tagging."""
 

@@ -115,15 +115,6 @@ SYSTEM_ROLES = frozenset({"system", "developer"})
 """Roles whose messages (with the tool definitions) make a prompt's static segment."""
 
 
-def message_kind(role: str, explicit: str | None = None) -> SegmentKind:
-    """One message's kind as a driver counts a call's static lead: its explicit kind (a spec
-    segment's) wins; a system message is static; anything else is the branch's own,
-    transient."""
-    if explicit in KINDS:
-        return explicit
-    return "static" if role in SYSTEM_ROLES else "transient"
-
-
 def static_lead(messages: Sequence[object]) -> list[dict[str, Any]]:
     """The leading system messages of an OpenAI `messages` list: with the tools, the static
     segment a chat template renders first."""

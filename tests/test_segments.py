@@ -1,4 +1,4 @@
-"""Segment tagging: block ranges by kind, the planner's rules, and the benchmark's spec kinds."""
+"""Segment tagging: block ranges by kind, and the planner's rules in both drivers."""
 
 from __future__ import annotations
 

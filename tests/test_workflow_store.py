@@ -62,7 +62,15 @@ async def test_an_id_in_use_is_not_created_again(store: WorkflowStore) -> None:
 
 async def test_an_unknown_workflow_reads_as_none(store: WorkflowStore) -> None:
     assert await store.get("nope") is None
+    assert await store.head("nope") is None
     assert await store.events("nope") == []
+
+
+async def test_a_workflows_head_is_its_own_fields_without_the_task_records(
+        store: WorkflowStore) -> None:
+    assert await store.create(meta(), {"a": task_record([])})
+    assert await store.update("wf-1", workflow={**meta(), "state": "done"})
+    assert await store.head("wf-1") == {**meta(), "state": "done"}
 
 
 async def test_an_update_replaces_only_the_tasks_it_names(store: WorkflowStore) -> None:

@@ -45,8 +45,6 @@ class ChatMessage:
 
     role: str
     content: Content
-    kind: str | None = None
-    """The spec segment's kind (static/shared/transient), when it came from one."""
 
 
 class Vocabulary:

@@ -59,7 +59,7 @@ from planner.hints import RequestHints
 from planner.movement import RECENT_ORIGINS
 from planner.policy import PolicyContext, RouteRequest, reads_index, scrape_interval
 from planner.profiles import EngineProfile
-from planner.segments import SYSTEM_ROLES, message_kind
+from planner.segments import SYSTEM_ROLES
 from planner.transfer import NO_LINK, TransferLink
 
 MODEL = "kvgate-bench"
@@ -497,6 +497,11 @@ def static_segment(task: BenchTask, tenant: str | None) -> str:
     return f"{tenant or ''}|{task.tools_key or ''}|{system}"
 
 
+def _system(m: object) -> bool:
+    """A system message (a segment's or a literal one), which opens a call's static lead."""
+    return isinstance(m, ChatMessage) and m.role in SYSTEM_ROLES
+
+
 class PromptBuilder:
     """Materialises task prompts (with their parents' outputs) as pieces, text and keys."""
 
@@ -523,27 +528,23 @@ class PromptBuilder:
 
     def static_blocks(self, task: BenchTask, pieces: Sequence[Piece], block_size: int) -> int:
         """Full blocks of the prompt's static lead, as the live gateway counts a call's
-        (`gateway.proxy.static_blocks`): the template's framing and tools, then the leading
-        messages that are static (system messages, or a segment the spec tags static). The
-        planner tags the rest of the prompt by its own rules, in both drivers. Trace prompts
-        (blocks, no messages) have none."""
-        if task.blocks:
-            return 0
+        (`gateway.proxy.static_blocks`): the template's framing, the tools and the leading
+        system messages; none when no system message leads (tools alone render differently
+        without one in some templates). The planner tags the rest of the prompt by its own
+        rules, in both drivers. Trace prompts (blocks, no messages) have none."""
         messages = list(task.messages)
+        if task.blocks or not messages or not _system(messages[0]):
+            return 0
         j = tokens = 0
         for p in pieces:
             if p.key == "<bos>" or p.key.startswith("tools:"):
-                lead = messages[j] if j < len(messages) and p.key != "<bos>" else None
-                if isinstance(lead, ChatMessage) and lead.role in SYSTEM_ROLES:
+                if p.key != "<bos>" and j < len(messages) and _system(messages[j]):
                     j += 1  # the template folds the leading system message into the tools
                 tokens += len(p.ids)
                 continue
-            if p.key == "<generation>" or j >= len(messages):
+            if p.key == "<generation>" or j >= len(messages) or not _system(messages[j]):
                 break
-            m = messages[j]
             j += 1
-            if isinstance(m, OutputRef) or message_kind(m.role, m.kind) != "static":
-                break
             tokens += len(p.ids)
         return tokens // block_size
 

@@ -361,7 +361,7 @@ def compile_workflow(spec: Workflow, wf_id: str, vocab: Vocabulary,
         for m in t.messages:
             if isinstance(m, SegmentRef):
                 seg = spec.segments[m.segment]
-                messages.append(ChatMessage(seg.role, contents[m.segment], seg.kind))
+                messages.append(ChatMessage(seg.role, contents[m.segment]))
             elif isinstance(m, LiteralMessage):
                 messages.append(ChatMessage(m.role, Content(f"lit:{_digest(m.content)}",
                                                             m.content)))
