@@ -224,18 +224,38 @@ def test_a_tenant_cannot_read_anothers_spans_by_joining_its_trace(served: Child)
     assert all(s["attributes"].get("kvgate.workflow.id") in (None, "agent-42") for s in mine)
 
 
-def test_a_hint_mode_id_used_again_after_it_expired_shows_only_the_new_owners_spans(
-        spawn_sim: Callable[..., Child],
-        spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+@pytest.fixture
+def expiring(spawn_sim: Callable[..., Child],
+             spawn_gateway: Callable[[dict[str, Any]], Child]) -> Child:
+    """A gateway with tenants whose workflow records expire 1.5 s after their last write."""
     sim = spawn_sim()
     gw = spawn_gateway({"engines": [{"url": sim.url}], "tenants": TENANTS, "admin_key": ADMIN,
                         "workflows": {"ttl_s": 1.5}})
     wait_healthy(gw)
+    return gw
+
+
+def hint_call(gw: Child, key: str, workflow: str, task: str) -> None:
+    """One hint-mode call of `workflow`'s `task`, as the tenant of `key`."""
+    openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0).chat.completions.create(
+        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": f"{task} notes"}],
+        extra_headers={"X-KVGate-Workflow": workflow, "X-KVGate-Task": task})
+
+
+def wait_expired(gw: Child, workflow: str) -> None:
+    """Until the workflow's record has expired (its id is free again)."""
+    deadline = time.monotonic() + 30
+    while call("GET", f"{gw.url}/v1/workflows/{workflow}", headers=auth(ADMIN))[0] != 404:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_a_hint_mode_id_used_again_after_it_expired_shows_only_the_new_owners_spans(
+        expiring: Child) -> None:
+    gw = expiring
 
     def ask(key: str, task: str) -> None:
-        openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0).chat.completions.create(
-            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": f"{task} notes"}],
-            extra_headers={"X-KVGate-Workflow": "reused-7", "X-KVGate-Task": task})
+        hint_call(gw, key, "reused-7", task)
 
     def names(key: str, needed: str) -> list[str]:
         deadline = time.monotonic() + 30
@@ -249,10 +269,7 @@ def test_a_hint_mode_id_used_again_after_it_expired_shows_only_the_new_owners_sp
 
     ask(ACME, "acme-secret")
     assert "task acme-secret" in names(ACME, "task acme-secret")
-    deadline = time.monotonic() + 30
-    while call("GET", f"{gw.url}/v1/workflows/reused-7", headers=auth(ADMIN))[0] != 404:
-        assert time.monotonic() < deadline  # the record expires; the id is free again
-        time.sleep(0.2)
+    wait_expired(gw, "reused-7")
     ask(BETA, "beta-task")
     theirs = names(BETA, "task beta-task")
     assert "task acme-secret" not in theirs
@@ -260,23 +277,17 @@ def test_a_hint_mode_id_used_again_after_it_expired_shows_only_the_new_owners_sp
 
 
 def test_an_event_stream_ends_when_its_hint_mode_id_passes_to_another_tenant(
-        spawn_sim: Callable[..., Child],
-        spawn_gateway: Callable[[dict[str, Any]], Child]) -> None:
+        expiring: Child) -> None:
     """A stream opened on a workflow follows that workflow only: once its record expires and
     another tenant's calls take the id, the stream ends (it went on with the new owner's
     events, their outputs included)."""
     import http.client
     import threading
 
-    sim = spawn_sim()
-    gw = spawn_gateway({"engines": [{"url": sim.url}], "tenants": TENANTS, "admin_key": ADMIN,
-                        "workflows": {"ttl_s": 1.5}})
-    wait_healthy(gw)
+    gw = expiring
 
     def ask(key: str, task: str) -> None:
-        openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0).chat.completions.create(
-            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": f"{task} notes"}],
-            extra_headers={"X-KVGate-Workflow": "passed-on", "X-KVGate-Task": task})
+        hint_call(gw, key, "passed-on", task)
 
     ask(ACME, "acme-task")
     seen: list[str] = []
@@ -296,12 +307,9 @@ def test_an_event_stream_ends_when_its_hint_mode_id_passes_to_another_tenant(
     reader = threading.Thread(target=follow, daemon=True)
     reader.start()
     assert opened.wait(30)
-    deadline = time.monotonic() + 30
-    while call("GET", f"{gw.url}/v1/workflows/passed-on", headers=auth(ADMIN))[0] != 404:
-        assert time.monotonic() < deadline  # the record expires; the id is free again
-        time.sleep(0.2)
-    n = 0
-    while reader.is_alive() and time.monotonic() < deadline + 30:
+    wait_expired(gw, "passed-on")
+    n, deadline = 0, time.monotonic() + 40
+    while reader.is_alive() and time.monotonic() < deadline:
         ask(BETA, f"beta-task-{n}")  # until the stream has waited out its quiet interval
         n += 1
         time.sleep(0.5)
