@@ -117,6 +117,10 @@ engine (and have vLLM preempt other callers' requests for it)."""
 which the gateway's index reads (vLLM's default, "incremental", announces each block once)."""
 
 
+NESTED_TOO_DEEPLY = "request body nests JSON arrays or objects too deeply"
+"""A body Python's JSON decoder or encoder cannot follow (a 400, whichever of them stops)."""
+
+
 def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> bytes:
     """The request body `raw` (parsed: `body`) with `fields` set. Fields the body lacks are
     spliced in before its closing brace, so a long prompt is not serialised again (a paced
@@ -129,7 +133,7 @@ def with_fields(raw: bytes, body: dict[str, Any], fields: dict[str, Any]) -> byt
     except RecursionError:
         # Read, the body nested just less deeply than the decoder allows; encoded from deeper
         # in the stack, it does not.
-        raise InvalidRequest("request body nests JSON arrays or objects too deeply") from None
+        raise InvalidRequest(NESTED_TOO_DEEPLY) from None
 
 
 ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
@@ -183,7 +187,7 @@ async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, 
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"request body is not valid JSON: {e}") from None
     except RecursionError:
-        raise InvalidRequest("request body nests JSON arrays or objects too deeply") from None
+        raise InvalidRequest(NESTED_TOO_DEEPLY) from None
     except ValueError as e:  # e.g. an integer of more digits than Python converts
         raise InvalidRequest(f"request body holds a value that cannot be read: {e}") from None
     if not isinstance(body, dict):

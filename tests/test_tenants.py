@@ -4,7 +4,9 @@ tenant's workflows are its own; the admin key reads them all and makes no calls.
 
 from __future__ import annotations
 
+import http.client
 import json
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -281,9 +283,6 @@ def test_an_event_stream_ends_when_its_hint_mode_id_passes_to_another_tenant(
     """A stream opened on a workflow follows that workflow only: once its record expires and
     another tenant's calls take the id, the stream ends (it went on with the new owner's
     events, their outputs included)."""
-    import http.client
-    import threading
-
     gw = expiring
 
     def ask(key: str, task: str) -> None:
